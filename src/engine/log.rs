@@ -1,0 +1,473 @@
+//! The append path, commit protocol, expiry and GC of the PM log.
+//!
+//! Ordering points (the only places durability is decided):
+//! 1. `commit`: entries and data pages → flush → **fence A** → 8-byte tail store → flush →
+//!    **fence B**. Fence A orders the entry bytes before the tail that makes them visible to
+//!    recovery; fence B makes the tail durable before the caller acknowledges.
+//! 2. `new_page`: page header → flush → fence → link (8-byte `next` or area `head` store) →
+//!    flush → fence, so a chain never points to a page with a stale header.
+//! 3. `checkpoint`: 8-byte store of the expiry horizon → flush → fence, after the lower file
+//!    system made everything below it durable.
+//! 4. GC: 8-byte `head` store → flush → fence before the page is reused.
+
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+
+use super::format::*;
+use super::record::Record;
+use super::scan::{area_word, encode_tail, load_sealed, read_superblock, scan, store_sealed, Scan};
+use crate::pmem::Pmem;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("PM log is full")]
+    Full,
+    #[error("{0}")]
+    Superblock(#[from] SbError),
+    #[error("PM region is corrupted: {0}")]
+    Corrupt(String),
+}
+
+struct LivePage {
+    page: u32,
+    max_lsn: u64,
+}
+
+pub struct Area {
+    idx: u32,
+    cur: u32,
+    off: usize,
+    seq: u64,
+    pages: VecDeque<LivePage>,
+    /// Byte ranges written since the last commit (flushed at commit).
+    pending: Vec<(usize, usize)>,
+    /// Tail position of the last appended (not necessarily committed) entry.
+    end: u64,
+    committed: u64,
+}
+
+/// Counters (monotonic) of the log.
+#[derive(Default, Debug)]
+pub struct LogStats {
+    pub commits: AtomicU64,
+    pub entries: AtomicU64,
+    pub bytes_inplace: AtomicU64,
+    pub bytes_pages: AtomicU64,
+    pub pages_freed: AtomicU64,
+    pub gc_runs: AtomicU64,
+    pub full: AtomicU64,
+}
+
+pub struct Log {
+    pm: Arc<dyn Pmem>,
+    sb: Superblock,
+    next_lsn: AtomicU64,
+    areas: Vec<Mutex<Area>>,
+    next_area: AtomicUsize,
+    free: Mutex<Vec<u32>>,
+    free_count: AtomicUsize,
+    /// Live out-of-place data pages per fid: (lsn, page).
+    oop: Mutex<HashMap<u64, Vec<(u64, u32)>>>,
+    pub stats: LogStats,
+}
+
+/// Pages kept back so that log pages can always be chained (data pages fail first).
+const RESERVE_PAGES: usize = 4;
+
+thread_local! {
+    static AREA_HINT: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+impl Log {
+    /// Initialize a region: superblock, empty areas, every page free.
+    pub fn format(pm: Arc<dyn Pmem>, lower_id: [u8; 16], areas: u32) -> Result<Log, LogError> {
+        let pages = (pm.len() / PAGE) as u64;
+        if pages < MIN_PAGES {
+            return Err(SbError::TooSmall(pm.len() as u64).into());
+        }
+        let areas = areas.clamp(1, MAX_AREAS);
+        let sb = Superblock {
+            version: VERSION,
+            region_bytes: pages * PAGE as u64,
+            uuid: *uuid::Uuid::new_v4().as_bytes(),
+            lower_id,
+            areas,
+        };
+        // Invalidate first so a crash mid-format leaves an unrecognizable region, not a
+        // half-initialized one that passes the magic check.
+        pm.store_u64(SB_MAGIC, 0);
+        pm.persist(0, 8);
+        pm.write(8, &vec![0u8; 2 * PAGE - 8]);
+        store_sealed(&*pm, SB_CHECKPOINT, 1);
+        store_sealed(&*pm, SB_CLEAN, 1);
+        pm.persist(0, 2 * PAGE);
+        let enc = sb.encode();
+        pm.write(8, &enc[8..]);
+        pm.persist(0, 64);
+        pm.write(0, &enc[..8]);
+        pm.persist(0, 8);
+        let (log, _) = Self::open(pm)?;
+        Ok(log)
+    }
+
+    /// Open a formatted region, rebuilding the volatile state from a scan. The log is
+    /// returned as found (live entries stay live); see `reset` after recovery.
+    pub fn open(pm: Arc<dyn Pmem>) -> Result<(Log, Scan), LogError> {
+        let s = scan(&*pm)?;
+        if let Some(p) = s.problems.first() {
+            return Err(LogError::Corrupt(p.clone()));
+        }
+        let mut areas = Vec::new();
+        for a in &s.areas {
+            let last = a.pages.last();
+            areas.push(Mutex::new(Area {
+                idx: a.idx,
+                cur: last.map_or(0, |p| p.page),
+                off: if a.tail_page != 0 {
+                    a.tail_off
+                } else if last.is_some() {
+                    SLOT
+                } else {
+                    PAGE
+                },
+                seq: last.map_or(0, |p| p.seq),
+                pages: a.pages.iter().map(|p| LivePage { page: p.page, max_lsn: p.max_lsn }).collect(),
+                pending: Vec::new(),
+                end: encode_tail(a.tail_page, a.tail_off),
+                committed: encode_tail(a.tail_page, a.tail_off),
+            }));
+        }
+        let free = s.free_pages();
+        let mut oop: HashMap<u64, Vec<(u64, u32)>> = HashMap::new();
+        for e in s.live_entries() {
+            if let Record::DataPage { fid, page, .. } = e.rec {
+                oop.entry(fid).or_default().push((e.lsn, page));
+            }
+        }
+        let log = Log {
+            sb: read_superblock(&*pm)?,
+            next_lsn: AtomicU64::new(s.checkpoint.max(s.max_lsn + 1)),
+            areas,
+            next_area: AtomicUsize::new(0),
+            free_count: AtomicUsize::new(free.len()),
+            free: Mutex::new(free),
+            oop: Mutex::new(oop),
+            pm,
+            stats: LogStats::default(),
+        };
+        Ok((log, s))
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+    pub fn pm(&self) -> &Arc<dyn Pmem> {
+        &self.pm
+    }
+    pub fn pages_total(&self) -> usize {
+        (self.sb.pages() - FIRST_ALLOC_PAGE) as usize
+    }
+    pub fn pages_free(&self) -> usize {
+        self.free_count.load(Ordering::Relaxed)
+    }
+    /// The next LSN that will be handed out (every LSN below it is assigned).
+    pub fn lsn_now(&self) -> u64 {
+        self.next_lsn.load(Ordering::SeqCst)
+    }
+    pub fn next_lsn(&self) -> u64 {
+        self.next_lsn.fetch_add(1, Ordering::SeqCst)
+    }
+    pub fn checkpoint_lsn(&self) -> u64 {
+        load_sealed(&*self.pm, SB_CHECKPOINT, "checkpoint").unwrap_or(0)
+    }
+    pub fn is_clean(&self) -> bool {
+        load_sealed(&*self.pm, SB_CLEAN, "clean").unwrap_or(0) == 1
+    }
+
+    /// Mark the region in use (a crash from now on is an unclean shutdown).
+    pub fn set_clean(&self, clean: bool) {
+        store_sealed(&*self.pm, SB_CLEAN, clean as u64);
+        self.pm.persist(SB_CLEAN, 8);
+        if clean {
+            self.pm.sync_backing();
+        }
+    }
+
+    /// Lock this thread's append area.
+    pub fn area(&self) -> AreaGuard<'_> {
+        let n = self.areas.len();
+        let hint = AREA_HINT.with(|h| {
+            if h.get() == usize::MAX {
+                h.set(self.next_area.fetch_add(1, Ordering::Relaxed));
+            }
+            h.get()
+        });
+        // Prefer an uncontended area, so unrelated writers never wait on one lock.
+        for k in 0..n.min(4) {
+            if let Some(g) = self.areas[(hint + k) % n].try_lock() {
+                if k != 0 {
+                    AREA_HINT.with(|h| h.set(hint + k));
+                }
+                return AreaGuard { log: self, a: g };
+            }
+        }
+        AreaGuard { log: self, a: self.areas[hint % n].lock() }
+    }
+
+    fn alloc(&self, reserve_ok: bool) -> Option<u32> {
+        let mut f = self.free.lock();
+        if !reserve_ok && f.len() <= RESERVE_PAGES {
+            return None;
+        }
+        let p = f.pop()?;
+        self.free_count.store(f.len(), Ordering::Relaxed);
+        Some(p)
+    }
+
+    fn release(&self, pages: impl IntoIterator<Item = u32>) {
+        let mut f = self.free.lock();
+        let before = f.len();
+        f.extend(pages);
+        self.stats.pages_freed.fetch_add((f.len() - before) as u64, Ordering::Relaxed);
+        self.free_count.store(f.len(), Ordering::Relaxed);
+    }
+
+    /// Expire every entry with an LSN below `upto` (the caller made the lower file system
+    /// durable up to there), then reclaim what that freed.
+    pub fn checkpoint(&self, upto: u64) {
+        let cur = self.checkpoint_lsn();
+        if upto > cur {
+            store_sealed(&*self.pm, SB_CHECKPOINT, upto);
+            self.pm.persist(SB_CHECKPOINT, 8);
+        }
+        self.gc();
+    }
+
+    /// Expire `fid`'s entries below `upto` with a write-back record, then free its
+    /// out-of-place data pages at once.
+    pub fn write_back(&self, fid: u64, upto: u64) -> Result<(), LogError> {
+        {
+            let mut a = self.area();
+            a.append_reserved(&Record::WriteBack { fid, upto }, None)?;
+            a.commit();
+        }
+        let freed: Vec<u32> = {
+            let mut oop = self.oop.lock();
+            let Some(v) = oop.get_mut(&fid) else { return Ok(()) };
+            let (dead, live): (Vec<_>, Vec<_>) = v.drain(..).partition(|(l, _)| *l < upto);
+            *v = live;
+            dead.into_iter().map(|(_, p)| p).collect()
+        };
+        self.release(freed);
+        Ok(())
+    }
+
+    /// Free data pages of expired entries and log pages (from each area's head) whose
+    /// entries are all expired. Never the newest page of an area. Holds each area's lock only
+    /// for its own pages.
+    pub fn gc(&self) {
+        self.stats.gc_runs.fetch_add(1, Ordering::Relaxed);
+        let cp = self.checkpoint_lsn();
+        let freed: Vec<u32> = {
+            let mut oop = self.oop.lock();
+            let mut freed = Vec::new();
+            oop.retain(|_, v| {
+                v.retain(|&(l, p)| {
+                    if l < cp {
+                        freed.push(p);
+                        false
+                    } else {
+                        true
+                    }
+                });
+                !v.is_empty()
+            });
+            freed
+        };
+        self.release(freed);
+        for am in &self.areas {
+            let mut a = am.lock();
+            let mut dead = Vec::new();
+            let tail_page = super::scan::decode_tail(a.committed).0;
+            // Never the newest page, nor the page holding the committed tail.
+            while a.pages.len() > 1 && a.pages[0].max_lsn < cp && a.pages[0].page != tail_page {
+                let p = a.pages.pop_front().expect("len > 1").page;
+                let new_head = a.pages[0].page;
+                store_sealed(&*self.pm, area_word(a.idx, AREA_HEAD), new_head as u64);
+                self.pm.persist(area_word(a.idx, AREA_HEAD), 8);
+                dead.push(p);
+            }
+            drop(a);
+            self.release(dead);
+        }
+    }
+
+    /// After recovery replayed everything onto the lower file system and made it durable:
+    /// expire every entry and empty every area. Crash-safe: the single checkpoint store
+    /// expires everything at once, the area resets after it only reclaim space.
+    pub fn reset(&self) {
+        let upto = self.next_lsn.load(Ordering::SeqCst);
+        store_sealed(&*self.pm, SB_CHECKPOINT, upto.max(self.checkpoint_lsn()));
+        self.pm.persist(SB_CHECKPOINT, 8);
+        let mut all_free: Vec<u32> = Vec::new();
+        for am in &self.areas {
+            let mut a = am.lock();
+            for w in [AREA_HEAD, AREA_TAIL, AREA_OWNER] {
+                self.pm.store_u64(area_word(a.idx, w), 0);
+            }
+            self.pm.persist(area_word(a.idx, 0), AREA_SLOT);
+            a.pages.clear();
+            a.cur = 0;
+            a.off = PAGE;
+            a.seq = 0;
+            a.pending.clear();
+            a.end = 0;
+            a.committed = 0;
+        }
+        self.oop.lock().clear();
+        all_free.extend(FIRST_ALLOC_PAGE..self.sb.pages());
+        let mut f = self.free.lock();
+        *f = all_free;
+        self.free_count.store(f.len(), Ordering::Relaxed);
+    }
+
+    /// Bytes of PM in use by the log (log and live data pages).
+    pub fn bytes_used(&self) -> u64 {
+        ((self.pages_total() - self.pages_free()) * PAGE) as u64
+    }
+}
+
+/// Exclusive use of one append area. Entries appended through it become durable, all at
+/// once, at `commit`.
+pub struct AreaGuard<'a> {
+    log: &'a Log,
+    a: MutexGuard<'a, Area>,
+}
+
+impl AreaGuard<'_> {
+    /// Append a record; `lsn` None takes the next global LSN. Returns the LSN.
+    pub fn append(&mut self, rec: &Record, lsn: Option<u64>) -> Result<u64, LogError> {
+        self.append_inner(rec, lsn, false)
+    }
+
+    fn append_reserved(&mut self, rec: &Record, lsn: Option<u64>) -> Result<u64, LogError> {
+        self.append_inner(rec, lsn, true)
+    }
+
+    fn append_inner(&mut self, rec: &Record, lsn: Option<u64>, reserve_ok: bool) -> Result<u64, LogError> {
+        let mut raw = rec.to_raw();
+        let n = raw.nslots() * SLOT;
+        if self.a.off + n > PAGE {
+            self.new_page(reserve_ok)?;
+        }
+        let lsn = lsn.unwrap_or_else(|| self.log.next_lsn());
+        raw.lsn = lsn;
+        let bytes = raw.encode();
+        let at = self.a.cur as usize * PAGE + self.a.off;
+        self.log.pm.write(at, &bytes);
+        self.a.pending.push((at, bytes.len()));
+        self.a.off += n;
+        let (cur, off) = (self.a.cur, self.a.off);
+        self.a.end = encode_tail(cur, off);
+        if let Some(p) = self.a.pages.back_mut() {
+            p.max_lsn = p.max_lsn.max(lsn);
+        }
+        let st = &self.log.stats;
+        st.entries.fetch_add(1, Ordering::Relaxed);
+        if let Record::Data { bytes, .. } = rec {
+            st.bytes_inplace.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
+        Ok(lsn)
+    }
+
+    /// Log a whole page of file data out of place: the bytes go to a fresh data page (with
+    /// non-temporal stores), the entry records where.
+    pub fn append_page(&mut self, fid: u64, off: u64, data: &[u8]) -> Result<u64, LogError> {
+        assert_eq!(data.len(), PAGE, "out-of-place entries hold whole pages");
+        assert_eq!(off % PAGE as u64, 0, "out-of-place entries are page aligned");
+        // Make sure the entry will fit before taking a data page, so a full log never leaks one.
+        if self.a.off + SLOT * 2 > PAGE {
+            self.new_page(false)?;
+        }
+        let page = self.log.alloc(false).ok_or_else(|| {
+            self.log.stats.full.fetch_add(1, Ordering::Relaxed);
+            LogError::Full
+        })?;
+        let at = page as usize * PAGE;
+        self.log.pm.write_nt(at, data);
+        self.a.pending.push((at, PAGE));
+        let crc = crc32c::crc32c(data);
+        let lsn = self.append(&Record::DataPage { fid, off, page, crc }, None)?;
+        self.log.oop.lock().entry(fid).or_default().push((lsn, page));
+        self.log.stats.bytes_pages.fetch_add(PAGE as u64, Ordering::Relaxed);
+        Ok(lsn)
+    }
+
+    fn new_page(&mut self, reserve_ok: bool) -> Result<(), LogError> {
+        let pm = &self.log.pm;
+        let page = self.log.alloc(reserve_ok).ok_or_else(|| {
+            self.log.stats.full.fetch_add(1, Ordering::Relaxed);
+            LogError::Full
+        })?;
+        // Close the current page with a pad so recovery knows where its entries end.
+        if self.a.cur != 0 && self.a.off < PAGE {
+            let mut pad = RawEntry::new(Kind::Pad, 0);
+            let slots = (PAGE - self.a.off) / SLOT;
+            pad.payload = vec![0; slots * SLOT - E_HDR];
+            let b = pad.encode();
+            let at = self.a.cur as usize * PAGE + self.a.off;
+            pm.write(at, &b);
+            self.a.pending.push((at, b.len()));
+        }
+        let seq = self.a.seq + 1;
+        let mut hdr = [0u8; SLOT];
+        hdr[LP_MAGIC_OFF..4].copy_from_slice(&LP_MAGIC.to_le_bytes());
+        hdr[LP_AREA..LP_AREA + 4].copy_from_slice(&self.a.idx.to_le_bytes());
+        hdr[LP_SEQ..LP_SEQ + 8].copy_from_slice(&seq.to_le_bytes());
+        let crc = crc32c::crc32c(&hdr[..16]);
+        hdr[LP_CRC..LP_CRC + 4].copy_from_slice(&crc.to_le_bytes());
+        let base = page as usize * PAGE;
+        pm.write(base, &hdr);
+        pm.persist(base, SLOT);
+        if self.a.cur == 0 {
+            pm.store_u64(area_word(self.a.idx, AREA_OWNER), std::process::id() as u64);
+            store_sealed(&**pm, area_word(self.a.idx, AREA_HEAD), page as u64);
+            pm.persist(area_word(self.a.idx, 0), 16);
+        } else {
+            let link = self.a.cur as usize * PAGE + LP_NEXT;
+            pm.store_u64(link, page as u64);
+            pm.persist(link, 8);
+        }
+        self.a.cur = page;
+        self.a.off = SLOT;
+        self.a.seq = seq;
+        self.a.pages.push_back(LivePage { page, max_lsn: 0 });
+        Ok(())
+    }
+
+    /// Make every entry appended so far durable: the commit protocol.
+    pub fn commit(&mut self) {
+        if self.a.end == self.a.committed {
+            return;
+        }
+        let pm = &self.log.pm;
+        for (at, len) in self.a.pending.drain(..) {
+            pm.flush(at, len);
+        }
+        pm.fence(); // A: entries and data before the tail
+        let tail = area_word(self.a.idx, AREA_TAIL);
+        store_sealed(&**pm, tail, self.a.end);
+        pm.persist(tail, 8); // B: tail durable before the caller acknowledges
+        self.a.committed = self.a.end;
+        self.log.stats.commits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether a record of `bytes` payload fits without a new page (used to batch).
+    pub fn has_uncommitted(&self) -> bool {
+        self.a.end != self.a.committed
+    }
+}

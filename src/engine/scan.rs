@@ -1,0 +1,365 @@
+//! The recovery scanner: validates a region, walks every area to its committed tail, checks
+//! every entry, and yields the live records and a replay plan. It never touches a lower file
+//! system.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::format::*;
+use super::record::{AttrOp, NsOp, Record, NAMESPACE_FID};
+use crate::pmem::{le_u32, le_u64, Pmem};
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PageInfo {
+    pub page: u32,
+    pub seq: u64,
+    /// Largest LSN of a record in the page (0 if none).
+    pub max_lsn: u64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct AreaScan {
+    pub idx: u32,
+    pub owner: u64,
+    pub head: u32,
+    pub tail_page: u32,
+    pub tail_off: usize,
+    pub pages: Vec<PageInfo>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ScannedEntry {
+    pub lsn: u64,
+    pub area: u32,
+    pub page: u32,
+    pub off: usize,
+    pub rec: Record,
+}
+
+#[derive(Debug)]
+pub struct Scan {
+    pub sb: Superblock,
+    pub clean: bool,
+    pub checkpoint: u64,
+    pub areas: Vec<AreaScan>,
+    /// Every committed, checksum-valid record (expired ones included), in LSN order.
+    pub entries: Vec<ScannedEntry>,
+    pub max_lsn: u64,
+    /// Problems that make replay unsafe (a committed entry unreadable).
+    pub problems: Vec<String>,
+}
+
+/// One file-level operation to replay, in LSN order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileOp {
+    Write { off: u64, bytes: Vec<u8> },
+    Attr(AttrOp),
+}
+
+#[derive(Debug, Default)]
+pub struct ReplayPlan {
+    /// Unexpired namespace operations, in LSN order.
+    pub namespace: Vec<(u64, NsOp)>,
+    /// Latest known lower handle of every fid.
+    pub binds: HashMap<u64, Vec<u8>>,
+    /// Per file: unexpired data and attribute operations in LSN order.
+    pub files: BTreeMap<u64, Vec<(u64, FileOp)>>,
+}
+
+impl ReplayPlan {
+    pub fn is_empty(&self) -> bool {
+        self.namespace.is_empty() && self.files.is_empty()
+    }
+    pub fn live_bytes(&self) -> u64 {
+        self.files
+            .values()
+            .flatten()
+            .map(|(_, op)| match op {
+                FileOp::Write { bytes, .. } => bytes.len() as u64,
+                FileOp::Attr(_) => 0,
+            })
+            .sum()
+    }
+}
+
+pub fn read_superblock(pm: &dyn Pmem) -> Result<Superblock, SbError> {
+    let mut b = [0u8; 64];
+    if pm.len() < 64 {
+        return Err(SbError::TooSmall(pm.len() as u64));
+    }
+    pm.read(0, &mut b);
+    Superblock::decode(&b, pm.len() as u64)
+}
+
+pub fn area_word(idx: u32, field: usize) -> usize {
+    AREA_TABLE_PAGE as usize * PAGE + idx as usize * AREA_SLOT + field
+}
+
+/// The mutable 8-byte words (area head and tail, checkpoint, clean flag) carry a 16-bit
+/// check in their top bits, so a flipped bit is detected instead of silently moving a tail or
+/// the expiry horizon. Values use at most 48 bits; the all-zero word is a valid 0.
+pub fn seal(v: u64) -> u64 {
+    assert!(v < 1 << 48, "sealed word value out of range");
+    if v == 0 {
+        return 0;
+    }
+    v | ((crc32c::crc32c(&v.to_le_bytes()) as u64 & 0xffff) << 48)
+}
+
+pub fn unseal(w: u64) -> Option<u64> {
+    let v = w & ((1 << 48) - 1);
+    (seal(v) == w).then_some(v)
+}
+
+/// Load a sealed word, or describe the corruption.
+pub fn load_sealed(pm: &dyn Pmem, off: usize, what: &str) -> Result<u64, String> {
+    let w = pm.load_u64(off);
+    unseal(w).ok_or_else(|| format!("{what} word at offset {off} is corrupted ({w:#x})"))
+}
+
+pub fn store_sealed(pm: &dyn Pmem, off: usize, v: u64) {
+    pm.store_u64(off, seal(v));
+}
+
+pub fn decode_tail(t: u64) -> (u32, usize) {
+    ((t >> 16) as u32, (t & 0xffff) as usize)
+}
+
+pub fn encode_tail(page: u32, off: usize) -> u64 {
+    (page as u64) << 16 | off as u64
+}
+
+pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
+    let sb = read_superblock(pm)?;
+    let npages = sb.pages();
+    let mut problems = Vec::new();
+    let mut sealed = |off: usize, what: &str| {
+        load_sealed(pm, off, what).unwrap_or_else(|e| {
+            problems.push(e);
+            0
+        })
+    };
+    let clean = sealed(SB_CLEAN, "clean-unmount") == 1;
+    let checkpoint = sealed(SB_CHECKPOINT, "checkpoint");
+    let mut s = Scan {
+        sb: sb.clone(),
+        clean,
+        checkpoint,
+        areas: Vec::new(),
+        entries: Vec::new(),
+        max_lsn: 0,
+        problems: Vec::new(),
+    };
+    let mut page_buf = vec![0u8; PAGE];
+    let mut owner_of: HashMap<u32, u32> = HashMap::new();
+    for idx in 0..sb.areas {
+        let owner = pm.load_u64(area_word(idx, AREA_OWNER));
+        let head = sealed(area_word(idx, AREA_HEAD), "area head");
+        let (tail_page, tail_off) = decode_tail(sealed(area_word(idx, AREA_TAIL), "area tail"));
+        let mut a = AreaScan { idx, owner, head: 0, tail_page, tail_off, pages: Vec::new() };
+        if head == 0 {
+            s.areas.push(a);
+            continue;
+        }
+        let bad_page = |p: u64| p < FIRST_ALLOC_PAGE as u64 || p >= npages as u64;
+        if bad_page(head) || (tail_page != 0 && bad_page(tail_page as u64)) || tail_off > PAGE {
+            s.problems.push(format!(
+                "area {idx}: head page {head} or tail {tail_page}:{tail_off} out of range"
+            ));
+            s.areas.push(a);
+            continue;
+        }
+        a.head = head as u32;
+        let mut p = head as u32;
+        let mut expect_seq: Option<u64> = None;
+        let mut steps = 0u32;
+        loop {
+            steps += 1;
+            if steps > npages {
+                s.problems.push(format!("area {idx}: log page chain loops"));
+                break;
+            }
+            if let Some(o) = owner_of.insert(p, idx) {
+                s.problems.push(format!("page {p} is in the logs of areas {o} and {idx}"));
+                break;
+            }
+            pm.read(p as usize * PAGE, &mut page_buf);
+            let seq = le_u64(&page_buf, LP_SEQ);
+            let hdr_ok = le_u32(&page_buf, LP_MAGIC_OFF) == LP_MAGIC
+                && le_u32(&page_buf, LP_AREA) == idx
+                && le_u32(&page_buf, LP_CRC) == crc32c::crc32c(&page_buf[..16])
+                && expect_seq.is_none_or(|e| e == seq);
+            if !hdr_ok {
+                s.problems.push(format!("area {idx}: log page {p} has a bad header"));
+                break;
+            }
+            let is_tail = tail_page == p;
+            // tail_page 0: a first page was chained but nothing committed yet.
+            let end = if is_tail { tail_off } else if tail_page == 0 { SLOT } else { PAGE };
+            let mut info = PageInfo { page: p, seq, max_lsn: 0 };
+            let mut off = SLOT;
+            while off < end {
+                match RawEntry::decode(&page_buf[off..]) {
+                    Ok(e) => {
+                        let n = e.nslots() * SLOT;
+                        if e.kind != Kind::Pad {
+                            match Record::from_raw(&e) {
+                                Some(rec) => {
+                                    info.max_lsn = info.max_lsn.max(e.lsn);
+                                    s.max_lsn = s.max_lsn.max(e.lsn);
+                                    s.entries.push(ScannedEntry {
+                                        lsn: e.lsn,
+                                        area: idx,
+                                        page: p,
+                                        off,
+                                        rec,
+                                    });
+                                }
+                                None => s.problems.push(format!(
+                                    "area {idx}: page {p} offset {off}: malformed record payload"
+                                )),
+                            }
+                        }
+                        off += n;
+                    }
+                    Err(err) => {
+                        s.problems.push(format!(
+                            "area {idx}: page {p} offset {off}: committed entry unreadable ({err})"
+                        ));
+                        break;
+                    }
+                }
+            }
+            a.pages.push(info);
+            if is_tail || tail_page == 0 {
+                break;
+            }
+            let next = le_u64(&page_buf, LP_NEXT);
+            if bad_page(next) {
+                s.problems.push(format!(
+                    "area {idx}: log chain ends at page {p} before the committed tail {tail_page}"
+                ));
+                break;
+            }
+            expect_seq = Some(seq + 1);
+            p = next as u32;
+        }
+        s.areas.push(a);
+    }
+    s.problems.splice(0..0, problems);
+    s.entries.sort_by_key(|e| e.lsn);
+    for w in s.entries.windows(2) {
+        if w[0].lsn == w[1].lsn {
+            s.problems.push(format!("LSN {} appears twice", w[0].lsn));
+        }
+    }
+    Ok(s)
+}
+
+impl Scan {
+    /// Per-fid write-back horizons (WriteBack records), the namespace under NAMESPACE_FID.
+    fn wb_horizons(&self) -> HashMap<u64, u64> {
+        let mut h: HashMap<u64, u64> = HashMap::new();
+        for e in &self.entries {
+            if let Record::WriteBack { fid, upto } = e.rec {
+                let v = h.entry(fid).or_default();
+                *v = (*v).max(upto);
+            }
+        }
+        h
+    }
+
+    /// Is this record expired (its effect is durable in the lower file system)?
+    pub fn expired(&self, e: &ScannedEntry, wb: &HashMap<u64, u64>) -> bool {
+        e.lsn < self.checkpoint || wb.get(&e.rec.fid()).is_some_and(|&u| e.lsn < u)
+    }
+
+    /// Unexpired entries (binds and write-back records are bookkeeping, not counted).
+    pub fn live_entries(&self) -> impl Iterator<Item = &ScannedEntry> {
+        let wb = self.wb_horizons();
+        self.entries
+            .iter()
+            .filter(move |e| {
+                !matches!(e.rec, Record::Bind { .. } | Record::WriteBack { .. }) && !self.expired(e, &wb)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    /// Pages in use: log pages of every area, and data pages of unexpired out-of-place entries.
+    pub fn used_pages(&self) -> BTreeSet<u32> {
+        let mut used: BTreeSet<u32> =
+            self.areas.iter().flat_map(|a| a.pages.iter().map(|p| p.page)).collect();
+        for e in self.live_entries() {
+            if let Record::DataPage { page, .. } = e.rec {
+                used.insert(page);
+            }
+        }
+        used
+    }
+
+    /// The free-page pool rebuilt from the scan.
+    pub fn free_pages(&self) -> Vec<u32> {
+        let used = self.used_pages();
+        (FIRST_ALLOC_PAGE..self.sb.pages()).filter(|p| !used.contains(p)).collect()
+    }
+
+    /// Build the replay plan. Out-of-place data is read from PM and its crc verified; a
+    /// mismatch is a problem (returned as Err), never silently replayed.
+    pub fn plan(&self, pm: &dyn Pmem) -> Result<ReplayPlan, String> {
+        if let Some(p) = self.problems.first() {
+            return Err(p.clone());
+        }
+        let wb = self.wb_horizons();
+        let mut plan = ReplayPlan::default();
+        for e in &self.entries {
+            if let Record::Bind { fid, handle } = &e.rec {
+                plan.binds.insert(*fid, handle.clone());
+            }
+        }
+        for e in self.live_entries() {
+            let _ = &wb;
+            match &e.rec {
+                Record::Ns(op) => plan.namespace.push((e.lsn, op.clone())),
+                Record::Data { fid, off, bytes } => plan
+                    .files
+                    .entry(*fid)
+                    .or_default()
+                    .push((e.lsn, FileOp::Write { off: *off, bytes: bytes.clone() })),
+                Record::DataPage { fid, off, page, crc } => {
+                    if *page < FIRST_ALLOC_PAGE || *page >= self.sb.pages() {
+                        return Err(format!("LSN {}: data page {page} out of range", e.lsn));
+                    }
+                    let mut buf = vec![0u8; PAGE];
+                    pm.read(*page as usize * PAGE, &mut buf);
+                    if crc32c::crc32c(&buf) != *crc {
+                        return Err(format!(
+                            "LSN {}: data page {page} fails its checksum (corrupted PM)",
+                            e.lsn
+                        ));
+                    }
+                    plan.files
+                        .entry(*fid)
+                        .or_default()
+                        .push((e.lsn, FileOp::Write { off: *off, bytes: buf }));
+                }
+                Record::Attr { fid, op } => {
+                    plan.files.entry(*fid).or_default().push((e.lsn, FileOp::Attr(op.clone())))
+                }
+                Record::Bind { .. } | Record::WriteBack { .. } => {}
+            }
+        }
+        for fid in plan.files.keys().chain(
+            plan.namespace.iter().flat_map(|(_, op)| match op {
+                NsOp::Create { parent, .. } | NsOp::Remove { parent, .. } => vec![parent],
+                NsOp::Rename { parent, newparent, .. } => vec![parent, newparent],
+                NsOp::Link { fid, newparent, .. } => vec![fid, newparent],
+            }),
+        ) {
+            let created = plan.namespace.iter().any(|(_, op)| matches!(op, NsOp::Create { child, .. } if child == fid));
+            if *fid != super::record::ROOT_FID && *fid != NAMESPACE_FID && !created && !plan.binds.contains_key(fid) {
+                return Err(format!("file id {fid} has live records but no binding to a lower file"));
+            }
+        }
+        Ok(plan)
+    }
+}

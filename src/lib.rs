@@ -1,0 +1,8 @@
+//! pmstack: a persistent-memory write-ahead tier stacked over an existing file system.
+//!
+//! Layers (DESIGN.md §3): [`pmem`] (regions and persistence primitives) → [`engine`] (the PM
+//! log) → [`core`] (the file system core: inodes, handles, policies) over [`lower`] (the real or
+//! simulated lower file system); [`fuse`] is the thin FUSE adapter.
+
+pub mod engine;
+pub mod pmem;

@@ -1,0 +1,184 @@
+//! A PM region mapped from a devdax device, an fsdax file (MAP_SYNC) or an ordinary file
+//! (emulated PM).
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::flush::{copy_nt, flush_range, sfence};
+use super::{Durability, Pmem};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("PM region {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("PM region {path} is {len} bytes; at least {min} bytes are needed (use a larger --size)")]
+    TooSmall { path: PathBuf, len: u64, min: u64 },
+}
+
+pub struct MappedRegion {
+    ptr: *mut u8,
+    len: usize,
+    durability: Durability,
+    _file: File,
+    path: PathBuf,
+}
+
+// SAFETY: the mapping is shared memory; all access goes through raw-pointer copies on ranges
+// the log engine keeps disjoint between writers, and 8-byte words use atomics.
+unsafe impl Send for MappedRegion {}
+// SAFETY: as above.
+unsafe impl Sync for MappedRegion {}
+
+const MAP_SHARED_VALIDATE: i32 = 0x03;
+const MAP_SYNC: i32 = 0x80000;
+
+impl MappedRegion {
+    /// Create (0600) or resize an ordinary file region of `size` bytes.
+    pub fn create(path: &Path, size: u64) -> Result<Self, MapError> {
+        let io = |source| MapError::Io { path: path.to_owned(), source };
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)
+            .map_err(io)?;
+        let md = f.metadata().map_err(io)?;
+        if !md.file_type().is_char_device() {
+            f.set_len(size).map_err(io)?;
+        }
+        drop(f);
+        Self::open(path, 0)
+    }
+
+    /// Map an existing region. `min_len` guards against truncated files.
+    pub fn open(path: &Path, min_len: u64) -> Result<Self, MapError> {
+        let io = |source| MapError::Io { path: path.to_owned(), source };
+        let f = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let md = f.metadata().map_err(io)?;
+        let is_devdax = md.file_type().is_char_device();
+        let len = if is_devdax { devdax_size(path).map_err(io)? } else { md.len() };
+        if len < min_len || len == 0 {
+            return Err(MapError::TooSmall { path: path.to_owned(), len, min: min_len.max(1) });
+        }
+        let len = len as usize;
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // Try MAP_SYNC first: it only succeeds on DAX mappings, where it means CPU flushes
+        // alone make stores durable.
+        // SAFETY: mapping a file we hold open; the result is checked.
+        let synced = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                MAP_SHARED_VALIDATE | MAP_SYNC,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        let (ptr, durability) = if synced != libc::MAP_FAILED {
+            (synced as *mut u8, Durability::PowerFailSafe)
+        } else {
+            // SAFETY: as above.
+            let p = unsafe {
+                libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, f.as_raw_fd(), 0)
+            };
+            if p == libc::MAP_FAILED {
+                return Err(io(std::io::Error::last_os_error()));
+            }
+            let d = if is_devdax { Durability::PowerFailSafe } else { Durability::ProcessCrashOnly };
+            (p as *mut u8, d)
+        };
+        Ok(MappedRegion { ptr, len, durability, _file: f, path: path.to_owned() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn check(&self, off: usize, len: usize) {
+        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "PM access out of range");
+    }
+}
+
+fn devdax_size(path: &Path) -> std::io::Result<u64> {
+    let md = std::fs::metadata(path)?;
+    use std::os::unix::fs::MetadataExt;
+    let rdev = md.rdev();
+    let (maj, min) = (libc::major(rdev), libc::minor(rdev));
+    let s = std::fs::read_to_string(format!("/sys/dev/char/{maj}:{min}/size"))?;
+    s.trim()
+        .parse()
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "bad devdax size"))
+}
+
+impl Drop for MappedRegion {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping once.
+        unsafe {
+            libc::munmap(self.ptr as *mut _, self.len);
+        }
+    }
+}
+
+impl Pmem for MappedRegion {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn write(&self, off: usize, data: &[u8]) {
+        self.check(off, data.len());
+        // SAFETY: in range (checked); writers use disjoint ranges (engine invariant).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) }
+    }
+    fn write_nt(&self, off: usize, data: &[u8]) {
+        self.check(off, data.len());
+        // SAFETY: in range (checked); writers use disjoint ranges (engine invariant).
+        unsafe { copy_nt(self.ptr.add(off), data) }
+    }
+    fn store_u64(&self, off: usize, v: u64) {
+        self.check(off, 8);
+        assert!(off % 8 == 0);
+        // SAFETY: aligned, in range; AtomicU64 has the layout of u64.
+        let a = unsafe { &*(self.ptr.add(off) as *const AtomicU64) };
+        a.store(v, Ordering::Release);
+    }
+    fn read(&self, off: usize, buf: &mut [u8]) {
+        self.check(off, buf.len());
+        // SAFETY: in range (checked).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), buf.as_mut_ptr(), buf.len()) }
+    }
+    fn load_u64(&self, off: usize) -> u64 {
+        self.check(off, 8);
+        assert!(off % 8 == 0);
+        // SAFETY: aligned, in range.
+        let a = unsafe { &*(self.ptr.add(off) as *const AtomicU64) };
+        a.load(Ordering::Acquire)
+    }
+    fn flush(&self, off: usize, len: usize) {
+        self.check(off, len);
+        // SAFETY: in range (checked).
+        unsafe { flush_range(self.ptr.add(off), len) }
+    }
+    fn fence(&self) {
+        sfence()
+    }
+    fn durability(&self) -> Durability {
+        self.durability
+    }
+    fn sync_backing(&self) {
+        if self.durability == Durability::ProcessCrashOnly {
+            // SAFETY: our own mapping.
+            unsafe {
+                libc::msync(self.ptr as *mut _, self.len, libc::MS_SYNC);
+            }
+        }
+    }
+}

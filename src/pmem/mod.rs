@@ -1,0 +1,71 @@
+//! Persistent-memory regions and the persistence primitives (DESIGN.md §4).
+//!
+//! `pmem` knows nothing about files or logs: it offers a byte region with stores, loads,
+//! `flush`, `fence` and an 8-byte failure-atomic store. Two backends implement [`Pmem`]:
+//! [`mapped::MappedRegion`] (devdax, fsdax with MAP_SYNC, or an emulated file) and
+//! [`sim::SimPmem`], which records stores, flushes and fences and can produce the images a
+//! power cut could leave behind.
+
+pub mod flush;
+pub mod mapped;
+pub mod sim;
+
+/// Size of a CPU cache line: the unit of `flush`.
+pub const CACHE_LINE: usize = 64;
+
+/// What a power cut does to this region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Durability {
+    /// Real PM (devdax or fsdax with MAP_SYNC): flushed and fenced stores survive power loss.
+    PowerFailSafe,
+    /// An ordinary file (e.g. in /dev/shm): survives the process dying, not a power loss.
+    ProcessCrashOnly,
+    /// The crash-simulating backend used by tests.
+    Simulated,
+}
+
+/// A persistent-memory region. Offsets are bytes from the start of the region.
+///
+/// Writers must not store to the same bytes concurrently (the log engine hands out disjoint
+/// ranges); reads of committed data are always safe.
+pub trait Pmem: Send + Sync {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Ordinary (cached) store. Not durable until flushed and fenced.
+    fn write(&self, off: usize, data: &[u8]);
+    /// Store of a large range, bypassing the cache where the platform allows (non-temporal).
+    /// Still needs `fence` (but not `flush`) to be durable; callers flush anyway for the
+    /// emulated and simulated backends, which is harmless.
+    fn write_nt(&self, off: usize, data: &[u8]) {
+        self.write(off, data)
+    }
+    /// 8-byte failure-atomic store; `off` must be 8-byte aligned.
+    fn store_u64(&self, off: usize, v: u64);
+    fn read(&self, off: usize, buf: &mut [u8]);
+    fn load_u64(&self, off: usize) -> u64;
+    /// Write back the cache lines covering `off..off+len` (ordering needs `fence`).
+    fn flush(&self, off: usize, len: usize);
+    /// Order all earlier flushes and non-temporal stores before any later store.
+    fn fence(&self);
+    /// flush + fence.
+    fn persist(&self, off: usize, len: usize) {
+        self.flush(off, len);
+        self.fence();
+    }
+    fn durability(&self) -> Durability;
+    /// Best-effort: make the mapping's backing store durable (msync), used for emulated
+    /// regions before exit. No-op for real PM.
+    fn sync_backing(&self) {}
+}
+
+/// Read a little-endian u32 at `off` of a byte slice.
+pub fn le_u32(b: &[u8], off: usize) -> u32 {
+    u32::from_le_bytes(b[off..off + 4].try_into().expect("4 bytes"))
+}
+
+/// Read a little-endian u64 at `off` of a byte slice.
+pub fn le_u64(b: &[u8], off: usize) -> u64 {
+    u64::from_le_bytes(b[off..off + 8].try_into().expect("8 bytes"))
+}
