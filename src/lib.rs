@@ -6,3 +6,6 @@
 
 pub mod engine;
 pub mod pmem;
+pub mod core;
+pub mod lower;
+pub mod fuse;

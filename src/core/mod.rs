@@ -1,0 +1,957 @@
+//! The file system core: inodes and handles over the lower file system, and the durability
+//! policy of each mode. No FUSE types here: the adapter in `fuse.rs` translates.
+
+pub mod recover;
+pub mod stats;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::engine::format::{MAX_PAYLOAD, PAGE};
+use crate::engine::{AttrOp, Log, NodeKind, NsOp, Record, ROOT_FID};
+use crate::lower::real::{self, fstat, Stat};
+use crate::lower::{errno, RealLower, MARKER};
+pub use stats::Stats;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum Mode {
+    /// fsync, fdatasync, O_SYNC writes and namespace operations are absorbed by the PM log.
+    Sync,
+    /// Every write durable on return (not yet available).
+    Strict,
+    /// Per-file/per-block eager or lazy logging (not yet available).
+    Adaptive,
+    /// No PM: everything, fsync included, goes to the lower file system.
+    Passthrough,
+}
+
+pub struct Options {
+    pub mode: Mode,
+    pub flush_interval: Duration,
+    /// Start write-back when the free share of PM drops below this.
+    pub low_watermark: f64,
+    /// Active sync sensitivity (NVLog): switch a file to eager logging when pages dirtied
+    /// between syncs exceed `sensitivity` times the pages its bytes would fill.
+    pub sensitivity: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            mode: Mode::Sync,
+            flush_interval: Duration::from_secs(5),
+            low_watermark: 0.25,
+            sensitivity: 2,
+        }
+    }
+}
+
+#[derive(Default)]
+struct FileState {
+    /// Byte ranges written to the lower page cache and not yet logged: start -> end.
+    dirty: BTreeMap<u64, u64>,
+    /// Pages with unexpired log entries: writes to them are logged before reaching the lower
+    /// file system, so the lower FS can never persist a newer page that replay would roll back.
+    live_pages: BTreeSet<u64>,
+    /// The file has an unexpired attribute entry (truncate, fallocate): log every write.
+    live_attr: bool,
+    /// LSN of the last entry logged for this file.
+    last_lsn: u64,
+    /// LSN of this file's latest Bind record (0: never bound).
+    bind_lsn: u64,
+    /// Active sync: bytes written and pages dirtied since the last sync.
+    bytes_since_sync: u64,
+    pages_since_sync: BTreeSet<u64>,
+    eager: bool,
+}
+
+pub struct Inode {
+    pub ino: u64,
+    pub fid: u64,
+    pub node: OwnedFd,
+    pub kind: u32,
+    dev_ino: (u64, u64),
+    nlookup: AtomicU64,
+    st: Mutex<FileState>,
+}
+
+pub struct Handle {
+    pub ino: Arc<Inode>,
+    pub fd: OwnedFd,
+    pub sync_writes: bool,
+}
+
+pub struct DirHandle {
+    pub entries: Vec<(Vec<u8>, u64, u8)>,
+}
+
+struct Table {
+    by_ino: HashMap<u64, Arc<Inode>>,
+    by_dev_ino: HashMap<(u64, u64), u64>,
+}
+
+pub struct Core {
+    pub lower: RealLower,
+    pub opts: Options,
+    pub log: Option<Arc<Log>>,
+    table: RwLock<Table>,
+    handles: RwLock<HashMap<u64, Arc<Handle>>>,
+    dirs: RwLock<HashMap<u64, Arc<DirHandle>>>,
+    next_fh: AtomicU64,
+    next_ino: AtomicU64,
+    root_dev_ino: (u64, u64),
+    /// Appends and their lower operations hold this shared; write-back takes it exclusively
+    /// for an instant to capture an LSN below which every logged operation has reached the
+    /// lower file system's page cache.
+    gate: RwLock<()>,
+    /// Orders namespace operations on the lower FS with their LSNs.
+    ns_order: Mutex<()>,
+    /// LSN captured by the latest write-back: a fid bound below it must bind again.
+    horizon: AtomicU64,
+    pub stats: Stats,
+    flusher_wake: (Mutex<bool>, Condvar),
+    stopping: AtomicBool,
+}
+
+pub type R<T> = io::Result<T>;
+
+fn kind_of(mode: u32) -> u32 {
+    mode & libc::S_IFMT
+}
+
+impl Core {
+    pub fn new(lower: RealLower, opts: Options, log: Option<Arc<Log>>) -> io::Result<Arc<Core>> {
+        let st = fstat(lower.root_fd())?;
+        let root_node = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY)?;
+        let root = Arc::new(Inode {
+            ino: 1,
+            fid: ROOT_FID,
+            node: root_node,
+            kind: libc::S_IFDIR,
+            dev_ino: (st.st_dev, st.st_ino),
+            nlookup: AtomicU64::new(u64::MAX / 2),
+            st: Mutex::new(FileState::default()),
+        });
+        let mut by_ino = HashMap::new();
+        by_ino.insert(1, root);
+        let mut by_dev_ino = HashMap::new();
+        by_dev_ino.insert((st.st_dev, st.st_ino), 1);
+        Ok(Arc::new(Core {
+            lower,
+            opts,
+            log,
+            table: RwLock::new(Table { by_ino, by_dev_ino }),
+            handles: RwLock::new(HashMap::new()),
+            dirs: RwLock::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            next_ino: AtomicU64::new(1 << 62),
+            root_dev_ino: (st.st_dev, st.st_ino),
+            gate: RwLock::new(()),
+            ns_order: Mutex::new(()),
+            horizon: AtomicU64::new(0),
+            stats: Stats::default(),
+            flusher_wake: (Mutex::new(false), Condvar::new()),
+            stopping: AtomicBool::new(false),
+        }))
+    }
+
+    fn logging(&self) -> Option<&Arc<Log>> {
+        match self.opts.mode {
+            Mode::Passthrough => None,
+            _ => self.log.as_ref(),
+        }
+    }
+
+    pub fn inode(&self, ino: u64) -> R<Arc<Inode>> {
+        self.table.read().by_ino.get(&ino).cloned().ok_or_else(|| errno(libc::ESTALE))
+    }
+
+    fn hidden(&self, parent: &Inode, name: &OsStr) -> bool {
+        parent.ino == 1 && name.as_bytes() == MARKER.as_bytes()
+    }
+
+    /// Map a lower object into the table (one inode per lower object: hard links share it).
+    fn intern(&self, fd: OwnedFd, st: &Stat) -> Arc<Inode> {
+        let key = (st.st_dev, st.st_ino);
+        {
+            let t = self.table.read();
+            if let Some(i) = t.by_dev_ino.get(&key).and_then(|i| t.by_ino.get(i)) {
+                i.nlookup.fetch_add(1, Ordering::Relaxed);
+                return i.clone();
+            }
+        }
+        let mut t = self.table.write();
+        if let Some(i) = t.by_dev_ino.get(&key).and_then(|i| t.by_ino.get(i)).cloned() {
+            i.nlookup.fetch_add(1, Ordering::Relaxed);
+            return i;
+        }
+        // The lower inode number, unless it collides with the root's 1 or another device.
+        let ino = if st.st_dev == self.root_dev_ino.0 && st.st_ino > 1 && !t.by_ino.contains_key(&st.st_ino) {
+            st.st_ino
+        } else {
+            self.next_ino.fetch_add(1, Ordering::Relaxed)
+        };
+        let fid = self.log.as_ref().map_or(ino, |l| l.next_lsn());
+        let inode = Arc::new(Inode {
+            ino,
+            fid,
+            node: fd,
+            kind: kind_of(st.st_mode),
+            dev_ino: key,
+            nlookup: AtomicU64::new(1),
+            st: Mutex::new(FileState::default()),
+        });
+        t.by_ino.insert(ino, inode.clone());
+        t.by_dev_ino.insert(key, ino);
+        inode
+    }
+
+    pub fn stat_of(&self, i: &Inode) -> R<Stat> {
+        let mut st = fstat(i.node.as_raw_fd())?;
+        st.st_ino = i.ino;
+        Ok(st)
+    }
+
+    pub fn lookup(&self, parent: u64, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
+        let p = self.inode(parent)?;
+        if self.hidden(&p, name) {
+            return Err(errno(libc::ENOENT));
+        }
+        let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+        let i = self.intern(fd, &st);
+        let st = self.stat_of(&i)?;
+        Ok((i, st))
+    }
+
+    pub fn forget(&self, ino: u64, n: u64) {
+        if ino == 1 {
+            return;
+        }
+        let mut t = self.table.write();
+        if let Some(i) = t.by_ino.get(&ino) {
+            if i.nlookup.fetch_sub(n.min(i.nlookup.load(Ordering::Relaxed)), Ordering::Relaxed) <= n {
+                // Keep inodes with unlogged dirty data or live entries: their state matters.
+                let busy = {
+                    let s = i.st.lock();
+                    !s.dirty.is_empty() || !s.live_pages.is_empty() || s.live_attr
+                };
+                if !busy {
+                    let key = i.dev_ino;
+                    t.by_ino.remove(&ino);
+                    t.by_dev_ino.remove(&key);
+                }
+            }
+        }
+    }
+
+    pub fn getattr(&self, ino: u64) -> R<Stat> {
+        let i = self.inode(ino)?;
+        self.stat_of(&i)
+    }
+
+    // ---------- logging helpers ----------
+
+    /// Bind `i`'s fid to its lower handle if it has no binding that outlives the current
+    /// write-back horizon. Appends to the caller's area.
+    fn ensure_bound(&self, a: &mut crate::engine::AreaGuard<'_>, i: &Inode, st: &mut FileState) -> Result<(), crate::engine::LogError> {
+        if i.fid == ROOT_FID {
+            return Ok(());
+        }
+        if st.bind_lsn == 0 || st.bind_lsn < self.horizon.load(Ordering::SeqCst) {
+            let handle = self.lower.handle(i.node.as_raw_fd()).unwrap_or_default();
+            st.bind_lsn = a.append(&Record::Bind { fid: i.fid, handle }, None)?;
+        }
+        Ok(())
+    }
+
+    /// Append file data `data` at `off`: whole aligned pages out of place, the rest in place.
+    fn log_bytes(&self, a: &mut crate::engine::AreaGuard<'_>, i: &Inode, st: &mut FileState, off: u64, data: &[u8]) -> Result<(), crate::engine::LogError> {
+        self.ensure_bound(a, i, st)?;
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let o = off + pos as u64;
+            let rest = data.len() - pos;
+            let lsn = if o % PAGE as u64 == 0 && rest >= PAGE {
+                a.append_page(i.fid, o, &data[pos..pos + PAGE])?;
+                pos += PAGE;
+                continue;
+            } else {
+                // Up to the next page boundary if a whole page follows, so it can go out of place.
+                let to_boundary = PAGE - (o % PAGE as u64) as usize;
+                let n = if rest > to_boundary { to_boundary.min(MAX_PAYLOAD) } else { rest.min(MAX_PAYLOAD) };
+                let lsn = a.append(&Record::Data { fid: i.fid, off: o, bytes: data[pos..pos + n].to_vec() }, None)?;
+                pos += n;
+                lsn
+            };
+            st.last_lsn = lsn;
+        }
+        let first = off / PAGE as u64;
+        let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
+        st.live_pages.extend(first..=last);
+        st.last_lsn = st.last_lsn.max(self.log.as_ref().map_or(0, |l| l.lsn_now() - 1));
+        Ok(())
+    }
+
+    fn log_full(&self) {
+        self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
+        self.wake_flusher();
+    }
+
+    fn pm_low(&self, log: &Log) -> bool {
+        (log.pages_free() as f64) < self.opts.low_watermark * log.pages_total() as f64
+    }
+
+    // ---------- data path ----------
+
+    pub fn open(&self, ino: u64, flags: i32) -> R<u64> {
+        let i = self.inode(ino)?;
+        let mut fl = flags & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
+        // Write-only handles are opened read-write when permitted, so fsync can read back the
+        // dirty bytes to log them.
+        if fl & libc::O_ACCMODE == libc::O_WRONLY {
+            fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
+        }
+        let fd = match self.lower.reopen(i.node.as_raw_fd(), fl) {
+            Ok(fd) => fd,
+            Err(_) if fl != flags => self.lower.reopen(i.node.as_raw_fd(), flags & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC))?,
+            Err(e) => return Err(e),
+        };
+        if flags & libc::O_TRUNC != 0 {
+            self.setattr_size(&i, 0)?;
+        }
+        Ok(self.add_handle(i, fd, flags))
+    }
+
+    fn add_handle(&self, ino: Arc<Inode>, fd: OwnedFd, flags: i32) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let sync_writes = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        self.handles.write().insert(fh, Arc::new(Handle { ino, fd, sync_writes }));
+        fh
+    }
+
+    pub fn handle(&self, fh: u64) -> R<Arc<Handle>> {
+        self.handles.read().get(&fh).cloned().ok_or_else(|| errno(libc::EBADF))
+    }
+
+    pub fn release(&self, fh: u64) {
+        self.handles.write().remove(&fh);
+    }
+
+    pub fn read(&self, fh: u64, off: u64, size: u32) -> R<Vec<u8>> {
+        let h = self.handle(fh)?;
+        let mut buf = vec![0u8; size as usize];
+        let mut got = 0;
+        while got < buf.len() {
+            let n = real::pread(h.fd.as_raw_fd(), &mut buf[got..], off + got as u64)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        buf.truncate(got);
+        Ok(buf)
+    }
+
+    pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> R<usize> {
+        let h = self.handle(fh)?;
+        let fd = h.fd.as_raw_fd();
+        let Some(log) = self.logging() else {
+            let n = real::pwrite_all(fd, data, off)?;
+            if h.sync_writes {
+                real::fsync(fd, true)?;
+            }
+            return Ok(n);
+        };
+        let _g = self.gate.read();
+        let i = &h.ino;
+        let mut st = i.st.lock();
+        let first = off / PAGE as u64;
+        let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
+        let touches_live = st.live_pages.range(first..=last).next().is_some();
+        let eager = h.sync_writes || st.eager || st.live_attr || touches_live;
+        if eager {
+            let mut a = log.area();
+            match self.log_bytes(&mut a, i, &mut st, off, data) {
+                Ok(()) => {
+                    a.commit();
+                    drop(a);
+                    if h.sync_writes {
+                        self.stats.absorbed_osync.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let n = real::pwrite_all(fd, data, off)?;
+                    self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
+                    if self.pm_low(log) {
+                        self.wake_flusher();
+                    }
+                    return Ok(n);
+                }
+                Err(_) => {
+                    // PM full: the bytes go to the lower FS and are made durable there.
+                    a.commit();
+                    drop(a);
+                    self.log_full();
+                    let n = real::pwrite_all(fd, data, off)?;
+                    real::fsync(fd, true)?;
+                    return Ok(n);
+                }
+            }
+        }
+        let n = real::pwrite_all(fd, data, off)?;
+        add_range(&mut st.dirty, off, off + n as u64);
+        st.bytes_since_sync += n as u64;
+        st.pages_since_sync.extend(first..=last);
+        Ok(n)
+    }
+
+    /// fsync/fdatasync. In sync mode: log every dirty range, commit, never touch the disk.
+    pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> R<()> {
+        let i = self.inode(ino)?;
+        let Some(log) = self.logging() else {
+            let fd = match fh.and_then(|f| self.handle(f).ok()) {
+                Some(h) => return real::fsync(h.fd.as_raw_fd(), datasync),
+                None => self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+            };
+            return real::fsync(fd.as_raw_fd(), datasync);
+        };
+        let _g = self.gate.read();
+        let mut st = i.st.lock();
+        // Active sync (NVLog §4.4): many pages dirtied for few bytes means logging at write
+        // time is cheaper than collecting at sync time; switch per file, and back.
+        let bytes_pages = st.bytes_since_sync.div_ceil(PAGE as u64).max(1);
+        let was = st.eager;
+        st.eager = st.pages_since_sync.len() as u64 > self.opts.sensitivity * bytes_pages
+            || (st.bytes_since_sync > 0 && st.bytes_since_sync < 512 && !st.dirty.is_empty());
+        if st.eager != was {
+            self.stats.active_sync_switches.fetch_add(1, Ordering::Relaxed);
+        }
+        st.bytes_since_sync = 0;
+        st.pages_since_sync.clear();
+        if st.dirty.is_empty() {
+            self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let rd = match fh.and_then(|f| self.handle(f).ok()) {
+            Some(h) => h,
+            None => Arc::new(Handle { ino: i.clone(), fd: self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?, sync_writes: false }),
+        };
+        let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
+        let mut a = log.area();
+        let mut ok = true;
+        for (s, e) in &ranges {
+            let mut buf = vec![0u8; (e - s) as usize];
+            let n = match real::pread(rd.fd.as_raw_fd(), &mut buf, *s) {
+                Ok(n) => n,
+                Err(_) => {
+                    ok = false;
+                    break;
+                }
+            };
+            buf.truncate(n); // the file may have shrunk since; a truncate entry covers the rest
+            if buf.is_empty() {
+                continue;
+            }
+            if self.log_bytes(&mut a, &i, &mut st, *s, &buf).is_err() {
+                ok = false;
+                break;
+            }
+        }
+        a.commit();
+        drop(a);
+        if ok {
+            st.dirty.clear();
+            self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+            if self.pm_low(log) {
+                self.wake_flusher();
+            }
+            return Ok(());
+        }
+        // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
+        self.log_full();
+        real::fsync(rd.fd.as_raw_fd(), datasync)?;
+        st.dirty.clear();
+        Ok(())
+    }
+
+    // ---------- attributes ----------
+
+    /// Log an attribute change of `i` (after it was applied to the lower FS).
+    fn log_attr(&self, i: &Inode, op: AttrOp) -> R<()> {
+        let Some(log) = self.logging() else { return Ok(()) };
+        let mut st = i.st.lock();
+        let mut a = log.area();
+        let r = self.ensure_bound(&mut a, i, &mut st).and_then(|_| a.append(&Record::Attr { fid: i.fid, op }, None));
+        a.commit();
+        drop(a);
+        match r {
+            Ok(lsn) => {
+                st.last_lsn = lsn;
+                st.live_attr = true;
+                Ok(())
+            }
+            Err(_) => {
+                drop(st);
+                self.log_full();
+                self.sync_object(i)
+            }
+        }
+    }
+
+    fn sync_object(&self, i: &Inode) -> R<()> {
+        let fl = if i.kind == libc::S_IFDIR { libc::O_RDONLY | libc::O_DIRECTORY } else if i.kind == libc::S_IFREG { libc::O_RDONLY } else { return self.lower.syncfs() };
+        let fd = self.lower.reopen(i.node.as_raw_fd(), fl)?;
+        real::fsync(fd.as_raw_fd(), false)
+    }
+
+    fn setattr_size(&self, i: &Arc<Inode>, size: u64) -> R<()> {
+        let _g = self.gate.read();
+        self.lower.truncate(i.node.as_raw_fd(), size)?;
+        {
+            let mut st = i.st.lock();
+            // Dirty bytes past the new end no longer exist.
+            let keep: BTreeMap<u64, u64> = st.dirty.iter().filter(|(s, _)| **s < size).map(|(s, e)| (*s, (*e).min(size))).collect();
+            st.dirty = keep;
+        }
+        self.log_attr(i, AttrOp::Truncate(size))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn setattr(&self, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>, size: Option<u64>, atime: Option<Option<i64>>, mtime: Option<Option<i64>>) -> R<Stat> {
+        let i = self.inode(ino)?;
+        if let Some(s) = size {
+            self.setattr_size(&i, s)?;
+        }
+        let _g = self.gate.read();
+        if let Some(m) = mode {
+            self.lower.chmod(i.node.as_raw_fd(), m)?;
+            self.log_attr(&i, AttrOp::Chmod(m & 0o7777))?;
+        }
+        if uid.is_some() || gid.is_some() {
+            let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
+            self.lower.chown(i.node.as_raw_fd(), u, g)?;
+            self.log_attr(&i, AttrOp::Chown(u, g))?;
+        }
+        if atime.is_some() || mtime.is_some() {
+            self.lower.utimens(i.node.as_raw_fd(), atime, mtime)?;
+            // Log the resulting times, so "now" replays as the same instant.
+            let st = fstat(i.node.as_raw_fd())?;
+            let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
+            let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
+            self.log_attr(&i, AttrOp::Times { atime_ns: a, mtime_ns: m })?;
+        }
+        self.stat_of(&i)
+    }
+
+    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> R<()> {
+        let h = self.handle(fh)?;
+        let _g = self.gate.read();
+        real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
+        self.log_attr(&h.ino, AttrOp::Fallocate { mode: mode as u32, offset: off, len })
+    }
+
+    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> R<()> {
+        let i = self.inode(ino)?;
+        let _g = self.gate.read();
+        self.lower.setxattr(i.node.as_raw_fd(), name, value, flags)?;
+        self.log_attr(&i, AttrOp::SetXattr { name: name.to_vec(), value: value.to_vec(), flags: 0 })
+    }
+
+    pub fn removexattr(&self, ino: u64, name: &[u8]) -> R<()> {
+        let i = self.inode(ino)?;
+        let _g = self.gate.read();
+        self.lower.removexattr(i.node.as_raw_fd(), name)?;
+        self.log_attr(&i, AttrOp::RemoveXattr { name: name.to_vec() })
+    }
+
+    pub fn getxattr(&self, ino: u64, name: &[u8], size: usize) -> R<Vec<u8>> {
+        let i = self.inode(ino)?;
+        self.lower.getxattr(i.node.as_raw_fd(), name, size)
+    }
+
+    pub fn listxattr(&self, ino: u64, size: usize) -> R<Vec<u8>> {
+        let i = self.inode(ino)?;
+        self.lower.listxattr(i.node.as_raw_fd(), size)
+    }
+
+    // ---------- namespace ----------
+
+    /// Run a namespace operation on the lower FS and log `rec(…)` for it, ordered with every
+    /// other namespace operation; durable when this returns.
+    fn ns_op<T>(&self, bind: &[&Arc<Inode>], lower_op: impl FnOnce() -> R<T>, rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>, fallback_sync: &[&Arc<Inode>]) -> R<T> {
+        let Some(log) = self.logging() else { return lower_op() };
+        let _g = self.gate.read();
+        let order = self.ns_order.lock();
+        let out = lower_op()?;
+        let lsn = log.next_lsn();
+        drop(order);
+        let Some((op, child)) = rec(&out) else { return Ok(out) };
+        let mut a = log.area();
+        let mut r = Ok(0);
+        for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
+            let mut st = i.st.lock();
+            if let Err(e) = self.ensure_bound(&mut a, i, &mut st) {
+                r = Err(e);
+                break;
+            }
+        }
+        if r.is_ok() {
+            r = a.append(&Record::Ns(op), Some(lsn));
+        }
+        a.commit();
+        drop(a);
+        match r {
+            Ok(_) => {
+                self.stats.ns_ops.fetch_add(1, Ordering::Relaxed);
+                Ok(out)
+            }
+            Err(_) => {
+                self.log_full();
+                for i in fallback_sync {
+                    self.sync_object(i)?;
+                }
+                if let Some(c) = child {
+                    self.sync_object(&c)?;
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn node_kind(mode: u32) -> NodeKind {
+        match mode & libc::S_IFMT {
+            libc::S_IFDIR => NodeKind::Dir,
+            libc::S_IFLNK => NodeKind::Symlink,
+            libc::S_IFIFO => NodeKind::Fifo,
+            libc::S_IFSOCK => NodeKind::Socket,
+            libc::S_IFCHR => NodeKind::CharDev,
+            libc::S_IFBLK => NodeKind::BlockDev,
+            _ => NodeKind::File,
+        }
+    }
+
+    fn created(&self, p: &Arc<Inode>, name: &OsStr, target: &[u8]) -> R<(Arc<Inode>, Stat)> {
+        let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+        let i = self.intern(fd, &st);
+        let _ = target;
+        let st = self.stat_of(&i)?;
+        Ok((i, st))
+    }
+
+    fn create_rec(p: &Inode, name: &OsStr, i: &Inode, st: &Stat, target: &[u8]) -> NsOp {
+        NsOp::Create {
+            parent: p.fid,
+            name: name.as_bytes().to_vec(),
+            child: i.fid,
+            kind: Self::node_kind(st.st_mode),
+            mode: st.st_mode & 0o7777,
+            rdev: st.st_rdev,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            target: target.to_vec(),
+        }
+    }
+
+    /// Apply the caller's ownership to a new object (allow_other: new files belong to the
+    /// calling user).
+    fn own(&self, i: &Inode, uid: u32, gid: u32) {
+        if rustix::process::geteuid().is_root() && (uid != 0 || gid != 0) {
+            let _ = self.lower.chown(i.node.as_raw_fd(), uid, gid);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn mknod(&self, parent: u64, name: &OsStr, mode: u32, rdev: u64, target: Option<&[u8]>, uid: u32, gid: u32) -> R<(Arc<Inode>, Stat)> {
+        let p = self.inode(parent)?;
+        if self.hidden(&p, name) {
+            return Err(errno(libc::EPERM));
+        }
+        let t = target.unwrap_or(b"");
+        self.ns_op(
+            &[&p],
+            || {
+                match mode & libc::S_IFMT {
+                    libc::S_IFDIR => self.lower.mkdir(p.node.as_raw_fd(), name, mode & 0o7777)?,
+                    libc::S_IFLNK => self.lower.symlink(p.node.as_raw_fd(), name, t)?,
+                    _ => self.lower.mknod(p.node.as_raw_fd(), name, mode, rdev)?,
+                }
+                let (i, _) = self.created(&p, name, t)?;
+                self.own(&i, uid, gid);
+                let st = self.stat_of(&i)?;
+                Ok((i, st))
+            },
+            |(i, st)| Some((Self::create_rec(&p, name, i, st, t), Some(i.clone()))),
+            &[&p],
+        )
+    }
+
+    pub fn create(&self, parent: u64, name: &OsStr, mode: u32, flags: i32, uid: u32, gid: u32) -> R<(Arc<Inode>, Stat, u64)> {
+        let p = self.inode(parent)?;
+        if self.hidden(&p, name) {
+            return Err(errno(libc::EPERM));
+        }
+        let mut fl = flags & !libc::O_APPEND;
+        if fl & libc::O_ACCMODE == libc::O_WRONLY {
+            fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
+        }
+        let (i, st, fd) = self.ns_op(
+            &[&p],
+            || {
+                let fd = self.lower.create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
+                let (i, _) = self.created(&p, name, b"")?;
+                self.own(&i, uid, gid);
+                let st = self.stat_of(&i)?;
+                Ok((i, st, fd))
+            },
+            |(i, st, _)| Some((Self::create_rec(&p, name, i, st, b""), Some(i.clone()))),
+            &[&p],
+        )?;
+        let fh = self.add_handle(i.clone(), fd, flags);
+        Ok((i, st, fh))
+    }
+
+    pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> R<()> {
+        let p = self.inode(parent)?;
+        if self.hidden(&p, name) {
+            return Err(errno(libc::ENOENT));
+        }
+        let victim = if self.logging().is_some() {
+            let (fd, _) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+            self.lower.handle(fd.as_raw_fd()).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        self.ns_op(
+            &[&p],
+            || self.lower.unlink(p.node.as_raw_fd(), name, dir),
+            |_| Some((NsOp::Remove { parent: p.fid, name: name.as_bytes().to_vec(), dir, victim }, None)),
+            &[&p],
+        )
+    }
+
+    pub fn rename(&self, parent: u64, name: &OsStr, newparent: u64, newname: &OsStr, flags: u32) -> R<()> {
+        let p = self.inode(parent)?;
+        let np = self.inode(newparent)?;
+        if self.hidden(&p, name) || self.hidden(&np, newname) {
+            return Err(errno(libc::EPERM));
+        }
+        let src = if self.logging().is_some() {
+            let (fd, _) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+            self.lower.handle(fd.as_raw_fd()).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        self.ns_op(
+            &[&p, &np],
+            || self.lower.rename(p.node.as_raw_fd(), name, np.node.as_raw_fd(), newname, flags),
+            |_| {
+                Some((
+                    NsOp::Rename { parent: p.fid, name: name.as_bytes().to_vec(), newparent: np.fid, newname: newname.as_bytes().to_vec(), flags, src },
+                    None,
+                ))
+            },
+            &[&p, &np],
+        )
+    }
+
+    pub fn link(&self, ino: u64, newparent: u64, newname: &OsStr) -> R<(Arc<Inode>, Stat)> {
+        let i = self.inode(ino)?;
+        let np = self.inode(newparent)?;
+        if self.hidden(&np, newname) {
+            return Err(errno(libc::EPERM));
+        }
+        self.ns_op(
+            &[&i, &np],
+            || {
+                self.lower.link(i.node.as_raw_fd(), np.node.as_raw_fd(), newname)?;
+                i.nlookup.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            },
+            |_| Some((NsOp::Link { fid: i.fid, newparent: np.fid, newname: newname.as_bytes().to_vec() }, None)),
+            &[&np],
+        )?;
+        let st = self.stat_of(&i)?;
+        Ok((i, st))
+    }
+
+    pub fn readlink(&self, ino: u64) -> R<Vec<u8>> {
+        let i = self.inode(ino)?;
+        self.lower.readlink(i.node.as_raw_fd())
+    }
+
+    pub fn opendir(&self, ino: u64) -> R<u64> {
+        let i = self.inode(ino)?;
+        let mut entries = self.lower.read_dir(i.node.as_raw_fd())?;
+        if ino == 1 {
+            entries.retain(|(n, _, _)| n != MARKER.as_bytes());
+        }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.dirs.write().insert(fh, Arc::new(DirHandle { entries }));
+        Ok(fh)
+    }
+
+    pub fn dir(&self, fh: u64) -> R<Arc<DirHandle>> {
+        self.dirs.read().get(&fh).cloned().ok_or_else(|| errno(libc::EBADF))
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.write().remove(&fh);
+    }
+
+    /// The FUSE inode number the kernel should see for a directory entry.
+    pub fn entry_ino(&self, ino: u64) -> u64 {
+        let t = self.table.read();
+        match t.by_dev_ino.get(&(self.root_dev_ino.0, ino)) {
+            Some(i) => *i,
+            None if ino == 1 || ino == self.root_dev_ino.1 => 1,
+            None => ino,
+        }
+    }
+
+    pub fn fsyncdir(&self, ino: u64, datasync: bool) -> R<()> {
+        if self.logging().is_some() {
+            // Namespace operations are durable when they return: nothing left to do.
+            self.stats.absorbed_fsyncdir.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let i = self.inode(ino)?;
+        let fd = self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY | libc::O_DIRECTORY)?;
+        real::fsync(fd.as_raw_fd(), datasync)
+    }
+
+    pub fn statfs(&self, ino: u64) -> R<libc::statvfs> {
+        let i = self.inode(ino)?;
+        self.lower.statfs(i.node.as_raw_fd())
+    }
+
+    pub fn lseek(&self, fh: u64, off: i64, whence: i32) -> R<i64> {
+        let h = self.handle(fh)?;
+        real::lseek(h.fd.as_raw_fd(), off, whence)
+    }
+
+    pub fn copy_file_range(&self, fh_in: u64, off_in: u64, fh_out: u64, off_out: u64, len: u64) -> R<usize> {
+        let hi = self.handle(fh_in)?;
+        let ho = self.handle(fh_out)?;
+        if self.logging().is_none() {
+            return real::copy_file_range(hi.fd.as_raw_fd(), off_in, ho.fd.as_raw_fd(), off_out, len);
+        }
+        // Through the write path, so the copy obeys the same logging rules as a write.
+        let data = self.read(fh_in, off_in, len.min(16 << 20) as u32)?;
+        self.write(fh_out, off_out, &data)
+    }
+
+    // ---------- write-back ----------
+
+    pub fn wake_flusher(&self) {
+        let (m, c) = &self.flusher_wake;
+        *m.lock() = true;
+        c.notify_one();
+    }
+
+    /// One write-back round: capture an LSN, make the lower FS durable, expire everything
+    /// below it, reclaim PM.
+    pub fn write_back(&self) -> R<()> {
+        let Some(log) = self.logging() else { return Ok(()) };
+        let t0 = Instant::now();
+        let upto = {
+            let _w = self.gate.write();
+            let l = log.lsn_now();
+            self.horizon.store(l, Ordering::SeqCst);
+            l
+        };
+        if let Err(e) = self.lower.syncfs() {
+            self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries");
+            return Err(e);
+        }
+        log.checkpoint(upto);
+        let t = self.table.read();
+        for i in t.by_ino.values() {
+            let mut st = i.st.lock();
+            if st.last_lsn < upto {
+                st.live_pages.clear();
+                st.live_attr = false;
+            }
+        }
+        self.stats.writebacks.fetch_add(1, Ordering::Relaxed);
+        self.stats.writeback_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The flusher loop: write back every `flush_interval`, or when woken (PM low, full).
+    pub fn run_flusher(self: &Arc<Self>) {
+        let (m, c) = &self.flusher_wake;
+        while !self.stopping.load(Ordering::SeqCst) {
+            {
+                let mut woke = m.lock();
+                if !*woke {
+                    c.wait_for(&mut woke, self.opts.flush_interval);
+                }
+                *woke = false;
+            }
+            if self.stopping.load(Ordering::SeqCst) {
+                break;
+            }
+            let live = self.log.as_ref().is_some_and(|l| l.bytes_used() > 0);
+            if live {
+                let _ = self.write_back();
+            }
+        }
+    }
+
+    /// Clean shutdown: drain the log into the lower FS and leave the region empty and clean.
+    pub fn shutdown(&self) -> R<()> {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.wake_flusher();
+        let Some(log) = self.log.as_ref() else { return Ok(()) };
+        let _w = self.gate.write();
+        self.lower.syncfs()?;
+        log.reset();
+        log.set_clean(true);
+        Ok(())
+    }
+
+    pub fn fd_of(&self, fh: u64) -> R<RawFd> {
+        Ok(self.handle(fh)?.fd.as_raw_fd())
+    }
+}
+
+fn add_range(m: &mut BTreeMap<u64, u64>, mut s: u64, mut e: u64) {
+    if s >= e {
+        return;
+    }
+    // Merge with overlapping or adjacent ranges.
+    let overl: Vec<(u64, u64)> = m.range(..=e).filter(|(_, &ee)| ee >= s).map(|(a, b)| (*a, *b)).collect();
+    for (a, b) in overl {
+        m.remove(&a);
+        s = s.min(a);
+        e = e.max(b);
+    }
+    m.insert(s, e);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::add_range;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn ranges_merge() {
+        let mut m = BTreeMap::new();
+        add_range(&mut m, 10, 20);
+        add_range(&mut m, 30, 40);
+        add_range(&mut m, 20, 30);
+        assert_eq!(m.into_iter().collect::<Vec<_>>(), vec![(10, 40)]);
+        let mut m = BTreeMap::new();
+        add_range(&mut m, 10, 20);
+        add_range(&mut m, 0, 5);
+        add_range(&mut m, 4, 12);
+        assert_eq!(m.into_iter().collect::<Vec<_>>(), vec![(0, 20)]);
+    }
+}

@@ -1,0 +1,30 @@
+//! The lower file system: fd-relative, confined access to the real directory.
+//!
+//! Every object is held as an `O_PATH` descriptor; every operation names one component
+//! relative to a directory descriptor and never follows a symlink (`O_NOFOLLOW`,
+//! `AT_SYMLINK_NOFOLLOW`, `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS` on opens), so nothing
+//! planted inside LOWER (a symlink, `..`) can reach outside it. Data descriptors are reopened
+//! from the object's own `O_PATH` descriptor through `/proc/self/fd`, which refers to the
+//! object itself, not to any path.
+
+pub mod real;
+
+pub use real::RealLower;
+
+/// The lower root marker that binds a PM region to this directory.
+pub const MARKER: &str = ".pmstack-id";
+
+pub fn errno(e: i32) -> std::io::Error {
+    std::io::Error::from_raw_os_error(e)
+}
+
+/// Reject names that are not a single path component.
+pub fn check_name(name: &[u8]) -> std::io::Result<()> {
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(errno(libc::EINVAL));
+    }
+    if name == b"." || name == b".." {
+        return Err(errno(libc::EINVAL));
+    }
+    Ok(())
+}

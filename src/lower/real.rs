@@ -1,0 +1,381 @@
+//! The real lower file system, reached through raw descriptors.
+
+use std::ffi::{CString, OsStr};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use super::{check_name, errno};
+
+pub type Stat = libc::stat;
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn cvt_sz(r: libc::ssize_t) -> io::Result<usize> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+fn cstr(b: &[u8]) -> io::Result<CString> {
+    CString::new(b).map_err(|_| errno(libc::EINVAL))
+}
+
+pub fn proc_path(fd: RawFd) -> CString {
+    CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL")
+}
+
+pub fn fstat(fd: RawFd) -> io::Result<Stat> {
+    // SAFETY: zeroed stat is a valid out-buffer; the fd is owned by the caller.
+    let mut st: Stat = unsafe { std::mem::zeroed() };
+    let empty = c"";
+    // SAFETY: valid pointers.
+    cvt(unsafe { libc::fstatat(fd, empty.as_ptr(), &mut st, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+    Ok(st)
+}
+
+pub struct RealLower {
+    root: OwnedFd,
+}
+
+impl RealLower {
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let c = cstr(path.as_os_str().as_bytes())?;
+        // SAFETY: valid C string.
+        let fd = cvt(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
+        // SAFETY: fresh fd we own.
+        Ok(RealLower { root: unsafe { OwnedFd::from_raw_fd(fd) } })
+    }
+
+    pub fn root_fd(&self) -> RawFd {
+        self.root.as_raw_fd()
+    }
+
+    /// Open `name` in `dir` as an O_PATH descriptor, never following a symlink and never
+    /// leaving the directory.
+    pub fn lookup(&self, dir: RawFd, name: &OsStr) -> io::Result<(OwnedFd, Stat)> {
+        check_name(name.as_bytes())?;
+        let how = rustix::fs::ResolveFlags::BENEATH | rustix::fs::ResolveFlags::NO_MAGICLINKS;
+        // SAFETY: dir is a live descriptor owned by the caller for the call's duration.
+        let dirfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(dir) };
+        let fd = rustix::fs::openat2(
+            dirfd,
+            name,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+            how,
+        )
+        .map_err(io::Error::from)?;
+        let st = fstat(fd.as_raw_fd())?;
+        Ok((fd, st))
+    }
+
+    /// Reopen an object (file or directory) for I/O with `flags`.
+    pub fn reopen(&self, node: RawFd, flags: i32) -> io::Result<OwnedFd> {
+        let p = proc_path(node);
+        let flags = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY) | libc::O_CLOEXEC;
+        // SAFETY: valid C string.
+        let fd = cvt(unsafe { libc::open(p.as_ptr(), flags) })?;
+        // SAFETY: fresh fd we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    pub fn mknod(&self, dir: RawFd, name: &OsStr, mode: u32, rdev: u64) -> io::Result<()> {
+        check_name(name.as_bytes())?;
+        let c = cstr(name.as_bytes())?;
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::mknodat(dir, c.as_ptr(), mode, rdev) })?;
+        Ok(())
+    }
+
+    /// Create and open a regular file (O_CREAT|O_EXCL semantics by `flags`).
+    pub fn create_file(&self, dir: RawFd, name: &OsStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+        check_name(name.as_bytes())?;
+        let c = cstr(name.as_bytes())?;
+        let flags = (flags | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC) & !libc::O_APPEND;
+        // SAFETY: valid pointers.
+        let fd = cvt(unsafe { libc::openat(dir, c.as_ptr(), flags, mode) })?;
+        // SAFETY: fresh fd we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    pub fn mkdir(&self, dir: RawFd, name: &OsStr, mode: u32) -> io::Result<()> {
+        check_name(name.as_bytes())?;
+        let c = cstr(name.as_bytes())?;
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::mkdirat(dir, c.as_ptr(), mode) })?;
+        Ok(())
+    }
+
+    pub fn symlink(&self, dir: RawFd, name: &OsStr, target: &[u8]) -> io::Result<()> {
+        check_name(name.as_bytes())?;
+        let c = cstr(name.as_bytes())?;
+        let t = cstr(target)?;
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::symlinkat(t.as_ptr(), dir, c.as_ptr()) })?;
+        Ok(())
+    }
+
+    pub fn unlink(&self, dir: RawFd, name: &OsStr, is_dir: bool) -> io::Result<()> {
+        check_name(name.as_bytes())?;
+        let c = cstr(name.as_bytes())?;
+        let fl = if is_dir { libc::AT_REMOVEDIR } else { 0 };
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::unlinkat(dir, c.as_ptr(), fl) })?;
+        Ok(())
+    }
+
+    pub fn rename(&self, d1: RawFd, n1: &OsStr, d2: RawFd, n2: &OsStr, flags: u32) -> io::Result<()> {
+        check_name(n1.as_bytes())?;
+        check_name(n2.as_bytes())?;
+        let a = cstr(n1.as_bytes())?;
+        let b = cstr(n2.as_bytes())?;
+        // SAFETY: valid pointers; renameat2 via syscall (glibc wrapper may be missing).
+        cvt(unsafe { libc::syscall(libc::SYS_renameat2, d1, a.as_ptr(), d2, b.as_ptr(), flags) } as i32)?;
+        Ok(())
+    }
+
+    /// Give object `node` the new name `name` in `dir`.
+    pub fn link(&self, node: RawFd, dir: RawFd, name: &OsStr) -> io::Result<()> {
+        check_name(name.as_bytes())?;
+        let c = cstr(name.as_bytes())?;
+        let p = proc_path(node);
+        // SAFETY: valid pointers. AT_SYMLINK_FOLLOW resolves the /proc magic link to the object.
+        cvt(unsafe { libc::linkat(libc::AT_FDCWD, p.as_ptr(), dir, c.as_ptr(), libc::AT_SYMLINK_FOLLOW) })?;
+        Ok(())
+    }
+
+    pub fn readlink(&self, node: RawFd) -> io::Result<Vec<u8>> {
+        let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
+        let empty = c"";
+        // SAFETY: valid buffer.
+        let n = cvt_sz(unsafe { libc::readlinkat(node, empty.as_ptr(), buf.as_mut_ptr() as *mut _, buf.len()) })?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    pub fn chmod(&self, node: RawFd, mode: u32) -> io::Result<()> {
+        let p = proc_path(node);
+        // SAFETY: valid C string.
+        cvt(unsafe { libc::chmod(p.as_ptr(), mode & 0o7777) })?;
+        Ok(())
+    }
+
+    pub fn chown(&self, node: RawFd, uid: u32, gid: u32) -> io::Result<()> {
+        let empty = c"";
+        // SAFETY: valid pointers; u32::MAX (-1) leaves an id unchanged.
+        cvt(unsafe { libc::fchownat(node, empty.as_ptr(), uid, gid, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+        Ok(())
+    }
+
+    /// Set times; `None` = leave unchanged, `Some(None)` = now, `Some(Some(ns))` = that time.
+    pub fn utimens(&self, node: RawFd, atime: Option<Option<i64>>, mtime: Option<Option<i64>>) -> io::Result<()> {
+        let ts = |t: Option<Option<i64>>| match t {
+            None => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
+            Some(None) => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW },
+            Some(Some(ns)) => libc::timespec { tv_sec: ns.div_euclid(1_000_000_000), tv_nsec: ns.rem_euclid(1_000_000_000) },
+        };
+        let times = [ts(atime), ts(mtime)];
+        let p = proc_path(node);
+        let st = fstat(node)?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            let empty = c"";
+            // SAFETY: valid pointers; AT_EMPTY_PATH operates on the symlink itself.
+            cvt(unsafe { libc::utimensat(node, empty.as_ptr(), times.as_ptr(), libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+        } else {
+            // SAFETY: valid pointers.
+            cvt(unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) })?;
+        }
+        Ok(())
+    }
+
+    pub fn truncate(&self, node: RawFd, size: u64) -> io::Result<()> {
+        let p = proc_path(node);
+        // SAFETY: valid C string.
+        cvt(unsafe { libc::truncate(p.as_ptr(), size as i64) })?;
+        Ok(())
+    }
+
+    pub fn setxattr(&self, node: RawFd, name: &[u8], value: &[u8], flags: i32) -> io::Result<()> {
+        let p = proc_path(node);
+        let n = cstr(name)?;
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), value.as_ptr() as *const _, value.len(), flags) })?;
+        Ok(())
+    }
+
+    pub fn getxattr(&self, node: RawFd, name: &[u8], size: usize) -> io::Result<Vec<u8>> {
+        let p = proc_path(node);
+        let n = cstr(name)?;
+        let mut buf = vec![0u8; size];
+        // SAFETY: valid pointers.
+        let r = cvt_sz(unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr() as *mut _, size) })?;
+        buf.truncate(if size == 0 { 0 } else { r });
+        if size == 0 {
+            return Ok(vec![0; r]);
+        }
+        Ok(buf)
+    }
+
+    pub fn listxattr(&self, node: RawFd, size: usize) -> io::Result<Vec<u8>> {
+        let p = proc_path(node);
+        let mut buf = vec![0u8; size];
+        // SAFETY: valid pointers.
+        let r = cvt_sz(unsafe { libc::listxattr(p.as_ptr(), buf.as_mut_ptr() as *mut _, size) })?;
+        if size == 0 {
+            return Ok(vec![0; r]);
+        }
+        buf.truncate(r);
+        Ok(buf)
+    }
+
+    pub fn removexattr(&self, node: RawFd, name: &[u8]) -> io::Result<()> {
+        let p = proc_path(node);
+        let n = cstr(name)?;
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::removexattr(p.as_ptr(), n.as_ptr()) })?;
+        Ok(())
+    }
+
+    pub fn statfs(&self, node: RawFd) -> io::Result<libc::statvfs> {
+        // SAFETY: zeroed statvfs is a valid out-buffer.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::fstatvfs(node, &mut s) })?;
+        Ok(s)
+    }
+
+    pub fn syncfs(&self) -> io::Result<()> {
+        // SAFETY: root fd is live; syncfs works on O_PATH descriptors? No: reopen.
+        let fd = self.reopen(self.root.as_raw_fd(), libc::O_RDONLY | libc::O_DIRECTORY)?;
+        // SAFETY: live fd.
+        cvt(unsafe { libc::syncfs(fd.as_raw_fd()) })?;
+        Ok(())
+    }
+
+    /// The lower file system's persistent handle of an object (name_to_handle_at), prefixed
+    /// with its 4-byte handle type.
+    pub fn handle(&self, node: RawFd) -> io::Result<Vec<u8>> {
+        const MAX: usize = 128;
+        let mut buf = vec![0u8; 8 + MAX];
+        buf[0..4].copy_from_slice(&(MAX as u32).to_ne_bytes());
+        let mut mount_id: libc::c_int = 0;
+        let empty = c"";
+        // SAFETY: buf is a struct file_handle with MAX bytes of f_handle space.
+        cvt(unsafe {
+            libc::syscall(
+                libc::SYS_name_to_handle_at,
+                node,
+                empty.as_ptr(),
+                buf.as_mut_ptr(),
+                &mut mount_id,
+                libc::AT_EMPTY_PATH,
+            )
+        } as i32)?;
+        let n = u32::from_ne_bytes(buf[0..4].try_into().expect("4")) as usize;
+        let mut out = buf[4..8].to_vec(); // handle_type
+        out.extend_from_slice(&buf[8..8 + n]);
+        Ok(out)
+    }
+
+    /// Open an object by its handle as an O_PATH descriptor.
+    pub fn open_handle(&self, h: &[u8]) -> io::Result<OwnedFd> {
+        if h.len() < 4 || h.len() > 4 + 128 {
+            return Err(errno(libc::EINVAL));
+        }
+        let n = h.len() - 4;
+        let mut buf = vec![0u8; 8 + n];
+        buf[0..4].copy_from_slice(&(n as u32).to_ne_bytes());
+        buf[4..8].copy_from_slice(&h[0..4]);
+        buf[8..].copy_from_slice(&h[4..]);
+        // SAFETY: buf is a well-formed struct file_handle.
+        let fd = cvt(unsafe {
+            libc::syscall(libc::SYS_open_by_handle_at, self.root.as_raw_fd(), buf.as_mut_ptr(), libc::O_PATH | libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        } as i32)?;
+        // SAFETY: fresh fd we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Directory entries (name, ino, d_type) of a directory object, "." and ".." excluded.
+    pub fn read_dir(&self, node: RawFd) -> io::Result<Vec<(Vec<u8>, u64, u8)>> {
+        let fd = self.reopen(node, libc::O_RDONLY | libc::O_DIRECTORY)?;
+        let dir = rustix::fs::Dir::read_from(&fd).map_err(io::Error::from)?;
+        let mut out = Vec::new();
+        for e in dir {
+            let e = e.map_err(io::Error::from)?;
+            let name = e.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            let t = match e.file_type() {
+                rustix::fs::FileType::Directory => libc::DT_DIR,
+                rustix::fs::FileType::RegularFile => libc::DT_REG,
+                rustix::fs::FileType::Symlink => libc::DT_LNK,
+                rustix::fs::FileType::Fifo => libc::DT_FIFO,
+                rustix::fs::FileType::Socket => libc::DT_SOCK,
+                rustix::fs::FileType::CharacterDevice => libc::DT_CHR,
+                rustix::fs::FileType::BlockDevice => libc::DT_BLK,
+                _ => libc::DT_UNKNOWN,
+            };
+            out.push((name.to_vec(), e.ino(), t));
+        }
+        Ok(out)
+    }
+}
+
+pub fn pread(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    // SAFETY: valid buffer.
+    cvt_sz(unsafe { libc::pread(fd, buf.as_mut_ptr() as *mut _, buf.len(), off as i64) })
+}
+
+pub fn pwrite_all(fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<usize> {
+    let total = buf.len();
+    while !buf.is_empty() {
+        // SAFETY: valid buffer.
+        let n = cvt_sz(unsafe { libc::pwrite(fd, buf.as_ptr() as *const _, buf.len(), off as i64) })?;
+        if n == 0 {
+            return Err(errno(libc::EIO));
+        }
+        buf = &buf[n..];
+        off += n as u64;
+    }
+    Ok(total)
+}
+
+pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
+    // SAFETY: plain syscalls on a caller-owned fd.
+    cvt(unsafe { if datasync { libc::fdatasync(fd) } else { libc::fsync(fd) } })?;
+    Ok(())
+}
+
+pub fn fallocate(fd: RawFd, mode: i32, off: u64, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall.
+    cvt(unsafe { libc::fallocate(fd, mode, off as i64, len as i64) })?;
+    Ok(())
+}
+
+pub fn lseek(fd: RawFd, off: i64, whence: i32) -> io::Result<i64> {
+    // SAFETY: plain syscall.
+    let r = unsafe { libc::lseek(fd, off, whence) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+pub fn copy_file_range(fd_in: RawFd, off_in: u64, fd_out: RawFd, off_out: u64, len: u64) -> io::Result<usize> {
+    let mut oi = off_in as i64;
+    let mut oo = off_out as i64;
+    // SAFETY: valid pointers.
+    cvt_sz(unsafe { libc::copy_file_range(fd_in, &mut oi, fd_out, &mut oo, len as usize, 0) } as isize)
+}
