@@ -374,12 +374,14 @@ fn serve(
     if let Some(mut p) = ready.take() {
         let _ = p.write_all(b"ok");
         drop(p);
-        // Detach from the terminal.
+        // Detach from the terminal; logs go to a file beside the state file.
         if let Ok(null) = fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+            let logf = fs::OpenOptions::new().create(true).append(true).open(state.with_extension("log"));
             // SAFETY: dup2 onto the standard descriptors.
             unsafe {
                 libc::dup2(null.as_raw_fd(), 0);
                 libc::dup2(null.as_raw_fd(), 1);
+                libc::dup2(logf.as_ref().map_or(null.as_raw_fd(), |f| f.as_raw_fd()), 2);
             }
         }
     }
