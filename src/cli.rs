@@ -52,6 +52,9 @@ enum Cmd {
         pm: PathBuf,
         #[arg(long)]
         json: bool,
+        /// Also list every live entry.
+        #[arg(long)]
+        entries: bool,
     },
     /// Replay a region's live entries onto LOWER offline, then empty the log.
     Recover {
@@ -133,7 +136,7 @@ pub fn main() -> Result<()> {
         Cmd::Mount(a) => mount(a),
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Format { pm, size, lower, force } => format_cmd(&pm, size, &lower, force),
-        Cmd::Check { pm, json } => check(&pm, json),
+        Cmd::Check { pm, json, entries } => check(&pm, json, entries),
         Cmd::Recover { pm, lower } => recover_cmd(&pm, &lower),
         Cmd::Stat { mountpoint, json } => stat(&mountpoint, json),
         Cmd::Demo { dir, ops, reps } => demo(&dir, ops, reps),
@@ -272,6 +275,9 @@ fn mount(a: MountArgs) -> Result<()> {
     let (log, lock, summary) = if a.mode == Mode::Passthrough {
         (None, None, None)
     } else {
+        if let Err(e) = real.handle(real.root_fd()) {
+            bail!("lower {} does not support file handles ({e}); the PM modes need them to find files after a crash: use --mode passthrough", lower.display());
+        }
         let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
         let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real)?;
         if log.pm().durability() != Durability::PowerFailSafe {
@@ -501,7 +507,7 @@ fn format_cmd(pm: &Path, size: u64, lower: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-fn check(pm: &Path, json: bool) -> Result<()> {
+fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
     let r = MappedRegion::open(pm, 0)?;
     let s = scan(&r).map_err(|e| anyhow!("PM region {}: {e}", pm.display()))?;
     let plan = s.plan(&r);
@@ -538,6 +544,13 @@ fn check(pm: &Path, json: bool) -> Result<()> {
         println!("  live entries: {}, live bytes: {}, pages in use: {}", live.len(), out["live_bytes"], used);
         for p in &problems {
             println!("  problem: {p}");
+        }
+        if entries {
+            for e in &live {
+                let mut r = format!("{:?}", e.rec);
+                r.truncate(160);
+                println!("  lsn {:>8} area {:>2} page {:>6} +{:<4} {r}", e.lsn, e.area, e.page, e.off);
+            }
         }
     }
     if !problems.is_empty() {

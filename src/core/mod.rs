@@ -200,6 +200,7 @@ impl Core {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
         let fid = self.log.as_ref().map_or(ino, |l| l.next_lsn());
+        debug_assert!(fid != ROOT_FID);
         let inode = Arc::new(Inode {
             ino,
             fid,
@@ -721,18 +722,34 @@ impl Core {
         if self.hidden(&p, name) {
             return Err(errno(libc::ENOENT));
         }
-        let victim = if self.logging().is_some() {
-            let (fd, _) = self.lower.lookup(p.node.as_raw_fd(), name)?;
-            self.lower.handle(fd.as_raw_fd()).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
+        let victim = self.object_at(&p, name)?;
         self.ns_op(
-            &[&p],
+            &[&p, &victim],
             || self.lower.unlink(p.node.as_raw_fd(), name, dir),
-            |_| Some((NsOp::Remove { parent: p.fid, name: name.as_bytes().to_vec(), dir, victim }, None)),
+            |_| Some((NsOp::Remove { parent: p.fid, name: name.as_bytes().to_vec(), dir, victim: victim.fid }, None)),
             &[&p],
         )
+    }
+
+    /// The inode of `name` in `p` (the kernel has usually looked it up already; otherwise a
+    /// transient inode, not counted as a kernel lookup).
+    fn object_at(&self, p: &Inode, name: &OsStr) -> R<Arc<Inode>> {
+        let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+        {
+            let t = self.table.read();
+            if let Some(i) = t.by_dev_ino.get(&(st.st_dev, st.st_ino)).and_then(|i| t.by_ino.get(i)) {
+                return Ok(i.clone());
+            }
+        }
+        Ok(Arc::new(Inode {
+            ino: 0,
+            fid: self.log.as_ref().map_or(0, |l| l.next_lsn()),
+            node: fd,
+            kind: kind_of(st.st_mode),
+            dev_ino: (st.st_dev, st.st_ino),
+            nlookup: AtomicU64::new(0),
+            st: Mutex::new(FileState::default()),
+        }))
     }
 
     pub fn rename(&self, parent: u64, name: &OsStr, newparent: u64, newname: &OsStr, flags: u32) -> R<()> {
@@ -741,18 +758,20 @@ impl Core {
         if self.hidden(&p, name) || self.hidden(&np, newname) {
             return Err(errno(libc::EPERM));
         }
-        let src = if self.logging().is_some() {
-            let (fd, _) = self.lower.lookup(p.node.as_raw_fd(), name)?;
-            self.lower.handle(fd.as_raw_fd()).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
+        let src = self.object_at(&p, name)?;
         self.ns_op(
-            &[&p, &np],
+            &[&p, &np, &src],
             || self.lower.rename(p.node.as_raw_fd(), name, np.node.as_raw_fd(), newname, flags),
             |_| {
                 Some((
-                    NsOp::Rename { parent: p.fid, name: name.as_bytes().to_vec(), newparent: np.fid, newname: newname.as_bytes().to_vec(), flags, src },
+                    NsOp::Rename {
+                        parent: p.fid,
+                        name: name.as_bytes().to_vec(),
+                        newparent: np.fid,
+                        newname: newname.as_bytes().to_vec(),
+                        flags,
+                        src: src.fid,
+                    },
                     None,
                 ))
             },

@@ -32,21 +32,34 @@ struct Replayer<'a> {
 
 impl Replayer<'_> {
     fn resolve(&mut self, fid: u64) -> Option<i32> {
-        if fid == ROOT_FID {
-            return Some(self.lower.root_fd());
-        }
-        if !self.nodes.contains_key(&fid) {
-            let h = self.plan.binds.get(&fid)?;
-            let fd = self.lower.open_handle(h).ok()?;
-            self.nodes.insert(fid, fd);
-        }
-        self.nodes.get(&fid).map(|f| f.as_raw_fd())
+        self.try_resolve(fid).ok().flatten()
     }
 
-    fn handle_at(&self, dir: i32, name: &[u8]) -> Option<(OwnedFd, Vec<u8>)> {
-        let (fd, _) = self.lower.lookup(dir, OsStr::from_bytes(name)).ok()?;
-        let h = self.lower.handle(fd.as_raw_fd()).ok()?;
-        Some((fd, h))
+    /// The object of `fid`: Ok(None) if it no longer exists (stale handle: it was deleted),
+    /// Err if its binding is unusable.
+    fn try_resolve(&mut self, fid: u64) -> std::io::Result<Option<i32>> {
+        if fid == ROOT_FID {
+            return Ok(Some(self.lower.root_fd()));
+        }
+        if !self.nodes.contains_key(&fid) {
+            let Some(h) = self.plan.binds.get(&fid) else { return Ok(None) };
+            match self.lower.open_handle(h) {
+                Ok(fd) => {
+                    self.nodes.insert(fid, fd);
+                }
+                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(self.nodes.get(&fid).map(|f| f.as_raw_fd()))
+    }
+
+    /// Does `name` in `dir` currently name object `fid`?
+    fn names(&mut self, dir: i32, name: &[u8], fid: u64) -> bool {
+        let Ok((_, at)) = self.lower.lookup(dir, OsStr::from_bytes(name)) else { return false };
+        let Some(obj) = self.resolve(fid) else { return false };
+        let Ok(o) = real::fstat(obj) else { return false };
+        (o.st_dev, o.st_ino) == (at.st_dev, at.st_ino)
     }
 
     fn ns(&mut self, op: &NsOp) -> std::io::Result<bool> {
@@ -83,25 +96,21 @@ impl Replayer<'_> {
             }
             NsOp::Remove { parent, name, dir, victim } => {
                 let Some(p) = self.resolve(*parent) else { return Ok(false) };
-                match self.handle_at(p, name) {
-                    // Only the very object that was removed: a newer one of that name stays.
-                    Some((_, h)) if &h == victim => {
-                        l.unlink(p, OsStr::from_bytes(name), *dir)?;
-                        Ok(true)
-                    }
-                    _ => Ok(false),
+                // Only the very object that was removed: a newer one of that name stays.
+                if self.names(p, name, *victim) {
+                    l.unlink(p, OsStr::from_bytes(name), *dir)?;
+                    return Ok(true);
                 }
+                Ok(false)
             }
             NsOp::Rename { parent, name, newparent, newname, flags, src } => {
                 let (Some(p), Some(np)) = (self.resolve(*parent), self.resolve(*newparent)) else { return Ok(false) };
-                match self.handle_at(p, name) {
-                    Some((_, h)) if &h == src => {
-                        // An exchange already applied leaves src under newname: skip by the check above.
-                        l.rename(p, OsStr::from_bytes(name), np, OsStr::from_bytes(newname), *flags)?;
-                        Ok(true)
-                    }
-                    _ => Ok(false),
+                // Applied already (src no longer under `name`, e.g. an exchange done): skip.
+                if self.names(p, name, *src) {
+                    l.rename(p, OsStr::from_bytes(name), np, OsStr::from_bytes(newname), *flags)?;
+                    return Ok(true);
                 }
+                Ok(false)
             }
             NsOp::Link { fid, newparent, newname } => {
                 let (Some(o), Some(np)) = (self.resolve(*fid), self.resolve(*newparent)) else { return Ok(false) };
@@ -115,7 +124,9 @@ impl Replayer<'_> {
     }
 
     fn file(&mut self, fid: u64, ops: &[(u64, FileOp)]) -> std::io::Result<()> {
-        let Some(node) = self.resolve(fid) else {
+        let Some(node) = self.try_resolve(fid)? else {
+            // The object no longer exists in the lower file system (it was unlinked or
+            // renamed over after these records): there is nothing to restore it into.
             self.sum.unresolved_files += 1;
             return Ok(());
         };

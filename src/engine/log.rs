@@ -78,6 +78,9 @@ pub struct Log {
 /// Pages kept back so that log pages can always be chained (data pages fail first).
 const RESERVE_PAGES: usize = 4;
 
+/// The first LSN handed out; everything below is reserved (fid 1 is the root directory).
+pub const FIRST_LSN: u64 = 16;
+
 thread_local! {
     static AREA_HINT: Cell<usize> = const { Cell::new(usize::MAX) };
 }
@@ -102,7 +105,8 @@ impl Log {
         pm.store_u64(SB_MAGIC, 0);
         pm.persist(0, 8);
         pm.write(8, &vec![0u8; 2 * PAGE - 8]);
-        store_sealed(&*pm, SB_CHECKPOINT, 1);
+        // LSNs start above ROOT_FID: the fs core also draws file ids from the LSN counter.
+        store_sealed(&*pm, SB_CHECKPOINT, FIRST_LSN);
         store_sealed(&*pm, SB_CLEAN, 1);
         pm.persist(0, 2 * PAGE);
         let enc = sb.encode();
@@ -150,7 +154,7 @@ impl Log {
         }
         let log = Log {
             sb: read_superblock(&*pm)?,
-            next_lsn: AtomicU64::new(s.checkpoint.max(s.max_lsn + 1)),
+            next_lsn: AtomicU64::new(s.checkpoint.max(s.max_lsn + 1).max(FIRST_LSN)),
             areas,
             next_area: AtomicUsize::new(0),
             free_count: AtomicUsize::new(free.len()),

@@ -52,10 +52,10 @@ pub enum NsOp {
         /// Symlink target; empty otherwise.
         target: Vec<u8>,
     },
-    /// `name` in `parent` (which was object `victim`, a lower handle) was removed.
-    Remove { parent: u64, name: Vec<u8>, dir: bool, victim: Vec<u8> },
-    /// `name` in `parent` (object with handle `src`) moved to `newname` in `newparent`.
-    Rename { parent: u64, name: Vec<u8>, newparent: u64, newname: Vec<u8>, flags: u32, src: Vec<u8> },
+    /// `name` in `parent` (which was object `victim`) was removed.
+    Remove { parent: u64, name: Vec<u8>, dir: bool, victim: u64 },
+    /// `name` in `parent` (object `src`) moved to `newname` in `newparent`.
+    Rename { parent: u64, name: Vec<u8>, newparent: u64, newname: Vec<u8>, flags: u32, src: u64 },
     /// Object `fid` got a new name `newname` in `newparent`.
     Link { fid: u64, newparent: u64, newname: Vec<u8> },
 }
@@ -197,18 +197,18 @@ impl Record {
                     NsOp::Remove { parent, name, dir, victim } => {
                         e.sub = NS_REMOVE;
                         e.a = *parent;
+                        e.b = *victim;
                         e.c = *dir as u64;
                         put_field(&mut e.payload, name);
-                        put_field(&mut e.payload, victim);
                     }
                     NsOp::Rename { parent, name, newparent, newname, flags, src } => {
                         e.sub = NS_RENAME;
                         e.a = *parent;
                         e.b = *newparent;
                         e.c = *flags as u64;
+                        e.d = *src;
                         put_field(&mut e.payload, name);
                         put_field(&mut e.payload, newname);
-                        put_field(&mut e.payload, src);
                     }
                     NsOp::Link { fid, newparent, newname } => {
                         e.sub = NS_LINK;
@@ -275,19 +275,14 @@ impl Record {
                             target,
                         }
                     }
-                    NS_REMOVE => NsOp::Remove {
-                        parent: e.a,
-                        name: f.next()?,
-                        dir: e.c != 0,
-                        victim: f.next()?,
-                    },
+                    NS_REMOVE => NsOp::Remove { parent: e.a, name: f.next()?, dir: e.c != 0, victim: e.b },
                     NS_RENAME => NsOp::Rename {
                         parent: e.a,
                         newparent: e.b,
                         flags: e.c as u32,
                         name: f.next()?,
                         newname: f.next()?,
-                        src: f.next()?,
+                        src: e.d,
                     },
                     NS_LINK => NsOp::Link { fid: e.a, newparent: e.b, newname: f.next()? },
                     _ => return None,
@@ -333,7 +328,7 @@ mod tests {
                 parent: 1,
                 name: b"a".to_vec(),
                 dir: true,
-                victim: vec![9; 12],
+                victim: 12,
             }),
             Record::Ns(NsOp::Rename {
                 parent: 1,
@@ -341,7 +336,7 @@ mod tests {
                 newparent: 2,
                 newname: b"b".to_vec(),
                 flags: 2,
-                src: vec![3; 8],
+                src: 8,
             }),
             Record::Ns(NsOp::Link { fid: 5, newparent: 2, newname: b"c".to_vec() }),
         ];

@@ -350,8 +350,9 @@ impl Scan {
         }
         for fid in plan.files.keys().chain(
             plan.namespace.iter().flat_map(|(_, op)| match op {
-                NsOp::Create { parent, .. } | NsOp::Remove { parent, .. } => vec![parent],
-                NsOp::Rename { parent, newparent, .. } => vec![parent, newparent],
+                NsOp::Create { parent, .. } => vec![parent],
+                NsOp::Remove { parent, victim, .. } => vec![parent, victim],
+                NsOp::Rename { parent, newparent, src, .. } => vec![parent, newparent, src],
                 NsOp::Link { fid, newparent, .. } => vec![fid, newparent],
             }),
         ) {

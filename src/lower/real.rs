@@ -45,6 +45,8 @@ pub fn fstat(fd: RawFd) -> io::Result<Stat> {
 
 pub struct RealLower {
     root: OwnedFd,
+    /// An ordinary (not O_PATH) descriptor of the root: open_by_handle_at needs one.
+    mount_fd: OwnedFd,
 }
 
 impl RealLower {
@@ -53,7 +55,12 @@ impl RealLower {
         // SAFETY: valid C string.
         let fd = cvt(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
         // SAFETY: fresh fd we own.
-        Ok(RealLower { root: unsafe { OwnedFd::from_raw_fd(fd) } })
+        let root = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: valid C string.
+        let mfd = cvt(unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
+        // SAFETY: fresh fd we own.
+        let mount_fd = unsafe { OwnedFd::from_raw_fd(mfd) };
+        Ok(RealLower { root, mount_fd })
     }
 
     pub fn root_fd(&self) -> RawFd {
@@ -255,10 +262,8 @@ impl RealLower {
     }
 
     pub fn syncfs(&self) -> io::Result<()> {
-        // SAFETY: root fd is live; syncfs works on O_PATH descriptors? No: reopen.
-        let fd = self.reopen(self.root.as_raw_fd(), libc::O_RDONLY | libc::O_DIRECTORY)?;
-        // SAFETY: live fd.
-        cvt(unsafe { libc::syncfs(fd.as_raw_fd()) })?;
+        // SAFETY: live fd (syncfs needs an ordinary descriptor, not O_PATH).
+        cvt(unsafe { libc::syncfs(self.mount_fd.as_raw_fd()) })?;
         Ok(())
     }
 
@@ -299,7 +304,7 @@ impl RealLower {
         buf[8..].copy_from_slice(&h[4..]);
         // SAFETY: buf is a well-formed struct file_handle.
         let fd = cvt(unsafe {
-            libc::syscall(libc::SYS_open_by_handle_at, self.root.as_raw_fd(), buf.as_mut_ptr(), libc::O_PATH | libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            libc::syscall(libc::SYS_open_by_handle_at, self.mount_fd.as_raw_fd(), buf.as_mut_ptr(), libc::O_PATH | libc::O_CLOEXEC | libc::O_NOFOLLOW)
         } as i32)?;
         // SAFETY: fresh fd we own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -378,4 +383,27 @@ pub fn copy_file_range(fd_in: RawFd, off_in: u64, fd_out: RawFd, off_out: u64, l
     let mut oo = off_out as i64;
     // SAFETY: valid pointers.
     cvt_sz(unsafe { libc::copy_file_range(fd_in, &mut oi, fd_out, &mut oo, len as usize, 0) } as isize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_roundtrip_and_lookup_is_confined() {
+        let d = tempfile::tempdir_in("/var/tmp").unwrap();
+        std::fs::write(d.path().join("f"), b"x").unwrap();
+        std::os::unix::fs::symlink("/etc", d.path().join("evil")).unwrap();
+        let l = RealLower::open(d.path()).unwrap();
+        let (fd, st) = l.lookup(l.root_fd(), OsStr::new("f")).unwrap();
+        let h = l.handle(fd.as_raw_fd()).unwrap();
+        let fd2 = l.open_handle(&h).unwrap();
+        assert_eq!(fstat(fd2.as_raw_fd()).unwrap().st_ino, st.st_ino);
+        // A planted symlink is an object of its own, never followed.
+        let (s, sst) = l.lookup(l.root_fd(), OsStr::new("evil")).unwrap();
+        assert_eq!(sst.st_mode & libc::S_IFMT, libc::S_IFLNK);
+        assert!(l.lookup(s.as_raw_fd(), OsStr::new("passwd")).is_err());
+        assert!(l.lookup(l.root_fd(), OsStr::new("..")).is_err());
+        assert!(l.lookup(l.root_fd(), OsStr::new("a/b")).is_err());
+    }
 }
