@@ -266,11 +266,15 @@ impl Core {
         if i.fid == ROOT_FID {
             return Ok(());
         }
-        if st.bind_lsn == 0 || st.bind_lsn < self.horizon.load(Ordering::SeqCst) {
+        if self.needs_bind(st) {
             let handle = self.lower.handle(i.node.as_raw_fd()).unwrap_or_default();
             st.bind_lsn = a.append(&Record::Bind { fid: i.fid, handle }, None)?;
         }
         Ok(())
+    }
+
+    fn needs_bind(&self, st: &FileState) -> bool {
+        st.bind_lsn == 0 || st.bind_lsn < self.horizon.load(Ordering::SeqCst)
     }
 
     /// Append file data `data` at `off`: whole aligned pages out of place, the rest in place.
@@ -593,13 +597,24 @@ impl Core {
         let lsn = log.next_lsn();
         drop(order);
         let Some((op, child)) = rec(&out) else { return Ok(out) };
-        let mut a = log.area();
-        let mut r = Ok(0);
+        // Bind records first (inode locks taken one at a time, never while holding an area:
+        // writers lock inode then area, so the reverse order here could deadlock).
+        let mut binds: Vec<(&Inode, Vec<u8>)> = Vec::new();
         for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
-            let mut st = i.st.lock();
-            if let Err(e) = self.ensure_bound(&mut a, i, &mut st) {
-                r = Err(e);
-                break;
+            if i.fid != ROOT_FID && self.needs_bind(&i.st.lock()) && !binds.iter().any(|(b, _)| b.fid == i.fid) {
+                binds.push((i, self.lower.handle(i.node.as_raw_fd()).unwrap_or_default()));
+            }
+        }
+        let mut a = log.area();
+        let mut bound = Vec::new();
+        let mut r = Ok(0);
+        for (i, handle) in binds {
+            match a.append(&Record::Bind { fid: i.fid, handle }, None) {
+                Ok(l) => bound.push((i, l)),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
             }
         }
         if r.is_ok() {
@@ -607,6 +622,10 @@ impl Core {
         }
         a.commit();
         drop(a);
+        for (i, l) in bound {
+            let mut st = i.st.lock();
+            st.bind_lsn = st.bind_lsn.max(l);
+        }
         match r {
             Ok(_) => {
                 self.stats.ns_ops.fetch_add(1, Ordering::Relaxed);
@@ -722,11 +741,11 @@ impl Core {
         if self.hidden(&p, name) {
             return Err(errno(libc::ENOENT));
         }
-        let victim = self.object_at(&p, name)?;
+        let victim = if self.logging().is_some() { Some(self.object_at(&p, name)?) } else { None };
         self.ns_op(
-            &[&p, &victim],
+            &[&p],
             || self.lower.unlink(p.node.as_raw_fd(), name, dir),
-            |_| Some((NsOp::Remove { parent: p.fid, name: name.as_bytes().to_vec(), dir, victim: victim.fid }, None)),
+            |_| Some((NsOp::Remove { parent: p.fid, name: name.as_bytes().to_vec(), dir, victim: victim.as_ref().map_or(0, |v| v.fid) }, victim.clone())),
             &[&p],
         )
     }
@@ -758,9 +777,9 @@ impl Core {
         if self.hidden(&p, name) || self.hidden(&np, newname) {
             return Err(errno(libc::EPERM));
         }
-        let src = self.object_at(&p, name)?;
+        let src = if self.logging().is_some() { Some(self.object_at(&p, name)?) } else { None };
         self.ns_op(
-            &[&p, &np, &src],
+            &[&p, &np],
             || self.lower.rename(p.node.as_raw_fd(), name, np.node.as_raw_fd(), newname, flags),
             |_| {
                 Some((
@@ -770,9 +789,9 @@ impl Core {
                         newparent: np.fid,
                         newname: newname.as_bytes().to_vec(),
                         flags,
-                        src: src.fid,
+                        src: src.as_ref().map_or(0, |s| s.fid),
                     },
-                    None,
+                    src.clone(),
                 ))
             },
             &[&p, &np],
