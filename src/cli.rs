@@ -21,7 +21,11 @@ use pmstack::pmem::{Durability, Pmem};
 const RUN_DIR: &str = "/run/pmstack";
 
 #[derive(Parser)]
-#[command(name = "pmstack", version, about = "A persistent-memory write-ahead tier over an existing file system")]
+#[command(
+    name = "pmstack",
+    version,
+    about = "A persistent-memory write-ahead tier over an existing file system"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -103,6 +107,9 @@ struct MountArgs {
     /// Attribute and entry cache timeout, in seconds.
     #[arg(long, default_value_t = 1.0)]
     attr_timeout: f64,
+    /// Kernel page cache mode for writes: writethrough or writeback.
+    #[arg(long, value_enum, default_value = "writethrough")]
+    cache: CacheMode,
     /// FUSE worker threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -112,6 +119,12 @@ struct MountArgs {
     /// Mount options: allow_other, ro, noatime, … (comma separated).
     #[arg(short = 'o')]
     options: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum CacheMode {
+    Writethrough,
+    Writeback,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -129,13 +142,21 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 pub fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("PMSTACK_LOG").unwrap_or_else(|_| "warn,fuser=error".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("PMSTACK_LOG")
+                .unwrap_or_else(|_| "warn,fuser=error".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().cmd {
         Cmd::Mount(a) => mount(a),
         Cmd::Umount { mountpoint } => umount(&mountpoint),
-        Cmd::Format { pm, size, lower, force } => format_cmd(&pm, size, &lower, force),
+        Cmd::Format {
+            pm,
+            size,
+            lower,
+            force,
+        } => format_cmd(&pm, size, &lower, force),
         Cmd::Check { pm, json, entries } => check(&pm, json, entries),
         Cmd::Recover { pm, lower } => recover_cmd(&pm, &lower),
         Cmd::Stat { mountpoint, json } => stat(&mountpoint, json),
@@ -144,7 +165,11 @@ pub fn main() -> Result<()> {
 }
 
 fn id_of(p: &Path) -> String {
-    format!("{:016x}", crc32c::crc32c(p.as_os_str().as_encoded_bytes()) as u64 | (p.as_os_str().len() as u64) << 32)
+    format!(
+        "{:016x}",
+        crc32c::crc32c(p.as_os_str().as_encoded_bytes()) as u64
+            | (p.as_os_str().len() as u64) << 32
+    )
 }
 
 fn state_path(mountpoint: &Path) -> PathBuf {
@@ -152,17 +177,28 @@ fn state_path(mountpoint: &Path) -> PathBuf {
 }
 
 fn check_lower(lower: &Path) -> Result<PathBuf> {
-    let md = fs::metadata(lower).map_err(|e| anyhow!("lower directory {}: {e} (give an existing directory)", lower.display()))?;
+    let md = fs::metadata(lower).map_err(|e| {
+        anyhow!(
+            "lower directory {}: {e} (give an existing directory)",
+            lower.display()
+        )
+    })?;
     if !md.is_dir() {
-        bail!("lower {} is not a directory (give an existing directory)", lower.display());
+        bail!(
+            "lower {} is not a directory (give an existing directory)",
+            lower.display()
+        );
     }
     Ok(fs::canonicalize(lower)?)
 }
 
 fn is_mountpoint(p: &Path) -> bool {
-    let Ok(s) = fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let Ok(s) = fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
     let want = p.to_string_lossy().replace(' ', "\\040");
-    s.lines().any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+    s.lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
 }
 
 /// The lower directory's identity (the marker file), created if `create`.
@@ -170,12 +206,18 @@ fn lower_id(lower: &Path, create: bool) -> Result<Option<[u8; 16]>> {
     let m = lower.join(MARKER);
     match fs::read_to_string(&m) {
         Ok(s) => {
-            let u = uuid::Uuid::parse_str(s.trim()).map_err(|_| anyhow!("{} is not a pmstack marker (remove it or restore it)", m.display()))?;
+            let u = uuid::Uuid::parse_str(s.trim()).map_err(|_| {
+                anyhow!(
+                    "{} is not a pmstack marker (remove it or restore it)",
+                    m.display()
+                )
+            })?;
             Ok(Some(*u.as_bytes()))
         }
         Err(_) if create => {
             let u = uuid::Uuid::new_v4();
-            let mut f = fs::File::create(&m).with_context(|| format!("creating marker {}", m.display()))?;
+            let mut f =
+                fs::File::create(&m).with_context(|| format!("creating marker {}", m.display()))?;
             writeln!(f, "{u}")?;
             f.sync_all()?;
             fs::File::open(lower)?.sync_all()?;
@@ -193,13 +235,21 @@ fn lock_region(path: &Path) -> Result<fs::File> {
     let f = fs::File::open(path)?;
     // SAFETY: plain flock on an owned fd.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        bail!("PM region {} is in use by another pmstack (a second mount of one region is refused)", path.display());
+        bail!(
+            "PM region {} is in use by another pmstack (a second mount of one region is refused)",
+            path.display()
+        );
     }
     Ok(f)
 }
 
 /// Open (or create and format) the region bound to `lower`, recovering a crashed log.
-fn open_region(pm: &Path, size: u64, lower: &Path, real: &RealLower) -> Result<(Arc<Log>, fs::File, Option<RecoverySummary>)> {
+fn open_region(
+    pm: &Path,
+    size: u64,
+    lower: &Path,
+    real: &RealLower,
+) -> Result<(Arc<Log>, fs::File, Option<RecoverySummary>)> {
     let fresh = !pm.exists();
     if fresh {
         let id = lower_id(lower, true)?.expect("created");
@@ -229,12 +279,21 @@ fn open_region(pm: &Path, size: u64, lower: &Path, real: &RealLower) -> Result<(
             Log::format(region.clone(), id, 16)?;
         }
     }
-    let (log, s) = Log::open(region).map_err(|e| anyhow!("PM region {}: {e}; run `pmstack check --pm {}`", pm.display(), pm.display()))?;
+    let (log, s) = Log::open(region).map_err(|e| {
+        anyhow!(
+            "PM region {}: {e}; run `pmstack check --pm {}`",
+            pm.display(),
+            pm.display()
+        )
+    })?;
     let log = Arc::new(log);
     let mut summary = None;
     if !s.clean || s.live_entries().next().is_some() {
         let n = s.live_entries().count();
-        eprintln!("pmstack: previous shutdown was not clean; recovering {n} log entries onto {}", lower.display());
+        eprintln!(
+            "pmstack: previous shutdown was not clean; recovering {n} log entries onto {}",
+            lower.display()
+        );
         let show = n > 1000;
         let sum = recover(&log, &s, real, &|d, t| {
             if show && (d % 256 == 0 || d == t) {
@@ -253,24 +312,67 @@ fn open_region(pm: &Path, size: u64, lower: &Path, real: &RealLower) -> Result<(
     Ok((log, lock, summary))
 }
 
+/// A stacking file system holds a descriptor per cached inode: use the hard limit.
+fn raise_fd_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return;
+    }
+    // Root may raise the hard limit up to fs.nr_open.
+    let nr_open = fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let want = libc::rlimit {
+        rlim_cur: nr_open.max(r.rlim_max),
+        rlim_max: nr_open.max(r.rlim_max),
+    };
+    // SAFETY: valid pointers.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } != 0 {
+        r.rlim_cur = r.rlim_max;
+        // SAFETY: valid pointer.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) };
+    }
+}
+
 fn mount(a: MountArgs) -> Result<()> {
     let lower = check_lower(&a.lower)?;
-    let mp = fs::canonicalize(&a.mountpoint).map_err(|e| anyhow!("mountpoint {}: {e} (create it first)", a.mountpoint.display()))?;
+    let mp = fs::canonicalize(&a.mountpoint).map_err(|e| {
+        anyhow!(
+            "mountpoint {}: {e} (create it first)",
+            a.mountpoint.display()
+        )
+    })?;
     if !mp.is_dir() {
         bail!("mountpoint {} is not a directory", mp.display());
     }
     if is_mountpoint(&mp) {
-        bail!("mountpoint {} is busy (already mounted); unmount it first", mp.display());
+        bail!(
+            "mountpoint {} is busy (already mounted); unmount it first",
+            mp.display()
+        );
     }
     if lower.starts_with(&mp) || mp.starts_with(&lower) {
-        bail!("lower {} and mountpoint {} must not contain each other", lower.display(), mp.display());
+        bail!(
+            "lower {} and mountpoint {} must not contain each other",
+            lower.display(),
+            mp.display()
+        );
     }
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse is missing: load the fuse module or install fuse3");
     }
     if matches!(a.mode, Mode::Strict | Mode::Adaptive) {
-        bail!("mode {:?} is not available yet; use --mode sync (default) or --mode passthrough", a.mode);
+        bail!(
+            "mode {:?} is not available yet; use --mode sync (default) or --mode passthrough",
+            a.mode
+        );
     }
+    raise_fd_limit();
     let real = RealLower::open(&lower)?;
     let (log, lock, summary) = if a.mode == Mode::Passthrough {
         (None, None, None)
@@ -294,9 +396,18 @@ fn mount(a: MountArgs) -> Result<()> {
         sensitivity: a.sensitivity,
         ..Options::default()
     };
-    let mut fuse_opts = vec![fuser::MountOption::FSName(format!("pmstack:{}", lower.display())), fuser::MountOption::Subtype("pmstack".into())];
+    let mut fuse_opts = vec![
+        fuser::MountOption::FSName(format!("pmstack:{}", lower.display())),
+        fuser::MountOption::Subtype("pmstack".into()),
+    ];
     let mut acl = fuser::SessionACL::Owner;
-    for o in a.options.as_deref().unwrap_or("").split(',').filter(|s| !s.is_empty()) {
+    for o in a
+        .options
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .filter(|s| !s.is_empty())
+    {
         match o {
             "allow_other" => {
                 acl = fuser::SessionACL::All;
@@ -339,14 +450,31 @@ fn mount(a: MountArgs) -> Result<()> {
                 if msg.starts_with("ok") {
                     std::process::exit(0);
                 }
-                bail!("{}", if msg.is_empty() { "mount failed (daemon exited)".to_string() } else { msg.trim().to_string() });
+                bail!(
+                    "{}",
+                    if msg.is_empty() {
+                        "mount failed (daemon exited)".to_string()
+                    } else {
+                        msg.trim().to_string()
+                    }
+                );
             }
             libc::close(fds[0]);
             libc::setsid();
             ready_pipe = Some(fs::File::from_raw_fd(fds[1]));
         }
     }
-    let result = serve(&a, lower, mp, real, log, opts, cfg, summary, &mut ready_pipe);
+    let result = serve(
+        &a,
+        lower,
+        mp,
+        real,
+        log,
+        opts,
+        cfg,
+        summary,
+        &mut ready_pipe,
+    );
     if let (Err(e), Some(p)) = (&result, ready_pipe.as_mut()) {
         let _ = write!(p, "{e:#}");
     }
@@ -367,8 +495,17 @@ fn serve(
     ready: &mut Option<fs::File>,
 ) -> Result<()> {
     let core = Core::new(real, opts, log.clone())?;
-    let adapter = pmstack::fuse::Adapter { core: core.clone(), ttl: Duration::from_secs_f64(a.attr_timeout) };
-    let mut session = fuser::Session::new(adapter, &mp, &cfg).map_err(|e| anyhow!("mounting {}: {e} (are you permitted to mount? is fuse3 installed?)", mp.display()))?;
+    let adapter = pmstack::fuse::Adapter {
+        core: core.clone(),
+        ttl: Duration::from_secs_f64(a.attr_timeout),
+        writeback_cache: a.cache == CacheMode::Writeback,
+    };
+    let mut session = fuser::Session::new(adapter, &mp, &cfg).map_err(|e| {
+        anyhow!(
+            "mounting {}: {e} (are you permitted to mount? is fuse3 installed?)",
+            mp.display()
+        )
+    })?;
     let mut unmounter = session.unmount_callable();
     let _ = fs::create_dir_all(RUN_DIR);
     let state = state_path(&mp);
@@ -381,8 +518,15 @@ fn serve(
         let _ = p.write_all(b"ok");
         drop(p);
         // Detach from the terminal; logs go to a file beside the state file.
-        if let Ok(null) = fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
-            let logf = fs::OpenOptions::new().create(true).append(true).open(state.with_extension("log"));
+        if let Ok(null) = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+        {
+            let logf = fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(state.with_extension("log"));
             // SAFETY: dup2 onto the standard descriptors.
             unsafe {
                 libc::dup2(null.as_raw_fd(), 0);
@@ -393,29 +537,38 @@ fn serve(
     }
     let flusher = {
         let c = core.clone();
-        std::thread::Builder::new().name("pmstack-flusher".into()).spawn(move || c.run_flusher())?
+        std::thread::Builder::new()
+            .name("pmstack-flusher".into())
+            .spawn(move || c.run_flusher())?
     };
     {
         let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM])?;
-        std::thread::Builder::new().name("pmstack-signals".into()).spawn(move || {
-            if signals.forever().next().is_some() {
-                let _ = unmounter.unmount();
-            }
-        })?;
+        std::thread::Builder::new()
+            .name("pmstack-signals".into())
+            .spawn(move || {
+                if signals.forever().next().is_some() {
+                    let _ = unmounter.unmount();
+                }
+            })?;
     }
     {
         let c = core.clone();
         let statf = state.with_extension("stats");
         let sum = summary.clone();
-        std::thread::Builder::new().name("pmstack-stats".into()).spawn(move || loop {
-            let _ = fs::write(&statf, stats_json(&c, &sum).to_string());
-            std::thread::sleep(Duration::from_millis(500));
-        })?;
+        std::thread::Builder::new()
+            .name("pmstack-stats".into())
+            .spawn(move || loop {
+                let _ = fs::write(&statf, stats_json(&c, &sum).to_string());
+                std::thread::sleep(Duration::from_millis(500));
+            })?;
     }
     let run = session.run();
     let drained = core.log.as_ref().map_or(0, |l| l.bytes_used());
     let r = core.shutdown();
-    let _ = fs::write(state.with_extension("stats"), stats_json(&core, &summary).to_string());
+    let _ = fs::write(
+        state.with_extension("stats"),
+        stats_json(&core, &summary).to_string(),
+    );
     let _ = flusher.join();
     let _ = fs::remove_file(&state);
     r.with_context(|| format!("draining the log into {} at unmount", lower.display()))?;
@@ -430,16 +583,31 @@ fn stats_json(core: &Core, rec: &Option<RecoverySummary>) -> serde_json::Value {
         use std::sync::atomic::Ordering::Relaxed;
         m.insert("log_commits".into(), s.commits.load(Relaxed).into());
         m.insert("log_entries".into(), s.entries.load(Relaxed).into());
-        m.insert("log_bytes_inplace".into(), s.bytes_inplace.load(Relaxed).into());
-        m.insert("log_bytes_outofplace".into(), s.bytes_pages.load(Relaxed).into());
+        m.insert(
+            "log_bytes_inplace".into(),
+            s.bytes_inplace.load(Relaxed).into(),
+        );
+        m.insert(
+            "log_bytes_outofplace".into(),
+            s.bytes_pages.load(Relaxed).into(),
+        );
         m.insert("gc_runs".into(), s.gc_runs.load(Relaxed).into());
         m.insert("gc_pages_freed".into(), s.pages_freed.load(Relaxed).into());
         m.insert("pm_bytes_used".into(), l.bytes_used().into());
-        m.insert("pm_bytes_free".into(), ((l.pages_free() * PAGE) as u64).into());
+        m.insert(
+            "pm_bytes_free".into(),
+            ((l.pages_free() * PAGE) as u64).into(),
+        );
         m.insert("pm_full_events".into(), s.full.load(Relaxed).into());
     }
-    m.insert("mode".into(), format!("{:?}", core.opts.mode).to_lowercase().into());
-    m.insert("recovery".into(), serde_json::to_value(rec).unwrap_or_default());
+    m.insert(
+        "mode".into(),
+        format!("{:?}", core.opts.mode).to_lowercase().into(),
+    );
+    m.insert(
+        "recovery".into(),
+        serde_json::to_value(rec).unwrap_or_default(),
+    );
     serde_json::Value::Object(m)
 }
 
@@ -457,9 +625,15 @@ fn umount(mp: &Path) -> Result<()> {
     // SAFETY: valid C string.
     if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
         let e = std::io::Error::last_os_error();
-        let st = std::process::Command::new("fusermount3").arg("-u").arg(&mp).status();
+        let st = std::process::Command::new("fusermount3")
+            .arg("-u")
+            .arg(&mp)
+            .status();
         if !st.is_ok_and(|s| s.success()) {
-            bail!("unmounting {}: {e} (is it busy? close files and retry)", mp.display());
+            bail!(
+                "unmounting {}: {e} (is it busy? close files and retry)",
+                mp.display()
+            );
         }
     }
     if let Some(pid) = pid {
@@ -503,7 +677,12 @@ fn format_cmd(pm: &Path, size: u64, lower: &Path, force: bool) -> Result<()> {
     let region = MappedRegion::create(pm, size)?;
     let log = Log::format(Arc::new(region), id, 16)?;
     log.pm().sync_backing();
-    println!("formatted {} ({} MiB) for lower {}", pm.display(), size >> 20, lower.display());
+    println!(
+        "formatted {} ({} MiB) for lower {}",
+        pm.display(),
+        size >> 20,
+        lower.display()
+    );
     Ok(())
 }
 
@@ -540,8 +719,23 @@ fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("region {}: version {}, {} MiB, {}", pm.display(), s.sb.version, s.sb.region_bytes >> 20, if s.clean { "clean" } else { "NOT clean (recovery needed)" });
-        println!("  live entries: {}, live bytes: {}, pages in use: {}", live.len(), out["live_bytes"], used);
+        println!(
+            "region {}: version {}, {} MiB, {}",
+            pm.display(),
+            s.sb.version,
+            s.sb.region_bytes >> 20,
+            if s.clean {
+                "clean"
+            } else {
+                "NOT clean (recovery needed)"
+            }
+        );
+        println!(
+            "  live entries: {}, live bytes: {}, pages in use: {}",
+            live.len(),
+            out["live_bytes"],
+            used
+        );
         for p in &problems {
             println!("  problem: {p}");
         }
@@ -549,7 +743,10 @@ fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
             for e in &live {
                 let mut r = format!("{:?}", e.rec);
                 r.truncate(160);
-                println!("  lsn {:>8} area {:>2} page {:>6} +{:<4} {r}", e.lsn, e.area, e.page, e.off);
+                println!(
+                    "  lsn {:>8} area {:>2} page {:>6} +{:<4} {r}",
+                    e.lsn, e.area, e.page, e.off
+                );
             }
         }
     }
@@ -579,7 +776,8 @@ fn recover_cmd(pm: &Path, lower: &Path) -> Result<()> {
 
 fn stat(mp: &Path, json: bool) -> Result<()> {
     let mp = fs::canonicalize(mp)?;
-    let s = fs::read_to_string(state_path(&mp).with_extension("stats")).map_err(|_| anyhow!("{} is not a pmstack mount (no stats found)", mp.display()))?;
+    let s = fs::read_to_string(state_path(&mp).with_extension("stats"))
+        .map_err(|_| anyhow!("{} is not a pmstack mount (no stats found)", mp.display()))?;
     let v: serde_json::Value = serde_json::from_str(&s)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -602,7 +800,12 @@ fn self_exe() -> PathBuf {
 fn workload(dir: &Path, ops: usize, seed: u64) -> Result<f64> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let f = fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(dir.join("data.bin"))?;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join("data.bin"))?;
     f.set_len(4 << 20)?;
     let buf = vec![seed as u8; 4096];
     let t0 = Instant::now();
@@ -638,8 +841,17 @@ fn demo(dir: &Path, ops: usize, reps: usize) -> Result<()> {
         fs::create_dir_all(d)?;
     }
     let pm = base.join("region.pm");
-    let pm = if Path::new("/dev/shm").is_dir() { PathBuf::from(format!("/dev/shm/pmstack-demo-{}.pm", std::process::id())) } else { pm };
-    println!("pmstack demo: lower {} (on {}), PM {} (emulated)", lower.display(), dir.display(), pm.display());
+    let pm = if Path::new("/dev/shm").is_dir() {
+        PathBuf::from(format!("/dev/shm/pmstack-demo-{}.pm", std::process::id()))
+    } else {
+        pm
+    };
+    println!(
+        "pmstack demo: lower {} (on {}), PM {} (emulated)",
+        lower.display(),
+        dir.display(),
+        pm.display()
+    );
     let st = std::process::Command::new(self_exe())
         .args(["mount", "--pm"])
         .arg(&pm)
@@ -656,12 +868,20 @@ fn demo(dir: &Path, ops: usize, reps: usize) -> Result<()> {
             // Interleaved: lower alone, then through pmstack, same workload and seed.
             a.push(workload(&plain, ops, r as u64)?);
             b.push(workload(&mnt, ops, r as u64)?);
-            println!("  round {}: lower alone {:.0} ops/s, through pmstack {:.0} ops/s", r + 1, a[r], b[r]);
+            println!(
+                "  round {}: lower alone {:.0} ops/s, through pmstack {:.0} ops/s",
+                r + 1,
+                a[r],
+                b[r]
+            );
         }
         Ok((median(&mut a), median(&mut b)))
     })();
     let expect = fs::read(mnt.join("data.bin")).ok();
-    let st = std::process::Command::new(self_exe()).arg("umount").arg(&mnt).status()?;
+    let st = std::process::Command::new(self_exe())
+        .arg("umount")
+        .arg(&mnt)
+        .status()?;
     let (a, b) = res?;
     if !st.success() {
         bail!("umount failed");
@@ -674,7 +894,10 @@ fn demo(dir: &Path, ops: usize, reps: usize) -> Result<()> {
     println!("  lower alone:      {a:>10.0} ops/s");
     println!("  through pmstack:  {b:>10.0} ops/s");
     println!("  ratio pmstack / lower: {:.2}x", b / a);
-    println!("  after unmount, lower holds exactly what was written: {}", if ok { "yes" } else { "NO" });
+    println!(
+        "  after unmount, lower holds exactly what was written: {}",
+        if ok { "yes" } else { "NO" }
+    );
     if !ok {
         bail!("lower content differs from what was written through the mount");
     }
@@ -682,7 +905,11 @@ fn demo(dir: &Path, ops: usize, reps: usize) -> Result<()> {
 }
 
 fn tempfile_dir(parent: &Path) -> Result<PathBuf> {
-    let p = parent.join(format!("pmstack-demo-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos()));
+    let p = parent.join(format!(
+        "pmstack-demo-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    ));
     fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
     Ok(p)
 }

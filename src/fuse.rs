@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::core::Core;
@@ -19,6 +20,8 @@ use crate::lower::real::Stat;
 pub struct Adapter {
     pub core: Arc<Core>,
     pub ttl: Duration,
+    /// Use the kernel's writeback cache (see `init`).
+    pub writeback_cache: bool,
 }
 
 fn err(e: io::Error) -> Errno {
@@ -79,11 +82,20 @@ impl Filesystem for Adapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
-        // Write-through (no FUSE_WRITEBACK_CACHE): every write() reaches us with its exact
-        // bytes, so fsync logs byte ranges we already know and O_SYNC writes are logged in the
-        // same round trip; with the writeback cache the kernel would send whole pages at fsync
-        // and an extra round trip per dirty page batch.
-        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Cache mode. Write-through (default): every write() reaches us with its exact bytes,
+        // so fsync logs byte-granular ranges and an O_SYNC write is logged in the write's own
+        // round trip (the kernel's follow-up FSYNC then finds nothing to do). The writeback
+        // cache makes unsynced writes ~10x faster (they stay in the kernel), but fsync then
+        // costs extra WRITE round trips and logs whole pages; see bench/README.md for the
+        // measurements behind the default.
+        let mut caps = InitFlags::FUSE_PARALLEL_DIROPS;
+        if self.writeback_cache {
+            caps |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        if let Err(missing) = config.add_capabilities(caps) {
+            tracing::warn!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
+            let _ = config.add_capabilities(caps & !missing);
+        }
         Ok(())
     }
 
@@ -125,7 +137,10 @@ impl Filesystem for Adapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        match self.core.setattr(ino.0, mode, uid, gid, size, time_ns(atime), time_ns(mtime)) {
+        match self
+            .core
+            .setattr(ino.0, mode, uid, gid, size, time_ns(atime), time_ns(mtime))
+        {
             Ok(st) => reply.attr(&self.ttl, &attr(&st)),
             Err(e) => reply.error(err(e)),
         }
@@ -138,17 +153,45 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
         let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
-        match self.core.mknod(parent.0, name, mode, rdev as u64, None, req.uid(), req.gid()) {
+        match self.core.mknod(
+            parent.0,
+            name,
+            mode,
+            rdev as u64,
+            None,
+            req.uid(),
+            req.gid(),
+        ) {
             Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
         let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
-        match self.core.mknod(parent.0, name, mode, 0, None, req.uid(), req.gid()) {
+        match self
+            .core
+            .mknod(parent.0, name, mode, 0, None, req.uid(), req.gid())
+        {
             Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
             Err(e) => reply.error(err(e)),
         }
@@ -168,22 +211,56 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
         let t = target.as_os_str().as_bytes();
-        match self.core.mknod(parent.0, link_name, libc::S_IFLNK | 0o777, 0, Some(t), req.uid(), req.gid()) {
+        match self.core.mknod(
+            parent.0,
+            link_name,
+            libc::S_IFLNK | 0o777,
+            0,
+            Some(t),
+            req.uid(),
+            req.gid(),
+        ) {
             Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn rename(&self, _req: &Request, parent: INodeNo, name: &OsStr, newparent: INodeNo, newname: &OsStr, flags: RenameFlags, reply: ReplyEmpty) {
-        match self.core.rename(parent.0, name, newparent.0, newname, flags.bits()) {
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        match self
+            .core
+            .rename(parent.0, name, newparent.0, newname, flags.bits())
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
         match self.core.link(ino.0, newparent.0, newname) {
             Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
             Err(e) => reply.error(err(e)),
@@ -199,30 +276,74 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn read(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: u64, size: u32, _flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyData) {
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
         match self.core.read(fh.0, offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn write(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: u64, data: &[u8], _wf: WriteFlags, _flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyWrite) {
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _wf: WriteFlags,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
         match self.core.write(fh.0, offset, data) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         reply.ok();
     }
 
-    fn release(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, _lock: Option<LockOwner>, _flush: bool, reply: ReplyEmpty) {
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
         self.core.release(fh.0);
         reply.ok();
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.core.fsync(ino.0, Some(fh.0), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -236,7 +357,14 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let d = match self.core.dir(fh.0) {
             Ok(d) => d,
             Err(e) => return reply.error(err(e)),
@@ -272,12 +400,26 @@ impl Filesystem for Adapter {
         reply.ok();
     }
 
-    fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
         self.core.releasedir(fh.0);
         reply.ok();
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.core.fsyncdir(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -286,12 +428,30 @@ impl Filesystem for Adapter {
 
     fn statfs(&self, _req: &Request, ino: INodeNo, reply: ReplyStatfs) {
         match self.core.statfs(ino.0) {
-            Ok(s) => reply.statfs(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree, s.f_bsize as u32, s.f_namemax as u32, s.f_frsize as u32),
+            Ok(s) => reply.statfs(
+                s.f_blocks,
+                s.f_bfree,
+                s.f_bavail,
+                s.f_files,
+                s.f_ffree,
+                s.f_bsize as u32,
+                s.f_namemax as u32,
+                s.f_frsize as u32,
+            ),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn setxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], flags: i32, _position: u32, reply: ReplyEmpty) {
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
         match self.core.setxattr(ino.0, name.as_bytes(), value, flags) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -328,21 +488,56 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
-        match self.core.create(parent.0, name, mode & !umask, flags, req.uid(), req.gid()) {
-            Ok((_, st, fh)) => reply.created(&self.ttl, &attr(&st), Generation(0), FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        match self
+            .core
+            .create(parent.0, name, mode & !umask, flags, req.uid(), req.gid())
+        {
+            Ok((_, st, fh)) => reply.created(
+                &self.ttl,
+                &attr(&st),
+                Generation(0),
+                FileHandle(fh),
+                FopenFlags::FOPEN_KEEP_CACHE,
+            ),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn fallocate(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
         match self.core.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn lseek(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
         match self.core.lseek(fh.0, offset, whence) {
             Ok(o) => reply.offset(o),
             Err(e) => reply.error(err(e)),
@@ -362,7 +557,10 @@ impl Filesystem for Adapter {
         _flags: CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
-        match self.core.copy_file_range(fh_in.0, offset_in, fh_out.0, offset_out, len) {
+        match self
+            .core
+            .copy_file_range(fh_in.0, offset_in, fh_out.0, offset_out, len)
+        {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
         }

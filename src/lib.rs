@@ -4,8 +4,8 @@
 //! log) → [`core`] (the file system core: inodes, handles, policies) over [`lower`] (the real or
 //! simulated lower file system); [`fuse`] is the thin FUSE adapter.
 
-pub mod engine;
-pub mod pmem;
 pub mod core;
-pub mod lower;
+pub mod engine;
 pub mod fuse;
+pub mod lower;
+pub mod pmem;

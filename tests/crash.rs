@@ -25,7 +25,9 @@ use rand::{Rng, SeedableRng};
 const REC: u64 = 8192;
 
 fn pattern(t: usize, i: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|k| ((t as u64 * 131 + i * 31 + k as u64 * 7) % 251) as u8 + 1).collect()
+    (0..len)
+        .map(|k| ((t as u64 * 131 + i * 31 + k as u64 * 7) % 251) as u8 + 1)
+        .collect()
 }
 
 fn rec_len(t: usize, i: u64) -> usize {
@@ -45,8 +47,19 @@ impl LoopFs {
         fs::create_dir_all(&dir).ok()?;
         let f = fs::File::create(&img).ok()?;
         f.set_len(2 << 30).ok()?;
-        let ok = Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img).status().ok()?.success()
-            && Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&dir).status().ok()?.success();
+        let ok = Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .arg(&img)
+            .status()
+            .ok()?
+            .success()
+            && Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&img)
+                .arg(&dir)
+                .status()
+                .ok()?
+                .success();
         if !ok {
             if std::env::var("CI").is_ok_and(|v| v == "true") {
                 panic!("CI: cannot create a loop-mounted ext4 lower (mkfs.ext4 / mount -o loop failed)");
@@ -97,11 +110,13 @@ fn power_cut(root: &Path, old: &BTreeMap<String, Vec<u8>>, rng: &mut impl Rng) {
                 for pg in 0..cur.len().div_ceil(4096) {
                     if rng.gen_bool(0.3) {
                         let end = ((pg + 1) * 4096).min(cur.len());
-                        f.write_all_at(&vec![0; end - pg * 4096], (pg * 4096) as u64).unwrap();
+                        f.write_all_at(&vec![0; end - pg * 4096], (pg * 4096) as u64)
+                            .unwrap();
                     }
                 }
                 if rng.gen_bool(0.3) {
-                    f.set_len(rng.gen_range(0..=cur.len() as u64) / 4096 * 4096).unwrap();
+                    f.set_len(rng.gen_range(0..=cur.len() as u64) / 4096 * 4096)
+                        .unwrap();
                 }
             }
             Some(prev) => {
@@ -140,12 +155,20 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
         }
     }
     Command::new("sync").status().unwrap();
-    m.mount(&["--flush-interval-ms", "3600000", "--pm-size", "512M", "--threads", "2"]);
+    m.mount(&[
+        "--flush-interval-ms",
+        "3600000",
+        "--pm-size",
+        "512M",
+        "--threads",
+        "2",
+    ]);
     let old = snapshot(&m.lower);
 
     let stop = Arc::new(AtomicBool::new(false));
     let threads = 3usize;
-    let acked: Arc<Vec<AtomicI64>> = Arc::new((0..threads + 2).map(|_| AtomicI64::new(-1)).collect());
+    let acked: Arc<Vec<AtomicI64>> =
+        Arc::new((0..threads + 2).map(|_| AtomicI64::new(-1)).collect());
     let mut hs = Vec::new();
     for t in 0..threads {
         let (stop, acked, mnt) = (stop.clone(), acked.clone(), m.mnt.clone());
@@ -155,7 +178,9 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
             if t == 2 {
                 oo.custom_flags(libc::O_SYNC);
             }
-            let Ok(f) = oo.open(mnt.join(format!("w{t}"))) else { return };
+            let Ok(f) = oo.open(mnt.join(format!("w{t}"))) else {
+                return;
+            };
             let mut i = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let d = pattern(t, i, rec_len(t, i));
@@ -184,8 +209,14 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
                 if t == 1 && i % 3 == 0 {
                     // overwrite a pre-existing file in place, fsync
                     let k = (i / 3) % 3;
-                    let Ok(g) = fs::OpenOptions::new().write(true).open(mnt.join(format!("pre-{k}"))) else { return };
-                    let ok = g.write_all_at(&pattern(7, i, 5000), (i % 4) * 3000).is_ok() && g.sync_data().is_ok();
+                    let Ok(g) = fs::OpenOptions::new()
+                        .write(true)
+                        .open(mnt.join(format!("pre-{k}")))
+                    else {
+                        return;
+                    };
+                    let ok = g.write_all_at(&pattern(7, i, 5000), (i % 4) * 3000).is_ok()
+                        && g.sync_data().is_ok();
                     if !ok {
                         return;
                     }
@@ -206,18 +237,21 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
     m.mount(&[]);
 
     // Every acknowledged record is present; nothing else is garbage.
-    for t in 0..threads {
+    for (t, &acked_t) in acked.iter().enumerate().take(threads) {
         let data = fs::read(m.mnt.join(format!("w{t}"))).unwrap_or_default();
         let mut i = 0u64;
-        while (i * REC) < data.len() as u64 || (i as i64) <= acked[t] {
+        while (i * REC) < data.len() as u64 || (i as i64) <= acked_t {
             let want = pattern(t, i, rec_len(t, i));
             let s = (i * REC) as usize;
             let got = data.get(s..(s + want.len()).min(data.len())).unwrap_or(&[]);
-            if (i as i64) <= acked[t] {
-                assert_eq!(got, &want[..], "seed {seed}: thread {t} record {i} was acknowledged (acked up to {}) but is not intact", acked[t]);
+            if (i as i64) <= acked_t {
+                assert_eq!(got, &want[..], "seed {seed}: thread {t} record {i} was acknowledged (acked up to {}) but is not intact", acked_t);
             } else {
                 for (k, b) in got.iter().enumerate() {
-                    assert!(*b == 0 || *b == want[k], "seed {seed}: thread {t} record {i} byte {k} is garbage ({b})");
+                    assert!(
+                        *b == 0 || *b == want[k],
+                        "seed {seed}: thread {t} record {i} byte {k} is garbage ({b})"
+                    );
                 }
             }
             i += 1;
@@ -225,7 +259,11 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
     }
     for i in (0..=acked[threads]).step_by(4).filter(|i| *i >= 0) {
         let got = fs::read(m.mnt.join(format!("r{i}")));
-        assert_eq!(got.ok(), Some(pattern(9, i as u64, 300)), "seed {seed}: acknowledged rename r{i} missing or torn");
+        assert_eq!(
+            got.ok(),
+            Some(pattern(9, i as u64, 300)),
+            "seed {seed}: acknowledged rename r{i} missing or torn"
+        );
     }
     if acked[threads + 1] >= 0 {
         // The last acknowledged overwrite of each pre-file is present.
@@ -243,9 +281,15 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
             let want = pattern(7, i, 5000);
             // A later (unacknowledged or acknowledged) overwrite may cover it; check the bytes
             // only where no later overwrite of the same file could have landed.
-            let later = (i + 3..=acked[threads + 1] as u64 + 3).step_by(3).any(|j| (j / 3) % 3 == k);
+            let later = (i + 3..=acked[threads + 1] as u64 + 3)
+                .step_by(3)
+                .any(|j| (j / 3) % 3 == k);
             if !later {
-                assert_eq!(&data[off..off + 5000], &want[..], "seed {seed}: acknowledged overwrite of pre-{k} (i={i}) lost");
+                assert_eq!(
+                    &data[off..off + 5000],
+                    &want[..],
+                    "seed {seed}: acknowledged overwrite of pre-{k} (i={i}) lost"
+                );
             }
         }
     }
@@ -257,7 +301,10 @@ fn run_once(seed: u64, lower: Option<PathBuf>) {
     lower.remove("lost+found");
     let mut through = through;
     through.remove("lost+found");
-    assert_eq!(lower, through, "seed {seed}: lower after clean unmount differs from what the mount showed");
+    assert_eq!(
+        lower, through,
+        "seed {seed}: lower after clean unmount differs from what the mount showed"
+    );
 }
 
 #[test]
@@ -265,9 +312,15 @@ fn kill9_with_power_loss_on_the_lower() {
     if !common::can_mount() {
         return;
     }
-    let base = tempfile::Builder::new().prefix("pmstack-crash-").tempdir_in("/var/tmp").unwrap();
+    let base = tempfile::Builder::new()
+        .prefix("pmstack-crash-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
     let lfs = LoopFs::new(base.path());
-    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
+    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(12);
     let seed0: u64 = rand::random();
     for r in 0..rounds {
         let lower = lfs.as_ref().map(|l| l.dir.join(format!("round{r}")));

@@ -36,7 +36,9 @@ enum Op {
     OSyncWrite(u8, u16, u16, u8),
 }
 
-const NAMES: &[&str] = &["a", "b", "d0", "d0/a", "d0/c", "d1", "d1/a", "d1/d2", "d1/d2/e"];
+const NAMES: &[&str] = &[
+    "a", "b", "d0", "d0/a", "d0/c", "d1", "d1/a", "d1/d2", "d1/d2/e",
+];
 
 fn name(i: u8) -> &'static str {
     NAMES[i as usize % NAMES.len()]
@@ -45,8 +47,13 @@ fn name(i: u8) -> &'static str {
 fn op() -> impl Strategy<Value = Op> {
     let n = 0u8..NAMES.len() as u8;
     prop_oneof![
-        (n.clone(), prop::sample::select(vec![0o644u32, 0o600, 0o755])).prop_map(|(a, m)| Op::Create(a, m)),
-        (n.clone(), 0u16..20000, 1u16..9000, any::<u8>()).prop_map(|(a, o, l, b)| Op::Write(a, o, l, b)),
+        (
+            n.clone(),
+            prop::sample::select(vec![0o644u32, 0o600, 0o755])
+        )
+            .prop_map(|(a, m)| Op::Create(a, m)),
+        (n.clone(), 0u16..20000, 1u16..9000, any::<u8>())
+            .prop_map(|(a, o, l, b)| Op::Write(a, o, l, b)),
         (n.clone(), 1u16..5000, any::<u8>()).prop_map(|(a, l, b)| Op::Append(a, l, b)),
         (n.clone(), 0u16..30000).prop_map(|(a, s)| Op::Truncate(a, s)),
         n.clone().prop_map(Op::Read),
@@ -57,14 +64,19 @@ fn op() -> impl Strategy<Value = Op> {
         (n.clone(), n.clone(), 0u8..3).prop_map(|(a, b, f)| Op::Rename(a, b, f)),
         (n.clone(), n.clone()).prop_map(|(a, b)| Op::Link(a, b)),
         (n.clone(), n.clone()).prop_map(|(a, b)| Op::Symlink(a, b)),
-        (n.clone(), prop::sample::select(vec![0o600u32, 0o644, 0o755, 0o700])).prop_map(|(a, m)| Op::Chmod(a, m)),
+        (
+            n.clone(),
+            prop::sample::select(vec![0o600u32, 0o644, 0o755, 0o700])
+        )
+            .prop_map(|(a, m)| Op::Chmod(a, m)),
         (n.clone(), any::<bool>()).prop_map(|(a, d)| Op::Fsync(a, d)),
         (n.clone(), 0u8..3, any::<u8>()).prop_map(|(a, k, v)| Op::SetXattr(a, k, v)),
         (n.clone(), 0u8..3).prop_map(|(a, k)| Op::GetXattr(a, k)),
         (n.clone(), 0u8..3).prop_map(|(a, k)| Op::RemoveXattr(a, k)),
         (n.clone(), 0u16..20000, 1u16..9000).prop_map(|(a, o, l)| Op::PunchHole(a, o, l)),
         n.clone().prop_map(Op::ReadDir),
-        (n, 0u16..20000, 1u16..9000, any::<u8>()).prop_map(|(a, o, l, b)| Op::OSyncWrite(a, o, l, b)),
+        (n, 0u16..20000, 1u16..9000, any::<u8>())
+            .prop_map(|(a, o, l, b)| Op::OSyncWrite(a, o, l, b)),
     ]
 }
 
@@ -90,7 +102,13 @@ fn apply(root: &Path, op: &Op) -> Res {
     use std::os::unix::fs::OpenOptionsExt;
     let p = |i: u8| root.join(name(i));
     match *op {
-        Op::Create(a, m) => fs::OpenOptions::new().write(true).create_new(true).mode(m).open(p(a)).map(|_| String::new()).map_err(e),
+        Op::Create(a, m) => fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(m)
+            .open(p(a))
+            .map(|_| String::new())
+            .map_err(e),
         Op::Write(a, o, l, b) | Op::OSyncWrite(a, o, l, b) => {
             let mut oo = fs::OpenOptions::new();
             oo.write(true);
@@ -107,12 +125,25 @@ fn apply(root: &Path, op: &Op) -> Res {
             f.write_all(&vec![b; l as usize]).map_err(e)?;
             Ok(String::new())
         }
-        Op::Truncate(a, s) => fs::OpenOptions::new().write(true).open(p(a)).and_then(|f| f.set_len(s as u64)).map(|_| String::new()).map_err(e),
-        Op::Read(a) => fs::read(p(a)).map(|d| format!("{} {:08x}", d.len(), crc32c::crc32c(&d))).map_err(e),
+        Op::Truncate(a, s) => fs::OpenOptions::new()
+            .write(true)
+            .open(p(a))
+            .and_then(|f| f.set_len(s as u64))
+            .map(|_| String::new())
+            .map_err(e),
+        Op::Read(a) => fs::read(p(a))
+            .map(|d| format!("{} {:08x}", d.len(), crc32c::crc32c(&d)))
+            .map_err(e),
         Op::Stat(a) => fs::symlink_metadata(p(a))
             .map(|m| {
                 let size = if m.is_dir() { 0 } else { m.size() };
-                format!("mode={:o} size={} nlink={} dir={}", m.mode(), size, m.nlink(), m.is_dir())
+                format!(
+                    "mode={:o} size={} nlink={} dir={}",
+                    m.mode(),
+                    size,
+                    m.nlink(),
+                    m.is_dir()
+                )
             })
             .map_err(e),
         Op::Unlink(a) => fs::remove_file(p(a)).map(|_| String::new()).map_err(e),
@@ -121,31 +152,60 @@ fn apply(root: &Path, op: &Op) -> Res {
         Op::Rename(a, b, f) => {
             let flags = [0, libc::RENAME_NOREPLACE, libc::RENAME_EXCHANGE][f as usize];
             // SAFETY: valid C strings.
-            lerr(unsafe { libc::renameat2(libc::AT_FDCWD, c(&p(a)).as_ptr(), libc::AT_FDCWD, c(&p(b)).as_ptr(), flags) })
+            lerr(unsafe {
+                libc::renameat2(
+                    libc::AT_FDCWD,
+                    c(&p(a)).as_ptr(),
+                    libc::AT_FDCWD,
+                    c(&p(b)).as_ptr(),
+                    flags,
+                )
+            })
         }
         Op::Link(a, b) => fs::hard_link(p(a), p(b)).map(|_| String::new()).map_err(e),
-        Op::Symlink(a, b) => std::os::unix::fs::symlink(name(a), p(b)).map(|_| String::new()).map_err(e),
+        Op::Symlink(a, b) => std::os::unix::fs::symlink(name(a), p(b))
+            .map(|_| String::new())
+            .map_err(e),
         Op::Chmod(a, m) => {
             let md = fs::symlink_metadata(p(a)).map_err(e)?;
             if md.file_type().is_symlink() {
                 return Ok("symlink".into());
             }
-            fs::set_permissions(p(a), fs::Permissions::from_mode(m)).map(|_| String::new()).map_err(e)
+            fs::set_permissions(p(a), fs::Permissions::from_mode(m))
+                .map(|_| String::new())
+                .map_err(e)
         }
         Op::Fsync(a, d) => {
             let f = fs::File::open(p(a)).map_err(e)?;
-            if d { f.sync_data() } else { f.sync_all() }.map(|_| String::new()).map_err(e)
+            if d { f.sync_data() } else { f.sync_all() }
+                .map(|_| String::new())
+                .map_err(e)
         }
         Op::SetXattr(a, k, v) => {
             let n = CString::new(format!("user.k{k}")).unwrap();
             // SAFETY: valid pointers.
-            lerr(unsafe { libc::lsetxattr(c(&p(a)).as_ptr(), n.as_ptr(), [v; 7].as_ptr() as *const _, 7, 0) })
+            lerr(unsafe {
+                libc::lsetxattr(
+                    c(&p(a)).as_ptr(),
+                    n.as_ptr(),
+                    [v; 7].as_ptr() as *const _,
+                    7,
+                    0,
+                )
+            })
         }
         Op::GetXattr(a, k) => {
             let n = CString::new(format!("user.k{k}")).unwrap();
             let mut buf = [0u8; 64];
             // SAFETY: valid pointers.
-            let r = unsafe { libc::lgetxattr(c(&p(a)).as_ptr(), n.as_ptr(), buf.as_mut_ptr() as *mut _, buf.len()) };
+            let r = unsafe {
+                libc::lgetxattr(
+                    c(&p(a)).as_ptr(),
+                    n.as_ptr(),
+                    buf.as_mut_ptr() as *mut _,
+                    buf.len(),
+                )
+            };
             if r < 0 {
                 return Err(std::io::Error::last_os_error().raw_os_error().unwrap());
             }
@@ -160,10 +220,20 @@ fn apply(root: &Path, op: &Op) -> Res {
             use std::os::fd::AsRawFd;
             let f = fs::OpenOptions::new().write(true).open(p(a)).map_err(e)?;
             // SAFETY: plain syscall.
-            lerr(unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, o as i64, l as i64) })
+            lerr(unsafe {
+                libc::fallocate(
+                    f.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    o as i64,
+                    l as i64,
+                )
+            })
         }
         Op::ReadDir(a) => {
-            let mut v: Vec<String> = fs::read_dir(p(a)).map_err(e)?.map(|d| d.unwrap().file_name().to_string_lossy().to_string()).collect();
+            let mut v: Vec<String> = fs::read_dir(p(a))
+                .map_err(e)?
+                .map(|d| d.unwrap().file_name().to_string_lossy().to_string())
+                .collect();
             v.sort();
             Ok(v.join(","))
         }
@@ -178,7 +248,11 @@ fn run_mode(mode: &str) {
     m.mount(&["--mode", mode]);
     let plain = m.base.path().join("plain");
     fs::create_dir_all(&plain).unwrap();
-    let mut runner = TestRunner::new(Config { cases: 48, failure_persistence: None, ..Config::default() });
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        failure_persistence: None,
+        ..Config::default()
+    });
     let case = std::cell::Cell::new(0u32);
     let mnt = m.mnt.clone();
     let res = runner.run(&prop::collection::vec(op(), 1..60), |ops| {
@@ -203,7 +277,10 @@ fn run_mode(mode: &str) {
     // After a clean unmount the lower directory alone holds everything, and the log is empty.
     let mut lower_tree = common::tree(&m.lower);
     lower_tree.retain(|k, _| k.starts_with('c'));
-    assert_eq!(lower_tree, plain_tree, "{mode}: lower after unmount differs from the plain directory");
+    assert_eq!(
+        lower_tree, plain_tree,
+        "{mode}: lower after unmount differs from the plain directory"
+    );
     if mode != "passthrough" {
         let chk = m.check_json();
         assert_eq!(chk["live_entries"], 0, "{chk}");

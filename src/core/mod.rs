@@ -65,6 +65,9 @@ struct FileState {
     live_attr: bool,
     /// LSN of the last entry logged for this file.
     last_lsn: u64,
+    /// The LSN counter at the last unlogged write: once a write-back captures a later LSN,
+    /// syncfs made those dirty bytes durable and they need no logging.
+    dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
     /// Active sync: bytes written and pages dirtied since the last sync.
@@ -96,6 +99,9 @@ pub struct DirHandle {
 struct Table {
     by_ino: HashMap<u64, Arc<Inode>>,
     by_dev_ino: HashMap<(u64, u64), u64>,
+    /// State of forgotten inodes that still matters (live log entries, unlogged dirty
+    /// bytes), without their descriptors: restored if the object is looked up again.
+    orphans: HashMap<(u64, u64), FileState>,
 }
 
 pub struct Core {
@@ -148,7 +154,11 @@ impl Core {
             lower,
             opts,
             log,
-            table: RwLock::new(Table { by_ino, by_dev_ino }),
+            table: RwLock::new(Table {
+                by_ino,
+                by_dev_ino,
+                orphans: HashMap::new(),
+            }),
             handles: RwLock::new(HashMap::new()),
             dirs: RwLock::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -171,7 +181,12 @@ impl Core {
     }
 
     pub fn inode(&self, ino: u64) -> R<Arc<Inode>> {
-        self.table.read().by_ino.get(&ino).cloned().ok_or_else(|| errno(libc::ESTALE))
+        self.table
+            .read()
+            .by_ino
+            .get(&ino)
+            .cloned()
+            .ok_or_else(|| errno(libc::ESTALE))
     }
 
     fn hidden(&self, parent: &Inode, name: &OsStr) -> bool {
@@ -189,18 +204,28 @@ impl Core {
             }
         }
         let mut t = self.table.write();
-        if let Some(i) = t.by_dev_ino.get(&key).and_then(|i| t.by_ino.get(i)).cloned() {
+        if let Some(i) = t
+            .by_dev_ino
+            .get(&key)
+            .and_then(|i| t.by_ino.get(i))
+            .cloned()
+        {
             i.nlookup.fetch_add(1, Ordering::Relaxed);
             return i;
         }
         // The lower inode number, unless it collides with the root's 1 or another device.
-        let ino = if st.st_dev == self.root_dev_ino.0 && st.st_ino > 1 && !t.by_ino.contains_key(&st.st_ino) {
+        let ino = if st.st_dev == self.root_dev_ino.0
+            && st.st_ino > 1
+            && !t.by_ino.contains_key(&st.st_ino)
+        {
             st.st_ino
         } else {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
         let fid = self.log.as_ref().map_or(ino, |l| l.next_lsn());
         debug_assert!(fid != ROOT_FID);
+        let mut state = t.orphans.remove(&key).unwrap_or_default();
+        state.bind_lsn = 0; // a new fid: bind it afresh
         let inode = Arc::new(Inode {
             ino,
             fid,
@@ -208,7 +233,7 @@ impl Core {
             kind: kind_of(st.st_mode),
             dev_ino: key,
             nlookup: AtomicU64::new(1),
-            st: Mutex::new(FileState::default()),
+            st: Mutex::new(state),
         });
         t.by_ino.insert(ino, inode.clone());
         t.by_dev_ino.insert(key, ino);
@@ -238,16 +263,17 @@ impl Core {
         }
         let mut t = self.table.write();
         if let Some(i) = t.by_ino.get(&ino) {
-            if i.nlookup.fetch_sub(n.min(i.nlookup.load(Ordering::Relaxed)), Ordering::Relaxed) <= n {
-                // Keep inodes with unlogged dirty data or live entries: their state matters.
-                let busy = {
-                    let s = i.st.lock();
-                    !s.dirty.is_empty() || !s.live_pages.is_empty() || s.live_attr
-                };
-                if !busy {
-                    let key = i.dev_ino;
-                    t.by_ino.remove(&ino);
-                    t.by_dev_ino.remove(&key);
+            if i.nlookup
+                .fetch_sub(n.min(i.nlookup.load(Ordering::Relaxed)), Ordering::Relaxed)
+                <= n
+            {
+                let key = i.dev_ino;
+                let state = std::mem::take(&mut *i.st.lock());
+                t.by_ino.remove(&ino);
+                t.by_dev_ino.remove(&key);
+                // Unlogged dirty bytes or live entries still matter if the object comes back.
+                if !state.dirty.is_empty() || !state.live_pages.is_empty() || state.live_attr {
+                    t.orphans.insert(key, state);
                 }
             }
         }
@@ -262,7 +288,12 @@ impl Core {
 
     /// Bind `i`'s fid to its lower handle if it has no binding that outlives the current
     /// write-back horizon. Appends to the caller's area.
-    fn ensure_bound(&self, a: &mut crate::engine::AreaGuard<'_>, i: &Inode, st: &mut FileState) -> Result<(), crate::engine::LogError> {
+    fn ensure_bound(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        i: &Inode,
+        st: &mut FileState,
+    ) -> Result<(), crate::engine::LogError> {
         if i.fid == ROOT_FID {
             return Ok(());
         }
@@ -278,7 +309,14 @@ impl Core {
     }
 
     /// Append file data `data` at `off`: whole aligned pages out of place, the rest in place.
-    fn log_bytes(&self, a: &mut crate::engine::AreaGuard<'_>, i: &Inode, st: &mut FileState, off: u64, data: &[u8]) -> Result<(), crate::engine::LogError> {
+    fn log_bytes(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        i: &Inode,
+        st: &mut FileState,
+        off: u64,
+        data: &[u8],
+    ) -> Result<(), crate::engine::LogError> {
         self.ensure_bound(a, i, st)?;
         let mut pos = 0usize;
         while pos < data.len() {
@@ -291,8 +329,19 @@ impl Core {
             } else {
                 // Up to the next page boundary if a whole page follows, so it can go out of place.
                 let to_boundary = PAGE - (o % PAGE as u64) as usize;
-                let n = if rest > to_boundary { to_boundary.min(MAX_PAYLOAD) } else { rest.min(MAX_PAYLOAD) };
-                let lsn = a.append(&Record::Data { fid: i.fid, off: o, bytes: data[pos..pos + n].to_vec() }, None)?;
+                let n = if rest > to_boundary {
+                    to_boundary.min(MAX_PAYLOAD)
+                } else {
+                    rest.min(MAX_PAYLOAD)
+                };
+                let lsn = a.append(
+                    &Record::Data {
+                        fid: i.fid,
+                        off: o,
+                        bytes: data[pos..pos + n].to_vec(),
+                    },
+                    None,
+                )?;
                 pos += n;
                 lsn
             };
@@ -301,7 +350,9 @@ impl Core {
         let first = off / PAGE as u64;
         let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
         st.live_pages.extend(first..=last);
-        st.last_lsn = st.last_lsn.max(self.log.as_ref().map_or(0, |l| l.lsn_now() - 1));
+        st.last_lsn = st
+            .last_lsn
+            .max(self.log.as_ref().map_or(0, |l| l.lsn_now() - 1));
         Ok(())
     }
 
@@ -326,7 +377,10 @@ impl Core {
         }
         let fd = match self.lower.reopen(i.node.as_raw_fd(), fl) {
             Ok(fd) => fd,
-            Err(_) if fl != flags => self.lower.reopen(i.node.as_raw_fd(), flags & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC))?,
+            Err(_) if fl != flags => self.lower.reopen(
+                i.node.as_raw_fd(),
+                flags & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC),
+            )?,
             Err(e) => return Err(e),
         };
         if flags & libc::O_TRUNC != 0 {
@@ -338,12 +392,23 @@ impl Core {
     fn add_handle(&self, ino: Arc<Inode>, fd: OwnedFd, flags: i32) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let sync_writes = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
-        self.handles.write().insert(fh, Arc::new(Handle { ino, fd, sync_writes }));
+        self.handles.write().insert(
+            fh,
+            Arc::new(Handle {
+                ino,
+                fd,
+                sync_writes,
+            }),
+        );
         fh
     }
 
     pub fn handle(&self, fh: u64) -> R<Arc<Handle>> {
-        self.handles.read().get(&fh).cloned().ok_or_else(|| errno(libc::EBADF))
+        self.handles
+            .read()
+            .get(&fh)
+            .cloned()
+            .ok_or_else(|| errno(libc::EBADF))
     }
 
     pub fn release(&self, fh: u64) {
@@ -411,6 +476,7 @@ impl Core {
         }
         let n = real::pwrite_all(fd, data, off)?;
         add_range(&mut st.dirty, off, off + n as u64);
+        st.dirty_mark = log.lsn_now();
         st.bytes_since_sync += n as u64;
         st.pages_since_sync.extend(first..=last);
         Ok(n)
@@ -435,7 +501,9 @@ impl Core {
         st.eager = st.pages_since_sync.len() as u64 > self.opts.sensitivity * bytes_pages
             || (st.bytes_since_sync > 0 && st.bytes_since_sync < 512 && !st.dirty.is_empty());
         if st.eager != was {
-            self.stats.active_sync_switches.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .active_sync_switches
+                .fetch_add(1, Ordering::Relaxed);
         }
         st.bytes_since_sync = 0;
         st.pages_since_sync.clear();
@@ -445,7 +513,11 @@ impl Core {
         }
         let rd = match fh.and_then(|f| self.handle(f).ok()) {
             Some(h) => h,
-            None => Arc::new(Handle { ino: i.clone(), fd: self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?, sync_writes: false }),
+            None => Arc::new(Handle {
+                ino: i.clone(),
+                fd: self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+                sync_writes: false,
+            }),
         };
         let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
         let mut a = log.area();
@@ -489,10 +561,14 @@ impl Core {
 
     /// Log an attribute change of `i` (after it was applied to the lower FS).
     fn log_attr(&self, i: &Inode, op: AttrOp) -> R<()> {
-        let Some(log) = self.logging() else { return Ok(()) };
+        let Some(log) = self.logging() else {
+            return Ok(());
+        };
         let mut st = i.st.lock();
         let mut a = log.area();
-        let r = self.ensure_bound(&mut a, i, &mut st).and_then(|_| a.append(&Record::Attr { fid: i.fid, op }, None));
+        let r = self
+            .ensure_bound(&mut a, i, &mut st)
+            .and_then(|_| a.append(&Record::Attr { fid: i.fid, op }, None));
         a.commit();
         drop(a);
         match r {
@@ -510,7 +586,13 @@ impl Core {
     }
 
     fn sync_object(&self, i: &Inode) -> R<()> {
-        let fl = if i.kind == libc::S_IFDIR { libc::O_RDONLY | libc::O_DIRECTORY } else if i.kind == libc::S_IFREG { libc::O_RDONLY } else { return self.lower.syncfs() };
+        let fl = if i.kind == libc::S_IFDIR {
+            libc::O_RDONLY | libc::O_DIRECTORY
+        } else if i.kind == libc::S_IFREG {
+            libc::O_RDONLY
+        } else {
+            return self.lower.syncfs();
+        };
         let fd = self.lower.reopen(i.node.as_raw_fd(), fl)?;
         real::fsync(fd.as_raw_fd(), false)
     }
@@ -521,14 +603,28 @@ impl Core {
         {
             let mut st = i.st.lock();
             // Dirty bytes past the new end no longer exist.
-            let keep: BTreeMap<u64, u64> = st.dirty.iter().filter(|(s, _)| **s < size).map(|(s, e)| (*s, (*e).min(size))).collect();
+            let keep: BTreeMap<u64, u64> = st
+                .dirty
+                .iter()
+                .filter(|(s, _)| **s < size)
+                .map(|(s, e)| (*s, (*e).min(size)))
+                .collect();
             st.dirty = keep;
         }
         self.log_attr(i, AttrOp::Truncate(size))
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn setattr(&self, ino: u64, mode: Option<u32>, uid: Option<u32>, gid: Option<u32>, size: Option<u64>, atime: Option<Option<i64>>, mtime: Option<Option<i64>>) -> R<Stat> {
+    pub fn setattr(
+        &self,
+        ino: u64,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<Option<i64>>,
+        mtime: Option<Option<i64>>,
+    ) -> R<Stat> {
         let i = self.inode(ino)?;
         if let Some(s) = size {
             self.setattr_size(&i, s)?;
@@ -549,7 +645,13 @@ impl Core {
             let st = fstat(i.node.as_raw_fd())?;
             let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
             let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
-            self.log_attr(&i, AttrOp::Times { atime_ns: a, mtime_ns: m })?;
+            self.log_attr(
+                &i,
+                AttrOp::Times {
+                    atime_ns: a,
+                    mtime_ns: m,
+                },
+            )?;
         }
         self.stat_of(&i)
     }
@@ -558,21 +660,41 @@ impl Core {
         let h = self.handle(fh)?;
         let _g = self.gate.read();
         real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
-        self.log_attr(&h.ino, AttrOp::Fallocate { mode: mode as u32, offset: off, len })
+        self.log_attr(
+            &h.ino,
+            AttrOp::Fallocate {
+                mode: mode as u32,
+                offset: off,
+                len,
+            },
+        )
     }
 
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> R<()> {
         let i = self.inode(ino)?;
         let _g = self.gate.read();
-        self.lower.setxattr(i.node.as_raw_fd(), name, value, flags)?;
-        self.log_attr(&i, AttrOp::SetXattr { name: name.to_vec(), value: value.to_vec(), flags: 0 })
+        self.lower
+            .setxattr(i.node.as_raw_fd(), name, value, flags)?;
+        self.log_attr(
+            &i,
+            AttrOp::SetXattr {
+                name: name.to_vec(),
+                value: value.to_vec(),
+                flags: 0,
+            },
+        )
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> R<()> {
         let i = self.inode(ino)?;
         let _g = self.gate.read();
         self.lower.removexattr(i.node.as_raw_fd(), name)?;
-        self.log_attr(&i, AttrOp::RemoveXattr { name: name.to_vec() })
+        self.log_attr(
+            &i,
+            AttrOp::RemoveXattr {
+                name: name.to_vec(),
+            },
+        )
     }
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: usize) -> R<Vec<u8>> {
@@ -589,19 +711,32 @@ impl Core {
 
     /// Run a namespace operation on the lower FS and log `rec(…)` for it, ordered with every
     /// other namespace operation; durable when this returns.
-    fn ns_op<T>(&self, bind: &[&Arc<Inode>], lower_op: impl FnOnce() -> R<T>, rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>, fallback_sync: &[&Arc<Inode>]) -> R<T> {
-        let Some(log) = self.logging() else { return lower_op() };
+    fn ns_op<T>(
+        &self,
+        bind: &[&Arc<Inode>],
+        lower_op: impl FnOnce() -> R<T>,
+        rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>,
+        fallback_sync: &[&Arc<Inode>],
+    ) -> R<T> {
+        let Some(log) = self.logging() else {
+            return lower_op();
+        };
         let _g = self.gate.read();
         let order = self.ns_order.lock();
         let out = lower_op()?;
         let lsn = log.next_lsn();
         drop(order);
-        let Some((op, child)) = rec(&out) else { return Ok(out) };
+        let Some((op, child)) = rec(&out) else {
+            return Ok(out);
+        };
         // Bind records first (inode locks taken one at a time, never while holding an area:
         // writers lock inode then area, so the reverse order here could deadlock).
         let mut binds: Vec<(&Inode, Vec<u8>)> = Vec::new();
         for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
-            if i.fid != ROOT_FID && self.needs_bind(&i.st.lock()) && !binds.iter().any(|(b, _)| b.fid == i.fid) {
+            if i.fid != ROOT_FID
+                && self.needs_bind(&i.st.lock())
+                && !binds.iter().any(|(b, _)| b.fid == i.fid)
+            {
                 binds.push((i, self.lower.handle(i.node.as_raw_fd()).unwrap_or_default()));
             }
         }
@@ -687,7 +822,16 @@ impl Core {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn mknod(&self, parent: u64, name: &OsStr, mode: u32, rdev: u64, target: Option<&[u8]>, uid: u32, gid: u32) -> R<(Arc<Inode>, Stat)> {
+    pub fn mknod(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        rdev: u64,
+        target: Option<&[u8]>,
+        uid: u32,
+        gid: u32,
+    ) -> R<(Arc<Inode>, Stat)> {
         let p = self.inode(parent)?;
         if self.hidden(&p, name) {
             return Err(errno(libc::EPERM));
@@ -711,7 +855,15 @@ impl Core {
         )
     }
 
-    pub fn create(&self, parent: u64, name: &OsStr, mode: u32, flags: i32, uid: u32, gid: u32) -> R<(Arc<Inode>, Stat, u64)> {
+    pub fn create(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        flags: i32,
+        uid: u32,
+        gid: u32,
+    ) -> R<(Arc<Inode>, Stat, u64)> {
         let p = self.inode(parent)?;
         if self.hidden(&p, name) {
             return Err(errno(libc::EPERM));
@@ -723,7 +875,9 @@ impl Core {
         let (i, st, fd) = self.ns_op(
             &[&p],
             || {
-                let fd = self.lower.create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
+                let fd = self
+                    .lower
+                    .create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
                 let (i, _) = self.created(&p, name, b"")?;
                 self.own(&i, uid, gid);
                 let st = self.stat_of(&i)?;
@@ -741,11 +895,25 @@ impl Core {
         if self.hidden(&p, name) {
             return Err(errno(libc::ENOENT));
         }
-        let victim = if self.logging().is_some() { Some(self.object_at(&p, name)?) } else { None };
+        let victim = if self.logging().is_some() {
+            Some(self.object_at(&p, name)?)
+        } else {
+            None
+        };
         self.ns_op(
             &[&p],
             || self.lower.unlink(p.node.as_raw_fd(), name, dir),
-            |_| Some((NsOp::Remove { parent: p.fid, name: name.as_bytes().to_vec(), dir, victim: victim.as_ref().map_or(0, |v| v.fid) }, victim.clone())),
+            |_| {
+                Some((
+                    NsOp::Remove {
+                        parent: p.fid,
+                        name: name.as_bytes().to_vec(),
+                        dir,
+                        victim: victim.as_ref().map_or(0, |v| v.fid),
+                    },
+                    victim.clone(),
+                ))
+            },
             &[&p],
         )
     }
@@ -756,7 +924,11 @@ impl Core {
         let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
         {
             let t = self.table.read();
-            if let Some(i) = t.by_dev_ino.get(&(st.st_dev, st.st_ino)).and_then(|i| t.by_ino.get(i)) {
+            if let Some(i) = t
+                .by_dev_ino
+                .get(&(st.st_dev, st.st_ino))
+                .and_then(|i| t.by_ino.get(i))
+            {
                 return Ok(i.clone());
             }
         }
@@ -771,16 +943,35 @@ impl Core {
         }))
     }
 
-    pub fn rename(&self, parent: u64, name: &OsStr, newparent: u64, newname: &OsStr, flags: u32) -> R<()> {
+    pub fn rename(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        newparent: u64,
+        newname: &OsStr,
+        flags: u32,
+    ) -> R<()> {
         let p = self.inode(parent)?;
         let np = self.inode(newparent)?;
         if self.hidden(&p, name) || self.hidden(&np, newname) {
             return Err(errno(libc::EPERM));
         }
-        let src = if self.logging().is_some() { Some(self.object_at(&p, name)?) } else { None };
+        let src = if self.logging().is_some() {
+            Some(self.object_at(&p, name)?)
+        } else {
+            None
+        };
         self.ns_op(
             &[&p, &np],
-            || self.lower.rename(p.node.as_raw_fd(), name, np.node.as_raw_fd(), newname, flags),
+            || {
+                self.lower.rename(
+                    p.node.as_raw_fd(),
+                    name,
+                    np.node.as_raw_fd(),
+                    newname,
+                    flags,
+                )
+            },
             |_| {
                 Some((
                     NsOp::Rename {
@@ -807,11 +998,21 @@ impl Core {
         self.ns_op(
             &[&i, &np],
             || {
-                self.lower.link(i.node.as_raw_fd(), np.node.as_raw_fd(), newname)?;
+                self.lower
+                    .link(i.node.as_raw_fd(), np.node.as_raw_fd(), newname)?;
                 i.nlookup.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             },
-            |_| Some((NsOp::Link { fid: i.fid, newparent: np.fid, newname: newname.as_bytes().to_vec() }, None)),
+            |_| {
+                Some((
+                    NsOp::Link {
+                        fid: i.fid,
+                        newparent: np.fid,
+                        newname: newname.as_bytes().to_vec(),
+                    },
+                    None,
+                ))
+            },
             &[&np],
         )?;
         let st = self.stat_of(&i)?;
@@ -830,12 +1031,18 @@ impl Core {
             entries.retain(|(n, _, _)| n != MARKER.as_bytes());
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dirs.write().insert(fh, Arc::new(DirHandle { entries }));
+        self.dirs
+            .write()
+            .insert(fh, Arc::new(DirHandle { entries }));
         Ok(fh)
     }
 
     pub fn dir(&self, fh: u64) -> R<Arc<DirHandle>> {
-        self.dirs.read().get(&fh).cloned().ok_or_else(|| errno(libc::EBADF))
+        self.dirs
+            .read()
+            .get(&fh)
+            .cloned()
+            .ok_or_else(|| errno(libc::EBADF))
     }
 
     pub fn releasedir(&self, fh: u64) {
@@ -859,7 +1066,9 @@ impl Core {
             return Ok(());
         }
         let i = self.inode(ino)?;
-        let fd = self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY | libc::O_DIRECTORY)?;
+        let fd = self
+            .lower
+            .reopen(i.node.as_raw_fd(), libc::O_RDONLY | libc::O_DIRECTORY)?;
         real::fsync(fd.as_raw_fd(), datasync)
     }
 
@@ -873,11 +1082,24 @@ impl Core {
         real::lseek(h.fd.as_raw_fd(), off, whence)
     }
 
-    pub fn copy_file_range(&self, fh_in: u64, off_in: u64, fh_out: u64, off_out: u64, len: u64) -> R<usize> {
+    pub fn copy_file_range(
+        &self,
+        fh_in: u64,
+        off_in: u64,
+        fh_out: u64,
+        off_out: u64,
+        len: u64,
+    ) -> R<usize> {
         let hi = self.handle(fh_in)?;
         let ho = self.handle(fh_out)?;
         if self.logging().is_none() {
-            return real::copy_file_range(hi.fd.as_raw_fd(), off_in, ho.fd.as_raw_fd(), off_out, len);
+            return real::copy_file_range(
+                hi.fd.as_raw_fd(),
+                off_in,
+                ho.fd.as_raw_fd(),
+                off_out,
+                len,
+            );
         }
         // Through the write path, so the copy obeys the same logging rules as a write.
         let data = self.read(fh_in, off_in, len.min(16 << 20) as u32)?;
@@ -895,7 +1117,9 @@ impl Core {
     /// One write-back round: capture an LSN, make the lower FS durable, expire everything
     /// below it, reclaim PM.
     pub fn write_back(&self) -> R<()> {
-        let Some(log) = self.logging() else { return Ok(()) };
+        let Some(log) = self.logging() else {
+            return Ok(());
+        };
         let t0 = Instant::now();
         let upto = {
             let _w = self.gate.write();
@@ -909,16 +1133,24 @@ impl Core {
             return Err(e);
         }
         log.checkpoint(upto);
-        let t = self.table.read();
+        let mut t = self.table.write();
         for i in t.by_ino.values() {
             let mut st = i.st.lock();
             if st.last_lsn < upto {
                 st.live_pages.clear();
                 st.live_attr = false;
             }
+            if st.dirty_mark < upto {
+                st.dirty.clear();
+            }
         }
+        t.orphans
+            .retain(|_, st| st.last_lsn >= upto || st.dirty_mark >= upto);
+        drop(t);
         self.stats.writebacks.fetch_add(1, Ordering::Relaxed);
-        self.stats.writeback_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.stats
+            .writeback_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -947,7 +1179,9 @@ impl Core {
     pub fn shutdown(&self) -> R<()> {
         self.stopping.store(true, Ordering::SeqCst);
         self.wake_flusher();
-        let Some(log) = self.log.as_ref() else { return Ok(()) };
+        let Some(log) = self.log.as_ref() else {
+            return Ok(());
+        };
         let _w = self.gate.write();
         self.lower.syncfs()?;
         log.reset();
@@ -965,7 +1199,11 @@ fn add_range(m: &mut BTreeMap<u64, u64>, mut s: u64, mut e: u64) {
         return;
     }
     // Merge with overlapping or adjacent ranges.
-    let overl: Vec<(u64, u64)> = m.range(..=e).filter(|(_, &ee)| ee >= s).map(|(a, b)| (*a, *b)).collect();
+    let overl: Vec<(u64, u64)> = m
+        .range(..=e)
+        .filter(|(_, &ee)| ee >= s)
+        .map(|(a, b)| (*a, *b))
+        .collect();
     for (a, b) in overl {
         m.remove(&a);
         s = s.min(a);

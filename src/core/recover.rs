@@ -42,7 +42,9 @@ impl Replayer<'_> {
             return Ok(Some(self.lower.root_fd()));
         }
         if !self.nodes.contains_key(&fid) {
-            let Some(h) = self.plan.binds.get(&fid) else { return Ok(None) };
+            let Some(h) = self.plan.binds.get(&fid) else {
+                return Ok(None);
+            };
             match self.lower.open_handle(h) {
                 Ok(fd) => {
                     self.nodes.insert(fid, fd);
@@ -56,17 +58,35 @@ impl Replayer<'_> {
 
     /// Does `name` in `dir` currently name object `fid`?
     fn names(&mut self, dir: i32, name: &[u8], fid: u64) -> bool {
-        let Ok((_, at)) = self.lower.lookup(dir, OsStr::from_bytes(name)) else { return false };
-        let Some(obj) = self.resolve(fid) else { return false };
-        let Ok(o) = real::fstat(obj) else { return false };
+        let Ok((_, at)) = self.lower.lookup(dir, OsStr::from_bytes(name)) else {
+            return false;
+        };
+        let Some(obj) = self.resolve(fid) else {
+            return false;
+        };
+        let Ok(o) = real::fstat(obj) else {
+            return false;
+        };
         (o.st_dev, o.st_ino) == (at.st_dev, at.st_ino)
     }
 
     fn ns(&mut self, op: &NsOp) -> std::io::Result<bool> {
         let l = self.lower;
         match op {
-            NsOp::Create { parent, name, child, kind, mode, rdev, uid, gid, target } => {
-                let Some(p) = self.resolve(*parent) else { return Ok(false) };
+            NsOp::Create {
+                parent,
+                name,
+                child,
+                kind,
+                mode,
+                rdev,
+                uid,
+                gid,
+                target,
+            } => {
+                let Some(p) = self.resolve(*parent) else {
+                    return Ok(false);
+                };
                 let n = OsStr::from_bytes(name);
                 if let Ok((fd, _)) = l.lookup(p, n) {
                     self.nodes.insert(*child, fd);
@@ -75,7 +95,9 @@ impl Replayer<'_> {
                 match kind {
                     NodeKind::Dir => l.mkdir(p, n, *mode)?,
                     NodeKind::Symlink => l.symlink(p, n, target)?,
-                    NodeKind::File => drop(l.create_file(p, n, libc::O_RDWR | libc::O_EXCL, *mode)?),
+                    NodeKind::File => {
+                        drop(l.create_file(p, n, libc::O_RDWR | libc::O_EXCL, *mode)?)
+                    }
                     k => {
                         let t = match k {
                             NodeKind::Fifo => libc::S_IFIFO,
@@ -94,8 +116,15 @@ impl Replayer<'_> {
                 self.nodes.insert(*child, fd);
                 Ok(true)
             }
-            NsOp::Remove { parent, name, dir, victim } => {
-                let Some(p) = self.resolve(*parent) else { return Ok(false) };
+            NsOp::Remove {
+                parent,
+                name,
+                dir,
+                victim,
+            } => {
+                let Some(p) = self.resolve(*parent) else {
+                    return Ok(false);
+                };
                 // Only the very object that was removed: a newer one of that name stays.
                 if self.names(p, name, *victim) {
                     l.unlink(p, OsStr::from_bytes(name), *dir)?;
@@ -103,17 +132,38 @@ impl Replayer<'_> {
                 }
                 Ok(false)
             }
-            NsOp::Rename { parent, name, newparent, newname, flags, src } => {
-                let (Some(p), Some(np)) = (self.resolve(*parent), self.resolve(*newparent)) else { return Ok(false) };
+            NsOp::Rename {
+                parent,
+                name,
+                newparent,
+                newname,
+                flags,
+                src,
+            } => {
+                let (Some(p), Some(np)) = (self.resolve(*parent), self.resolve(*newparent)) else {
+                    return Ok(false);
+                };
                 // Applied already (src no longer under `name`, e.g. an exchange done): skip.
                 if self.names(p, name, *src) {
-                    l.rename(p, OsStr::from_bytes(name), np, OsStr::from_bytes(newname), *flags)?;
+                    l.rename(
+                        p,
+                        OsStr::from_bytes(name),
+                        np,
+                        OsStr::from_bytes(newname),
+                        *flags,
+                    )?;
                     return Ok(true);
                 }
                 Ok(false)
             }
-            NsOp::Link { fid, newparent, newname } => {
-                let (Some(o), Some(np)) = (self.resolve(*fid), self.resolve(*newparent)) else { return Ok(false) };
+            NsOp::Link {
+                fid,
+                newparent,
+                newname,
+            } => {
+                let (Some(o), Some(np)) = (self.resolve(*fid), self.resolve(*newparent)) else {
+                    return Ok(false);
+                };
                 if l.lookup(np, OsStr::from_bytes(newname)).is_ok() {
                     return Ok(false);
                 }
@@ -145,10 +195,7 @@ impl Replayer<'_> {
                     self.sum.bytes_replayed += bytes.len() as u64;
                 }
                 (FileOp::Attr(AttrOp::Truncate(s)), Some(fd)) => {
-                    // SAFETY: plain syscall on an owned fd.
-                    if unsafe { libc::ftruncate(fd.as_raw_fd(), *s as i64) } < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                    real::ftruncate(fd.as_raw_fd(), *s)?
                 }
                 (FileOp::Attr(AttrOp::Fallocate { mode, offset, len }), Some(fd)) => {
                     real::fallocate(fd.as_raw_fd(), *mode as i32, *offset, *len)?
@@ -156,13 +203,18 @@ impl Replayer<'_> {
                 (FileOp::Attr(AttrOp::Chmod(m)), _) => self.lower.chmod(node, *m)?,
                 (FileOp::Attr(AttrOp::Chown(u, g)), _) => self.lower.chown(node, *u, *g)?,
                 (FileOp::Attr(AttrOp::Times { atime_ns, mtime_ns }), _) => {
-                    self.lower.utimens(node, atime_ns.map(Some), mtime_ns.map(Some))?
+                    self.lower
+                        .utimens(node, atime_ns.map(Some), mtime_ns.map(Some))?
                 }
-                (FileOp::Attr(AttrOp::SetXattr { name, value, .. }), _) => self.lower.setxattr(node, name, value, 0)?,
-                (FileOp::Attr(AttrOp::RemoveXattr { name }), _) => match self.lower.removexattr(node, name) {
-                    Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
-                    r => r?,
-                },
+                (FileOp::Attr(AttrOp::SetXattr { name, value, .. }), _) => {
+                    self.lower.setxattr(node, name, value, 0)?
+                }
+                (FileOp::Attr(AttrOp::RemoveXattr { name }), _) => {
+                    match self.lower.removexattr(node, name) {
+                        Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
+                        r => r?,
+                    }
+                }
                 _ => {}
             }
         }
@@ -174,9 +226,18 @@ impl Replayer<'_> {
 }
 
 /// Replay the plan onto the lower directory and make it durable.
-pub fn replay(lower: &RealLower, plan: &ReplayPlan, progress: &dyn Fn(u64, u64)) -> RecoverySummary {
+pub fn replay(
+    lower: &RealLower,
+    plan: &ReplayPlan,
+    progress: &dyn Fn(u64, u64),
+) -> RecoverySummary {
     let t0 = std::time::Instant::now();
-    let mut r = Replayer { lower, plan, nodes: HashMap::new(), sum: RecoverySummary::default() };
+    let mut r = Replayer {
+        lower,
+        plan,
+        nodes: HashMap::new(),
+        sum: RecoverySummary::default(),
+    };
     let total = (plan.namespace.len() + plan.files.len()) as u64;
     let mut done = 0;
     for (lsn, op) in &plan.namespace {
@@ -197,14 +258,21 @@ pub fn replay(lower: &RealLower, plan: &ReplayPlan, progress: &dyn Fn(u64, u64))
         progress(done, total);
     }
     if let Err(e) = lower.syncfs() {
-        r.sum.errors.push(format!("syncfs of the lower directory: {e}"));
+        r.sum
+            .errors
+            .push(format!("syncfs of the lower directory: {e}"));
     }
     r.sum.duration_ms = t0.elapsed().as_millis() as u64;
     r.sum
 }
 
 /// Recover a region onto `lower` if it holds live entries; then empty the log.
-pub fn recover(log: &Log, scan: &crate::engine::Scan, lower: &RealLower, progress: &dyn Fn(u64, u64)) -> Result<RecoverySummary, String> {
+pub fn recover(
+    log: &Log,
+    scan: &crate::engine::Scan,
+    lower: &RealLower,
+    progress: &dyn Fn(u64, u64),
+) -> Result<RecoverySummary, String> {
     let plan = scan.plan(&**log.pm())?;
     let sum = if plan.is_empty() {
         RecoverySummary::default()

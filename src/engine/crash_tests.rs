@@ -64,7 +64,10 @@ fn recovered_live(img: Vec<u8>) -> Result<Vec<(u64, Item)>, String> {
                 l,
                 match op {
                     FileOp::Write { off, bytes } => Item::Write { fid, off, bytes },
-                    FileOp::Attr(a) => Item::Attr { fid, op: format!("{a:?}") },
+                    FileOp::Attr(a) => Item::Attr {
+                        fid,
+                        op: format!("{a:?}"),
+                    },
                 },
             ));
         }
@@ -78,7 +81,14 @@ fn random_txn(log: &Log, rng: &mut StdRng) -> Vec<(u64, Item)> {
     let mut items = Vec::new();
     for _ in 0..rng.gen_range(1..6) {
         let fid = rng.gen_range(2..6u64);
-        a.append(&Record::Bind { fid, handle: vec![fid as u8; 12] }, None).unwrap();
+        a.append(
+            &Record::Bind {
+                fid,
+                handle: vec![fid as u8; 12],
+            },
+            None,
+        )
+        .unwrap();
         match rng.gen_range(0..5) {
             0 | 1 => {
                 let len = rng.gen_range(1..5000usize);
@@ -88,23 +98,55 @@ fn random_txn(log: &Log, rng: &mut StdRng) -> Vec<(u64, Item)> {
                 let bytes = vec![fill; len];
                 for (i, chunk) in bytes.chunks(super::format::MAX_PAYLOAD).enumerate() {
                     let o = off + (i * super::format::MAX_PAYLOAD) as u64;
-                    let rec = Record::Data { fid, off: o, bytes: chunk.to_vec() };
+                    let rec = Record::Data {
+                        fid,
+                        off: o,
+                        bytes: chunk.to_vec(),
+                    };
                     let l = a.append(&rec, None).unwrap();
-                    items.push((l, Item::Write { fid, off: o, bytes: chunk.to_vec() }));
+                    items.push((
+                        l,
+                        Item::Write {
+                            fid,
+                            off: o,
+                            bytes: chunk.to_vec(),
+                        },
+                    ));
                 }
             }
             2 => {
                 let off = rng.gen_range(0..8u64) * PAGE as u64;
                 let data: Vec<u8> = (0..PAGE).map(|_| rng.gen()).collect();
-                match a.append_page(fid, off, &data) {
-                    Ok(l) => items.push((l, Item::Write { fid, off, bytes: data })),
-                    Err(_) => {} // full: the fs core would fall back to the lower fsync
+                // When full, the fs core falls back to the lower fsync: nothing is logged.
+                if let Ok(l) = a.append_page(fid, off, &data) {
+                    items.push((
+                        l,
+                        Item::Write {
+                            fid,
+                            off,
+                            bytes: data,
+                        },
+                    ));
                 }
             }
             3 => {
                 let op = AttrOp::Truncate(rng.gen_range(0..30_000));
-                let l = a.append(&Record::Attr { fid, op: op.clone() }, None).unwrap();
-                items.push((l, Item::Attr { fid, op: format!("{op:?}") }));
+                let l = a
+                    .append(
+                        &Record::Attr {
+                            fid,
+                            op: op.clone(),
+                        },
+                        None,
+                    )
+                    .unwrap();
+                items.push((
+                    l,
+                    Item::Attr {
+                        fid,
+                        op: format!("{op:?}"),
+                    },
+                ));
             }
             _ => {
                 let op = NsOp::Create {
@@ -155,8 +197,12 @@ fn run(seed: u64, nops: usize, region_pages: usize) {
     assert!(!images.is_empty());
     for img in images {
         let k = img.tag as usize;
-        let got = recovered_live(img.bytes.clone())
-            .unwrap_or_else(|e| panic!("seed {seed}: image before fence {} fails: {e}", img.before_fence));
+        let got = recovered_live(img.bytes.clone()).unwrap_or_else(|e| {
+            panic!(
+                "seed {seed}: image before fence {} fails: {e}",
+                img.before_fence
+            )
+        });
         let before = model_live(&ops[..k]);
         let after = model_live(&ops[..(k + 1).min(ops.len())]);
         assert!(
@@ -176,7 +222,8 @@ fn run(seed: u64, nops: usize, region_pages: usize) {
         }
         let s2 = scan(&*pm2).unwrap();
         let plan2 = s2.plan(&*pm2).expect("live data intact after more appends");
-        let total: usize = plan2.files.values().map(|v| v.len()).sum::<usize>() + plan2.namespace.len();
+        let total: usize =
+            plan2.files.values().map(|v| v.len()).sum::<usize>() + plan2.namespace.len();
         assert!(total >= got.len());
         drop(log2);
     }
@@ -217,7 +264,10 @@ fn corrupt_entries_and_pages_are_reported_never_replayed() {
         match recovered_live(img) {
             Err(_) => detected += 1,
             // A flip in free space or in an expired/unused byte changes nothing.
-            Ok(got) => assert_eq!(got, baseline, "trial {trial}: flipped byte {byte} silently changed replay"),
+            Ok(got) => assert_eq!(
+                got, baseline,
+                "trial {trial}: flipped byte {byte} silently changed replay"
+            ),
         }
     }
     assert!(detected > 0, "no flip was detected at all");

@@ -105,7 +105,18 @@ pub struct RawEntry {
 
 impl RawEntry {
     pub fn new(kind: Kind, fid: u64) -> Self {
-        RawEntry { kind, sub: 0, lsn: 0, fid, a: 0, b: 0, c: 0, d: 0, e: 0, payload: Vec::new() }
+        RawEntry {
+            kind,
+            sub: 0,
+            lsn: 0,
+            fid,
+            a: 0,
+            b: 0,
+            c: 0,
+            d: 0,
+            e: 0,
+            payload: Vec::new(),
+        }
     }
 
     pub fn nslots(&self) -> usize {
@@ -253,7 +264,10 @@ impl Superblock {
         }
         let region_bytes = le_u64(b, SB_REGION_BYTES);
         if region_bytes > actual_len {
-            return Err(SbError::Truncated { expected: region_bytes, actual: actual_len });
+            return Err(SbError::Truncated {
+                expected: region_bytes,
+                actual: actual_len,
+            });
         }
         if region_bytes % PAGE as u64 != 0 || region_bytes < MIN_PAGES * PAGE as u64 {
             return Err(SbError::Geometry("region size".into()));
@@ -305,10 +319,18 @@ mod tests {
         let mut b = e.encode();
         b.resize(PAGE - SLOT, 0);
         assert_eq!(RawEntry::decode(&b).unwrap(), e);
-        for bit in [5 * 8, 9 * 8 + 3, (E_HDR + 17) * 8 + 1, (E_HDR + 299) * 8 + 7] {
+        for bit in [
+            5 * 8,
+            9 * 8 + 3,
+            (E_HDR + 17) * 8 + 1,
+            (E_HDR + 299) * 8 + 7,
+        ] {
             let mut c = b.clone();
             c[bit / 8] ^= 1 << (bit % 8);
-            assert!(RawEntry::decode(&c).is_err(), "flip of bit {bit} must be detected");
+            assert!(
+                RawEntry::decode(&c).is_err(),
+                "flip of bit {bit} must be detected"
+            );
         }
     }
 
@@ -325,10 +347,16 @@ mod tests {
         assert_eq!(Superblock::decode(&b, sb.region_bytes).unwrap(), sb);
         let mut c = b;
         c[SB_UUID] ^= 1;
-        assert_eq!(Superblock::decode(&c, sb.region_bytes), Err(SbError::Checksum));
+        assert_eq!(
+            Superblock::decode(&c, sb.region_bytes),
+            Err(SbError::Checksum)
+        );
         let mut c = b;
         c[0] ^= 1;
-        assert_eq!(Superblock::decode(&c, sb.region_bytes), Err(SbError::BadMagic));
+        assert_eq!(
+            Superblock::decode(&c, sb.region_bytes),
+            Err(SbError::BadMagic)
+        );
         assert!(matches!(
             Superblock::decode(&b, sb.region_bytes - PAGE as u64),
             Err(SbError::TooSmall(_) | SbError::Truncated { .. })

@@ -139,7 +139,14 @@ impl Log {
                     PAGE
                 },
                 seq: last.map_or(0, |p| p.seq),
-                pages: a.pages.iter().map(|p| LivePage { page: p.page, max_lsn: p.max_lsn }).collect(),
+                pages: a
+                    .pages
+                    .iter()
+                    .map(|p| LivePage {
+                        page: p.page,
+                        max_lsn: p.max_lsn,
+                    })
+                    .collect(),
                 pending: Vec::new(),
                 end: encode_tail(a.tail_page, a.tail_off),
                 committed: encode_tail(a.tail_page, a.tail_off),
@@ -219,7 +226,10 @@ impl Log {
                 return AreaGuard { log: self, a: g };
             }
         }
-        AreaGuard { log: self, a: self.areas[hint % n].lock() }
+        AreaGuard {
+            log: self,
+            a: self.areas[hint % n].lock(),
+        }
     }
 
     fn alloc(&self, reserve_ok: bool) -> Option<u32> {
@@ -236,7 +246,9 @@ impl Log {
         let mut f = self.free.lock();
         let before = f.len();
         f.extend(pages);
-        self.stats.pages_freed.fetch_add((f.len() - before) as u64, Ordering::Relaxed);
+        self.stats
+            .pages_freed
+            .fetch_add((f.len() - before) as u64, Ordering::Relaxed);
         self.free_count.store(f.len(), Ordering::Relaxed);
     }
 
@@ -261,7 +273,9 @@ impl Log {
         }
         let freed: Vec<u32> = {
             let mut oop = self.oop.lock();
-            let Some(v) = oop.get_mut(&fid) else { return Ok(()) };
+            let Some(v) = oop.get_mut(&fid) else {
+                return Ok(());
+            };
             let (dead, live): (Vec<_>, Vec<_>) = v.drain(..).partition(|(l, _)| *l < upto);
             *v = live;
             dead.into_iter().map(|(_, p)| p).collect()
@@ -362,7 +376,12 @@ impl AreaGuard<'_> {
         self.append_inner(rec, lsn, true)
     }
 
-    fn append_inner(&mut self, rec: &Record, lsn: Option<u64>, reserve_ok: bool) -> Result<u64, LogError> {
+    fn append_inner(
+        &mut self,
+        rec: &Record,
+        lsn: Option<u64>,
+        reserve_ok: bool,
+    ) -> Result<u64, LogError> {
         let mut raw = rec.to_raw();
         let n = raw.nslots() * SLOT;
         if self.a.off + n > PAGE {
@@ -383,7 +402,8 @@ impl AreaGuard<'_> {
         let st = &self.log.stats;
         st.entries.fetch_add(1, Ordering::Relaxed);
         if let Record::Data { bytes, .. } = rec {
-            st.bytes_inplace.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            st.bytes_inplace
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
         Ok(lsn)
     }
@@ -392,7 +412,11 @@ impl AreaGuard<'_> {
     /// non-temporal stores), the entry records where.
     pub fn append_page(&mut self, fid: u64, off: u64, data: &[u8]) -> Result<u64, LogError> {
         assert_eq!(data.len(), PAGE, "out-of-place entries hold whole pages");
-        assert_eq!(off % PAGE as u64, 0, "out-of-place entries are page aligned");
+        assert_eq!(
+            off % PAGE as u64,
+            0,
+            "out-of-place entries are page aligned"
+        );
         // Make sure the entry will fit before taking a data page, so a full log never leaks one.
         if self.a.off + SLOT * 2 > PAGE {
             self.new_page(false)?;
@@ -405,9 +429,25 @@ impl AreaGuard<'_> {
         self.log.pm.write_nt(at, data);
         self.a.pending.push((at, PAGE));
         let crc = crc32c::crc32c(data);
-        let lsn = self.append(&Record::DataPage { fid, off, page, crc }, None)?;
-        self.log.oop.lock().entry(fid).or_default().push((lsn, page));
-        self.log.stats.bytes_pages.fetch_add(PAGE as u64, Ordering::Relaxed);
+        let lsn = self.append(
+            &Record::DataPage {
+                fid,
+                off,
+                page,
+                crc,
+            },
+            None,
+        )?;
+        self.log
+            .oop
+            .lock()
+            .entry(fid)
+            .or_default()
+            .push((lsn, page));
+        self.log
+            .stats
+            .bytes_pages
+            .fetch_add(PAGE as u64, Ordering::Relaxed);
         Ok(lsn)
     }
 

@@ -53,11 +53,27 @@ pub enum NsOp {
         target: Vec<u8>,
     },
     /// `name` in `parent` (which was object `victim`) was removed.
-    Remove { parent: u64, name: Vec<u8>, dir: bool, victim: u64 },
+    Remove {
+        parent: u64,
+        name: Vec<u8>,
+        dir: bool,
+        victim: u64,
+    },
     /// `name` in `parent` (object `src`) moved to `newname` in `newparent`.
-    Rename { parent: u64, name: Vec<u8>, newparent: u64, newname: Vec<u8>, flags: u32, src: u64 },
+    Rename {
+        parent: u64,
+        name: Vec<u8>,
+        newparent: u64,
+        newname: Vec<u8>,
+        flags: u32,
+        src: u64,
+    },
     /// Object `fid` got a new name `newname` in `newparent`.
-    Link { fid: u64, newparent: u64, newname: Vec<u8> },
+    Link {
+        fid: u64,
+        newparent: u64,
+        newname: Vec<u8>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,25 +83,56 @@ pub enum AttrOp {
     /// u32::MAX leaves that id unchanged.
     Chown(u32, u32),
     /// Nanoseconds since the epoch; None leaves that time unchanged.
-    Times { atime_ns: Option<i64>, mtime_ns: Option<i64> },
-    SetXattr { name: Vec<u8>, value: Vec<u8>, flags: u32 },
-    RemoveXattr { name: Vec<u8> },
+    Times {
+        atime_ns: Option<i64>,
+        mtime_ns: Option<i64>,
+    },
+    SetXattr {
+        name: Vec<u8>,
+        value: Vec<u8>,
+        flags: u32,
+    },
+    RemoveXattr {
+        name: Vec<u8>,
+    },
     /// fallocate(mode, offset, len) incl. punch hole.
-    Fallocate { mode: u32, offset: u64, len: u64 },
+    Fallocate {
+        mode: u32,
+        offset: u64,
+        len: u64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     /// Bytes written at `off` (byte granular, data inline).
-    Data { fid: u64, off: u64, bytes: Vec<u8> },
+    Data {
+        fid: u64,
+        off: u64,
+        bytes: Vec<u8>,
+    },
     /// A whole page written at `off` (page aligned), data in PM page `page` with crc `crc`.
-    DataPage { fid: u64, off: u64, page: u32, crc: u32 },
-    Bind { fid: u64, handle: Vec<u8> },
+    DataPage {
+        fid: u64,
+        off: u64,
+        page: u32,
+        crc: u32,
+    },
+    Bind {
+        fid: u64,
+        handle: Vec<u8>,
+    },
     Ns(NsOp),
-    Attr { fid: u64, op: AttrOp },
+    Attr {
+        fid: u64,
+        op: AttrOp,
+    },
     /// Everything about `fid` (NAMESPACE_FID: every namespace record) below `upto` is durable
     /// in the lower file system.
-    WriteBack { fid: u64, upto: u64 },
+    WriteBack {
+        fid: u64,
+        upto: u64,
+    },
 }
 
 const NS_CREATE: u8 = 1;
@@ -122,7 +169,12 @@ impl Record {
                 e.payload = bytes.clone();
                 e
             }
-            Record::DataPage { fid, off, page, crc } => {
+            Record::DataPage {
+                fid,
+                off,
+                page,
+                crc,
+            } => {
                 let mut e = RawEntry::new(Kind::DataPage, *fid);
                 e.a = *off;
                 e.b = *page as u64;
@@ -183,7 +235,17 @@ impl Record {
             Record::Ns(op) => {
                 let mut e = RawEntry::new(Kind::Namespace, NAMESPACE_FID);
                 match op {
-                    NsOp::Create { parent, name, child, kind, mode, rdev, uid, gid, target } => {
+                    NsOp::Create {
+                        parent,
+                        name,
+                        child,
+                        kind,
+                        mode,
+                        rdev,
+                        uid,
+                        gid,
+                        target,
+                    } => {
                         e.sub = NS_CREATE;
                         e.a = *parent;
                         e.b = *child;
@@ -194,14 +256,26 @@ impl Record {
                         put_field(&mut e.payload, target);
                         put_field(&mut e.payload, &gid.to_le_bytes());
                     }
-                    NsOp::Remove { parent, name, dir, victim } => {
+                    NsOp::Remove {
+                        parent,
+                        name,
+                        dir,
+                        victim,
+                    } => {
                         e.sub = NS_REMOVE;
                         e.a = *parent;
                         e.b = *victim;
                         e.c = *dir as u64;
                         put_field(&mut e.payload, name);
                     }
-                    NsOp::Rename { parent, name, newparent, newname, flags, src } => {
+                    NsOp::Rename {
+                        parent,
+                        name,
+                        newparent,
+                        newname,
+                        flags,
+                        src,
+                    } => {
                         e.sub = NS_RENAME;
                         e.a = *parent;
                         e.b = *newparent;
@@ -210,7 +284,11 @@ impl Record {
                         put_field(&mut e.payload, name);
                         put_field(&mut e.payload, newname);
                     }
-                    NsOp::Link { fid, newparent, newname } => {
+                    NsOp::Link {
+                        fid,
+                        newparent,
+                        newname,
+                    } => {
                         e.sub = NS_LINK;
                         e.a = *fid;
                         e.b = *newparent;
@@ -226,15 +304,25 @@ impl Record {
     pub fn from_raw(e: &RawEntry) -> Option<Record> {
         Some(match e.kind {
             Kind::Pad => return None,
-            Kind::DataInPlace => Record::Data { fid: e.fid, off: e.a, bytes: e.payload.clone() },
+            Kind::DataInPlace => Record::Data {
+                fid: e.fid,
+                off: e.a,
+                bytes: e.payload.clone(),
+            },
             Kind::DataPage => Record::DataPage {
                 fid: e.fid,
                 off: e.a,
                 page: u32::try_from(e.b).ok()?,
                 crc: e.e,
             },
-            Kind::Bind => Record::Bind { fid: e.fid, handle: e.payload.clone() },
-            Kind::WriteBack => Record::WriteBack { fid: e.fid, upto: e.a },
+            Kind::Bind => Record::Bind {
+                fid: e.fid,
+                handle: e.payload.clone(),
+            },
+            Kind::WriteBack => Record::WriteBack {
+                fid: e.fid,
+                upto: e.a,
+            },
             Kind::Attr => {
                 let op = match e.sub {
                     AT_TRUNC => AttrOp::Truncate(e.a),
@@ -246,12 +334,20 @@ impl Record {
                     },
                     AT_SETX => {
                         let mut f = get_fields(&e.payload)?.into_iter();
-                        AttrOp::SetXattr { name: f.next()?, value: f.next()?, flags: e.a as u32 }
+                        AttrOp::SetXattr {
+                            name: f.next()?,
+                            value: f.next()?,
+                            flags: e.a as u32,
+                        }
                     }
-                    AT_REMX => {
-                        AttrOp::RemoveXattr { name: get_fields(&e.payload)?.into_iter().next()? }
-                    }
-                    AT_FALLOC => AttrOp::Fallocate { mode: e.c as u32, offset: e.a, len: e.b },
+                    AT_REMX => AttrOp::RemoveXattr {
+                        name: get_fields(&e.payload)?.into_iter().next()?,
+                    },
+                    AT_FALLOC => AttrOp::Fallocate {
+                        mode: e.c as u32,
+                        offset: e.a,
+                        len: e.b,
+                    },
                     _ => return None,
                 };
                 Record::Attr { fid: e.fid, op }
@@ -275,7 +371,12 @@ impl Record {
                             target,
                         }
                     }
-                    NS_REMOVE => NsOp::Remove { parent: e.a, name: f.next()?, dir: e.c != 0, victim: e.b },
+                    NS_REMOVE => NsOp::Remove {
+                        parent: e.a,
+                        name: f.next()?,
+                        dir: e.c != 0,
+                        victim: e.b,
+                    },
                     NS_RENAME => NsOp::Rename {
                         parent: e.a,
                         newparent: e.b,
@@ -284,7 +385,11 @@ impl Record {
                         newname: f.next()?,
                         src: e.d,
                     },
-                    NS_LINK => NsOp::Link { fid: e.a, newparent: e.b, newname: f.next()? },
+                    NS_LINK => NsOp::Link {
+                        fid: e.a,
+                        newparent: e.b,
+                        newname: f.next()?,
+                    },
                     _ => return None,
                 })
             }
@@ -299,20 +404,63 @@ mod tests {
     #[test]
     fn every_record_kind_roundtrips() {
         let recs = vec![
-            Record::Data { fid: 9, off: 3, bytes: b"hello".to_vec() },
-            Record::DataPage { fid: 9, off: 8192, page: 77, crc: 0xdead },
-            Record::Bind { fid: 9, handle: vec![1, 2, 3, 4, 5, 6, 7, 8, 9] },
+            Record::Data {
+                fid: 9,
+                off: 3,
+                bytes: b"hello".to_vec(),
+            },
+            Record::DataPage {
+                fid: 9,
+                off: 8192,
+                page: 77,
+                crc: 0xdead,
+            },
+            Record::Bind {
+                fid: 9,
+                handle: vec![1, 2, 3, 4, 5, 6, 7, 8, 9],
+            },
             Record::WriteBack { fid: 0, upto: 1234 },
-            Record::Attr { fid: 4, op: AttrOp::Truncate(99) },
-            Record::Attr { fid: 4, op: AttrOp::Chmod(0o644) },
-            Record::Attr { fid: 4, op: AttrOp::Chown(1, u32::MAX) },
-            Record::Attr { fid: 4, op: AttrOp::Times { atime_ns: None, mtime_ns: Some(-5) } },
             Record::Attr {
                 fid: 4,
-                op: AttrOp::SetXattr { name: b"user.a".to_vec(), value: vec![0; 3], flags: 1 },
+                op: AttrOp::Truncate(99),
             },
-            Record::Attr { fid: 4, op: AttrOp::RemoveXattr { name: b"user.a".to_vec() } },
-            Record::Attr { fid: 4, op: AttrOp::Fallocate { mode: 3, offset: 5, len: 6 } },
+            Record::Attr {
+                fid: 4,
+                op: AttrOp::Chmod(0o644),
+            },
+            Record::Attr {
+                fid: 4,
+                op: AttrOp::Chown(1, u32::MAX),
+            },
+            Record::Attr {
+                fid: 4,
+                op: AttrOp::Times {
+                    atime_ns: None,
+                    mtime_ns: Some(-5),
+                },
+            },
+            Record::Attr {
+                fid: 4,
+                op: AttrOp::SetXattr {
+                    name: b"user.a".to_vec(),
+                    value: vec![0; 3],
+                    flags: 1,
+                },
+            },
+            Record::Attr {
+                fid: 4,
+                op: AttrOp::RemoveXattr {
+                    name: b"user.a".to_vec(),
+                },
+            },
+            Record::Attr {
+                fid: 4,
+                op: AttrOp::Fallocate {
+                    mode: 3,
+                    offset: 5,
+                    len: 6,
+                },
+            },
             Record::Ns(NsOp::Create {
                 parent: 1,
                 name: b"a".to_vec(),
@@ -338,7 +486,11 @@ mod tests {
                 flags: 2,
                 src: 8,
             }),
-            Record::Ns(NsOp::Link { fid: 5, newparent: 2, newname: b"c".to_vec() }),
+            Record::Ns(NsOp::Link {
+                fid: 5,
+                newparent: 2,
+                newname: b"c".to_vec(),
+            }),
         ];
         for r in recs {
             let raw = r.to_raw();

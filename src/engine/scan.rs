@@ -155,7 +155,14 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
         let owner = pm.load_u64(area_word(idx, AREA_OWNER));
         let head = sealed(area_word(idx, AREA_HEAD), "area head");
         let (tail_page, tail_off) = decode_tail(sealed(area_word(idx, AREA_TAIL), "area tail"));
-        let mut a = AreaScan { idx, owner, head: 0, tail_page, tail_off, pages: Vec::new() };
+        let mut a = AreaScan {
+            idx,
+            owner,
+            head: 0,
+            tail_page,
+            tail_off,
+            pages: Vec::new(),
+        };
         if head == 0 {
             s.areas.push(a);
             continue;
@@ -179,7 +186,8 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
                 break;
             }
             if let Some(o) = owner_of.insert(p, idx) {
-                s.problems.push(format!("page {p} is in the logs of areas {o} and {idx}"));
+                s.problems
+                    .push(format!("page {p} is in the logs of areas {o} and {idx}"));
                 break;
             }
             pm.read(p as usize * PAGE, &mut page_buf);
@@ -189,13 +197,24 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
                 && le_u32(&page_buf, LP_CRC) == crc32c::crc32c(&page_buf[..16])
                 && expect_seq.is_none_or(|e| e == seq);
             if !hdr_ok {
-                s.problems.push(format!("area {idx}: log page {p} has a bad header"));
+                s.problems
+                    .push(format!("area {idx}: log page {p} has a bad header"));
                 break;
             }
             let is_tail = tail_page == p;
             // tail_page 0: a first page was chained but nothing committed yet.
-            let end = if is_tail { tail_off } else if tail_page == 0 { SLOT } else { PAGE };
-            let mut info = PageInfo { page: p, seq, max_lsn: 0 };
+            let end = if is_tail {
+                tail_off
+            } else if tail_page == 0 {
+                SLOT
+            } else {
+                PAGE
+            };
+            let mut info = PageInfo {
+                page: p,
+                seq,
+                max_lsn: 0,
+            };
             let mut off = SLOT;
             while off < end {
                 match RawEntry::decode(&page_buf[off..]) {
@@ -279,7 +298,8 @@ impl Scan {
         self.entries
             .iter()
             .filter(move |e| {
-                !matches!(e.rec, Record::Bind { .. } | Record::WriteBack { .. }) && !self.expired(e, &wb)
+                !matches!(e.rec, Record::Bind { .. } | Record::WriteBack { .. })
+                    && !self.expired(e, &wb)
             })
             .collect::<Vec<_>>()
             .into_iter()
@@ -287,8 +307,11 @@ impl Scan {
 
     /// Pages in use: log pages of every area, and data pages of unexpired out-of-place entries.
     pub fn used_pages(&self) -> BTreeSet<u32> {
-        let mut used: BTreeSet<u32> =
-            self.areas.iter().flat_map(|a| a.pages.iter().map(|p| p.page)).collect();
+        let mut used: BTreeSet<u32> = self
+            .areas
+            .iter()
+            .flat_map(|a| a.pages.iter().map(|p| p.page))
+            .collect();
         for e in self.live_entries() {
             if let Record::DataPage { page, .. } = e.rec {
                 used.insert(page);
@@ -300,7 +323,9 @@ impl Scan {
     /// The free-page pool rebuilt from the scan.
     pub fn free_pages(&self) -> Vec<u32> {
         let used = self.used_pages();
-        (FIRST_ALLOC_PAGE..self.sb.pages()).filter(|p| !used.contains(p)).collect()
+        (FIRST_ALLOC_PAGE..self.sb.pages())
+            .filter(|p| !used.contains(p))
+            .collect()
     }
 
     /// Build the replay plan. Out-of-place data is read from PM and its crc verified; a
@@ -320,12 +345,19 @@ impl Scan {
             let _ = &wb;
             match &e.rec {
                 Record::Ns(op) => plan.namespace.push((e.lsn, op.clone())),
-                Record::Data { fid, off, bytes } => plan
-                    .files
-                    .entry(*fid)
-                    .or_default()
-                    .push((e.lsn, FileOp::Write { off: *off, bytes: bytes.clone() })),
-                Record::DataPage { fid, off, page, crc } => {
+                Record::Data { fid, off, bytes } => plan.files.entry(*fid).or_default().push((
+                    e.lsn,
+                    FileOp::Write {
+                        off: *off,
+                        bytes: bytes.clone(),
+                    },
+                )),
+                Record::DataPage {
+                    fid,
+                    off,
+                    page,
+                    crc,
+                } => {
                     if *page < FIRST_ALLOC_PAGE || *page >= self.sb.pages() {
                         return Err(format!("LSN {}: data page {page} out of range", e.lsn));
                     }
@@ -337,28 +369,49 @@ impl Scan {
                             e.lsn
                         ));
                     }
-                    plan.files
-                        .entry(*fid)
-                        .or_default()
-                        .push((e.lsn, FileOp::Write { off: *off, bytes: buf }));
+                    plan.files.entry(*fid).or_default().push((
+                        e.lsn,
+                        FileOp::Write {
+                            off: *off,
+                            bytes: buf,
+                        },
+                    ));
                 }
-                Record::Attr { fid, op } => {
-                    plan.files.entry(*fid).or_default().push((e.lsn, FileOp::Attr(op.clone())))
-                }
+                Record::Attr { fid, op } => plan
+                    .files
+                    .entry(*fid)
+                    .or_default()
+                    .push((e.lsn, FileOp::Attr(op.clone()))),
                 Record::Bind { .. } | Record::WriteBack { .. } => {}
             }
         }
-        for fid in plan.files.keys().chain(
-            plan.namespace.iter().flat_map(|(_, op)| match op {
+        for fid in plan
+            .files
+            .keys()
+            .chain(plan.namespace.iter().flat_map(|(_, op)| match op {
                 NsOp::Create { parent, .. } => vec![parent],
                 NsOp::Remove { parent, victim, .. } => vec![parent, victim],
-                NsOp::Rename { parent, newparent, src, .. } => vec![parent, newparent, src],
+                NsOp::Rename {
+                    parent,
+                    newparent,
+                    src,
+                    ..
+                } => vec![parent, newparent, src],
                 NsOp::Link { fid, newparent, .. } => vec![fid, newparent],
-            }),
-        ) {
-            let created = plan.namespace.iter().any(|(_, op)| matches!(op, NsOp::Create { child, .. } if child == fid));
-            if *fid != super::record::ROOT_FID && *fid != NAMESPACE_FID && !created && !plan.binds.contains_key(fid) {
-                return Err(format!("file id {fid} has live records but no binding to a lower file"));
+            }))
+        {
+            let created = plan
+                .namespace
+                .iter()
+                .any(|(_, op)| matches!(op, NsOp::Create { child, .. } if child == fid));
+            if *fid != super::record::ROOT_FID
+                && *fid != NAMESPACE_FID
+                && !created
+                && !plan.binds.contains_key(fid)
+            {
+                return Err(format!(
+                    "file id {fid} has live records but no binding to a lower file"
+                ));
             }
         }
         Ok(plan)

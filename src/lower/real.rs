@@ -39,7 +39,14 @@ pub fn fstat(fd: RawFd) -> io::Result<Stat> {
     let mut st: Stat = unsafe { std::mem::zeroed() };
     let empty = c"";
     // SAFETY: valid pointers.
-    cvt(unsafe { libc::fstatat(fd, empty.as_ptr(), &mut st, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+    cvt(unsafe {
+        libc::fstatat(
+            fd,
+            empty.as_ptr(),
+            &mut st,
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })?;
     Ok(st)
 }
 
@@ -53,11 +60,21 @@ impl RealLower {
     pub fn open(path: &Path) -> io::Result<Self> {
         let c = cstr(path.as_os_str().as_bytes())?;
         // SAFETY: valid C string.
-        let fd = cvt(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
+        let fd = cvt(unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        })?;
         // SAFETY: fresh fd we own.
         let root = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: valid C string.
-        let mfd = cvt(unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
+        let mfd = cvt(unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        })?;
         // SAFETY: fresh fd we own.
         let mount_fd = unsafe { OwnedFd::from_raw_fd(mfd) };
         Ok(RealLower { root, mount_fd })
@@ -105,7 +122,13 @@ impl RealLower {
     }
 
     /// Create and open a regular file (O_CREAT|O_EXCL semantics by `flags`).
-    pub fn create_file(&self, dir: RawFd, name: &OsStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    pub fn create_file(
+        &self,
+        dir: RawFd,
+        name: &OsStr,
+        flags: i32,
+        mode: u32,
+    ) -> io::Result<OwnedFd> {
         check_name(name.as_bytes())?;
         let c = cstr(name.as_bytes())?;
         let flags = (flags | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC) & !libc::O_APPEND;
@@ -141,13 +164,23 @@ impl RealLower {
         Ok(())
     }
 
-    pub fn rename(&self, d1: RawFd, n1: &OsStr, d2: RawFd, n2: &OsStr, flags: u32) -> io::Result<()> {
+    pub fn rename(
+        &self,
+        d1: RawFd,
+        n1: &OsStr,
+        d2: RawFd,
+        n2: &OsStr,
+        flags: u32,
+    ) -> io::Result<()> {
         check_name(n1.as_bytes())?;
         check_name(n2.as_bytes())?;
         let a = cstr(n1.as_bytes())?;
         let b = cstr(n2.as_bytes())?;
         // SAFETY: valid pointers; renameat2 via syscall (glibc wrapper may be missing).
-        cvt(unsafe { libc::syscall(libc::SYS_renameat2, d1, a.as_ptr(), d2, b.as_ptr(), flags) } as i32)?;
+        cvt(
+            unsafe { libc::syscall(libc::SYS_renameat2, d1, a.as_ptr(), d2, b.as_ptr(), flags) }
+                as i32,
+        )?;
         Ok(())
     }
 
@@ -157,7 +190,15 @@ impl RealLower {
         let c = cstr(name.as_bytes())?;
         let p = proc_path(node);
         // SAFETY: valid pointers. AT_SYMLINK_FOLLOW resolves the /proc magic link to the object.
-        cvt(unsafe { libc::linkat(libc::AT_FDCWD, p.as_ptr(), dir, c.as_ptr(), libc::AT_SYMLINK_FOLLOW) })?;
+        cvt(unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                p.as_ptr(),
+                dir,
+                c.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        })?;
         Ok(())
     }
 
@@ -165,7 +206,9 @@ impl RealLower {
         let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
         let empty = c"";
         // SAFETY: valid buffer.
-        let n = cvt_sz(unsafe { libc::readlinkat(node, empty.as_ptr(), buf.as_mut_ptr() as *mut _, buf.len()) })?;
+        let n = cvt_sz(unsafe {
+            libc::readlinkat(node, empty.as_ptr(), buf.as_mut_ptr() as *mut _, buf.len())
+        })?;
         buf.truncate(n);
         Ok(buf)
     }
@@ -180,16 +223,38 @@ impl RealLower {
     pub fn chown(&self, node: RawFd, uid: u32, gid: u32) -> io::Result<()> {
         let empty = c"";
         // SAFETY: valid pointers; u32::MAX (-1) leaves an id unchanged.
-        cvt(unsafe { libc::fchownat(node, empty.as_ptr(), uid, gid, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+        cvt(unsafe {
+            libc::fchownat(
+                node,
+                empty.as_ptr(),
+                uid,
+                gid,
+                libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })?;
         Ok(())
     }
 
     /// Set times; `None` = leave unchanged, `Some(None)` = now, `Some(Some(ns))` = that time.
-    pub fn utimens(&self, node: RawFd, atime: Option<Option<i64>>, mtime: Option<Option<i64>>) -> io::Result<()> {
+    pub fn utimens(
+        &self,
+        node: RawFd,
+        atime: Option<Option<i64>>,
+        mtime: Option<Option<i64>>,
+    ) -> io::Result<()> {
         let ts = |t: Option<Option<i64>>| match t {
-            None => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
-            Some(None) => libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_NOW },
-            Some(Some(ns)) => libc::timespec { tv_sec: ns.div_euclid(1_000_000_000), tv_nsec: ns.rem_euclid(1_000_000_000) },
+            None => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+            Some(None) => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_NOW,
+            },
+            Some(Some(ns)) => libc::timespec {
+                tv_sec: ns.div_euclid(1_000_000_000),
+                tv_nsec: ns.rem_euclid(1_000_000_000),
+            },
         };
         let times = [ts(atime), ts(mtime)];
         let p = proc_path(node);
@@ -197,7 +262,14 @@ impl RealLower {
         if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
             let empty = c"";
             // SAFETY: valid pointers; AT_EMPTY_PATH operates on the symlink itself.
-            cvt(unsafe { libc::utimensat(node, empty.as_ptr(), times.as_ptr(), libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW) })?;
+            cvt(unsafe {
+                libc::utimensat(
+                    node,
+                    empty.as_ptr(),
+                    times.as_ptr(),
+                    libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+                )
+            })?;
         } else {
             // SAFETY: valid pointers.
             cvt(unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) })?;
@@ -216,7 +288,15 @@ impl RealLower {
         let p = proc_path(node);
         let n = cstr(name)?;
         // SAFETY: valid pointers.
-        cvt(unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), value.as_ptr() as *const _, value.len(), flags) })?;
+        cvt(unsafe {
+            libc::setxattr(
+                p.as_ptr(),
+                n.as_ptr(),
+                value.as_ptr() as *const _,
+                value.len(),
+                flags,
+            )
+        })?;
         Ok(())
     }
 
@@ -225,7 +305,9 @@ impl RealLower {
         let n = cstr(name)?;
         let mut buf = vec![0u8; size];
         // SAFETY: valid pointers.
-        let r = cvt_sz(unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr() as *mut _, size) })?;
+        let r = cvt_sz(unsafe {
+            libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr() as *mut _, size)
+        })?;
         buf.truncate(if size == 0 { 0 } else { r });
         if size == 0 {
             return Ok(vec![0; r]);
@@ -304,7 +386,12 @@ impl RealLower {
         buf[8..].copy_from_slice(&h[4..]);
         // SAFETY: buf is a well-formed struct file_handle.
         let fd = cvt(unsafe {
-            libc::syscall(libc::SYS_open_by_handle_at, self.mount_fd.as_raw_fd(), buf.as_mut_ptr(), libc::O_PATH | libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            libc::syscall(
+                libc::SYS_open_by_handle_at,
+                self.mount_fd.as_raw_fd(),
+                buf.as_mut_ptr(),
+                libc::O_PATH | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            )
         } as i32)?;
         // SAFETY: fresh fd we own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -346,7 +433,8 @@ pub fn pwrite_all(fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<usize> 
     let total = buf.len();
     while !buf.is_empty() {
         // SAFETY: valid buffer.
-        let n = cvt_sz(unsafe { libc::pwrite(fd, buf.as_ptr() as *const _, buf.len(), off as i64) })?;
+        let n =
+            cvt_sz(unsafe { libc::pwrite(fd, buf.as_ptr() as *const _, buf.len(), off as i64) })?;
         if n == 0 {
             return Err(errno(libc::EIO));
         }
@@ -358,7 +446,19 @@ pub fn pwrite_all(fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<usize> 
 
 pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
     // SAFETY: plain syscalls on a caller-owned fd.
-    cvt(unsafe { if datasync { libc::fdatasync(fd) } else { libc::fsync(fd) } })?;
+    cvt(unsafe {
+        if datasync {
+            libc::fdatasync(fd)
+        } else {
+            libc::fsync(fd)
+        }
+    })?;
+    Ok(())
+}
+
+pub fn ftruncate(fd: RawFd, size: u64) -> io::Result<()> {
+    // SAFETY: plain syscall.
+    cvt(unsafe { libc::ftruncate(fd, size as i64) })?;
     Ok(())
 }
 
@@ -378,11 +478,19 @@ pub fn lseek(fd: RawFd, off: i64, whence: i32) -> io::Result<i64> {
     }
 }
 
-pub fn copy_file_range(fd_in: RawFd, off_in: u64, fd_out: RawFd, off_out: u64, len: u64) -> io::Result<usize> {
+pub fn copy_file_range(
+    fd_in: RawFd,
+    off_in: u64,
+    fd_out: RawFd,
+    off_out: u64,
+    len: u64,
+) -> io::Result<usize> {
     let mut oi = off_in as i64;
     let mut oo = off_out as i64;
     // SAFETY: valid pointers.
-    cvt_sz(unsafe { libc::copy_file_range(fd_in, &mut oi, fd_out, &mut oo, len as usize, 0) } as isize)
+    cvt_sz(
+        unsafe { libc::copy_file_range(fd_in, &mut oi, fd_out, &mut oo, len as usize, 0) } as isize,
+    )
 }
 
 #[cfg(test)]

@@ -96,7 +96,9 @@ unsafe fn flush_line(kind: FlushKind, p: *const u8) {
     // SAFETY (caller): p points into mapped memory.
     match kind {
         FlushKind::None => {}
-        FlushKind::Clwb => std::arch::asm!("clwb [{0}]", in(reg) p, options(nostack, preserves_flags)),
+        FlushKind::Clwb => {
+            std::arch::asm!("clwb [{0}]", in(reg) p, options(nostack, preserves_flags))
+        }
         FlushKind::ClflushOpt => {
             std::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags))
         }

@@ -18,7 +18,9 @@ pub enum MapError {
         #[source]
         source: std::io::Error,
     },
-    #[error("PM region {path} is {len} bytes; at least {min} bytes are needed (use a larger --size)")]
+    #[error(
+        "PM region {path} is {len} bytes; at least {min} bytes are needed (use a larger --size)"
+    )]
     TooSmall { path: PathBuf, len: u64, min: u64 },
 }
 
@@ -42,7 +44,10 @@ const MAP_SYNC: i32 = 0x80000;
 impl MappedRegion {
     /// Create (0600) or resize an ordinary file region of `size` bytes.
     pub fn create(path: &Path, size: u64) -> Result<Self, MapError> {
-        let io = |source| MapError::Io { path: path.to_owned(), source };
+        let io = |source| MapError::Io {
+            path: path.to_owned(),
+            source,
+        };
         let f = OpenOptions::new()
             .read(true)
             .write(true)
@@ -61,13 +66,28 @@ impl MappedRegion {
 
     /// Map an existing region. `min_len` guards against truncated files.
     pub fn open(path: &Path, min_len: u64) -> Result<Self, MapError> {
-        let io = |source| MapError::Io { path: path.to_owned(), source };
-        let f = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let io = |source| MapError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
         let md = f.metadata().map_err(io)?;
         let is_devdax = md.file_type().is_char_device();
-        let len = if is_devdax { devdax_size(path).map_err(io)? } else { md.len() };
+        let len = if is_devdax {
+            devdax_size(path).map_err(io)?
+        } else {
+            md.len()
+        };
         if len < min_len || len == 0 {
-            return Err(MapError::TooSmall { path: path.to_owned(), len, min: min_len.max(1) });
+            return Err(MapError::TooSmall {
+                path: path.to_owned(),
+                len,
+                min: min_len.max(1),
+            });
         }
         let len = len as usize;
         let prot = libc::PROT_READ | libc::PROT_WRITE;
@@ -89,15 +109,32 @@ impl MappedRegion {
         } else {
             // SAFETY: as above.
             let p = unsafe {
-                libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, f.as_raw_fd(), 0)
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    prot,
+                    libc::MAP_SHARED,
+                    f.as_raw_fd(),
+                    0,
+                )
             };
             if p == libc::MAP_FAILED {
                 return Err(io(std::io::Error::last_os_error()));
             }
-            let d = if is_devdax { Durability::PowerFailSafe } else { Durability::ProcessCrashOnly };
+            let d = if is_devdax {
+                Durability::PowerFailSafe
+            } else {
+                Durability::ProcessCrashOnly
+            };
             (p as *mut u8, d)
         };
-        Ok(MappedRegion { ptr, len, durability, _file: f, path: path.to_owned() })
+        Ok(MappedRegion {
+            ptr,
+            len,
+            durability,
+            _file: f,
+            path: path.to_owned(),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -105,7 +142,10 @@ impl MappedRegion {
     }
 
     fn check(&self, off: usize, len: usize) {
-        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "PM access out of range");
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "PM access out of range"
+        );
     }
 }
 

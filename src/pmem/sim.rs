@@ -83,7 +83,12 @@ impl SimPmem {
     }
 
     pub fn take_images(&self) -> Vec<CrashImage> {
-        self.st.lock().capture.as_mut().map(|c| std::mem::take(&mut c.images)).unwrap_or_default()
+        self.st
+            .lock()
+            .capture
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.images))
+            .unwrap_or_default()
     }
 
     pub fn fences(&self) -> u64 {
@@ -178,7 +183,11 @@ impl Pmem for SimPmem {
                             img[w * 8..w * 8 + 8].copy_from_slice(&st.current[w * 8..w * 8 + 8]);
                         }
                     }
-                    cap.images.push(CrashImage { before_fence: fence_no, bytes: img, tag });
+                    cap.images.push(CrashImage {
+                        before_fence: fence_no,
+                        bytes: img,
+                        tag,
+                    });
                 }
             }
         }
@@ -204,7 +213,11 @@ mod tests {
         p.write(0, &[1u8; 16]);
         assert_eq!(p.persisted_image()[0], 0, "a plain store is not durable");
         p.flush(0, 16);
-        assert_eq!(p.persisted_image()[0], 0, "flush without fence is not durable");
+        assert_eq!(
+            p.persisted_image()[0],
+            0,
+            "flush without fence is not durable"
+        );
         p.fence();
         assert_eq!(&p.persisted_image()[..16], &[1u8; 16]);
         assert_eq!(p.pending_words(), 0);

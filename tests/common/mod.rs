@@ -36,7 +36,10 @@ pub struct Mount {
 impl Mount {
     /// A fresh lower (on the disk unless `lower` is given) and mountpoint.
     pub fn new(lower: Option<PathBuf>) -> Mount {
-        let base = tempfile::Builder::new().prefix("pmstack-test-").tempdir_in("/var/tmp").unwrap();
+        let base = tempfile::Builder::new()
+            .prefix("pmstack-test-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
         let lower = lower.unwrap_or_else(|| base.path().join("lower"));
         let mnt = base.path().join("mnt");
         fs::create_dir_all(&lower).unwrap();
@@ -46,7 +49,13 @@ impl Mount {
             std::process::id(),
             base.path().file_name().unwrap().to_string_lossy()
         ));
-        Mount { base, lower, mnt, pm, mounted: false }
+        Mount {
+            base,
+            lower,
+            mnt,
+            pm,
+            mounted: false,
+        }
     }
 
     pub fn mount(&mut self, args: &[&str]) {
@@ -59,24 +68,42 @@ impl Mount {
             .arg(&self.mnt)
             .output()
             .unwrap();
-        assert!(out.status.success(), "mount failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "mount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         self.mounted = true;
     }
 
     pub fn umount(&mut self) {
-        let out = Command::new(bin()).arg("umount").arg(&self.mnt).output().unwrap();
-        assert!(out.status.success(), "umount failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(bin())
+            .arg("umount")
+            .arg(&self.mnt)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "umount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         self.mounted = false;
     }
 
     pub fn daemon_pid(&self) -> i32 {
         // The daemon is the process whose command line names our mountpoint.
         for e in fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-            let Ok(cmd) = fs::read(e.path().join("cmdline")) else { continue };
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(cmd) = fs::read(e.path().join("cmdline")) else {
+                continue;
+            };
             let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
             if args.iter().any(|a| *a == b"mount")
-                && args.iter().any(|a| *a == self.mnt.as_os_str().as_encoded_bytes())
+                && args
+                    .iter()
+                    .any(|a| *a == self.mnt.as_os_str().as_encoded_bytes())
                 && args.first().is_some_and(|a| a.ends_with(b"pmstack"))
             {
                 return pid;
@@ -102,8 +129,13 @@ impl Mount {
     }
 
     pub fn check_json(&self) -> serde_json::Value {
-        let out = Command::new(bin()).args(["check", "--json", "--pm"]).arg(&self.pm).output().unwrap();
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("check output: {}", String::from_utf8_lossy(&out.stderr)))
+        let out = Command::new(bin())
+            .args(["check", "--json", "--pm"])
+            .arg(&self.pm)
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("check output: {}", String::from_utf8_lossy(&out.stderr)))
     }
 }
 
@@ -151,7 +183,14 @@ pub fn tree(root: &Path) -> std::collections::BTreeMap<String, String> {
                 }
             }
             let size = if ft.is_dir() { 0 } else { md.size() };
-            out.insert(rel, format!("{what} mode={:o} size={size} nlink={}{xattrs}", md.mode() & 0o7777, md.nlink()));
+            out.insert(
+                rel,
+                format!(
+                    "{what} mode={:o} size={size} nlink={}{xattrs}",
+                    md.mode() & 0o7777,
+                    md.nlink()
+                ),
+            );
         }
     }
     walk(root, root, &mut out);
