@@ -267,17 +267,11 @@ fn open_region(
             pm.display(),
             lower.display()
         ),
-        None if !s.clean || s.live_entries().next().is_some() => bail!(
-            "{} has no pmstack marker but PM region {} holds a log for a lower directory; refusing to replay it here",
+        None => bail!(
+            "{} has no pmstack marker but PM region {} is bound to a lower directory; give the right --pm, or rebind the region with `pmstack format --force`",
             lower.display(),
             pm.display()
         ),
-        None => {
-            // A clean region whose lower marker was removed: re-bind by re-formatting.
-            let id = lower_id(lower, true)?.expect("created");
-            drop(s);
-            Log::format(region.clone(), id, 16)?;
-        }
     }
     let (log, s) = Log::open(region).map_err(|e| {
         anyhow!(
@@ -372,30 +366,6 @@ fn mount(a: MountArgs) -> Result<()> {
             a.mode
         );
     }
-    raise_fd_limit();
-    let real = RealLower::open(&lower)?;
-    let (log, lock, summary) = if a.mode == Mode::Passthrough {
-        (None, None, None)
-    } else {
-        if let Err(e) = real.handle(real.root_fd()) {
-            bail!("lower {} does not support file handles ({e}); the PM modes need them to find files after a crash: use --mode passthrough", lower.display());
-        }
-        let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
-        let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real)?;
-        if log.pm().durability() != Durability::PowerFailSafe {
-            eprintln!(
-                "pmstack: warning: PM region {} is emulated (not persistent memory): it survives a pmstack crash but NOT a power loss",
-                pm.display()
-            );
-        }
-        (Some(log), Some(lock), sum)
-    };
-    let opts = Options {
-        mode: a.mode,
-        flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
-        sensitivity: a.sensitivity,
-        ..Options::default()
-    };
     let mut fuse_opts = vec![
         fuser::MountOption::FSName(format!("pmstack:{}", lower.display())),
         fuser::MountOption::Subtype("pmstack".into()),
@@ -423,6 +393,30 @@ fn mount(a: MountArgs) -> Result<()> {
             other => bail!("unknown mount option '{other}' (known: allow_other, default_permissions, ro, noatime, nodev, nosuid, noexec)"),
         }
     }
+    raise_fd_limit();
+    let real = RealLower::open(&lower)?;
+    let (log, lock, summary) = if a.mode == Mode::Passthrough {
+        (None, None, None)
+    } else {
+        if let Err(e) = real.handle(real.root_fd()) {
+            bail!("lower {} does not support file handles ({e}); the PM modes need them to find files after a crash: use --mode passthrough", lower.display());
+        }
+        let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
+        let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real)?;
+        if log.pm().durability() != Durability::PowerFailSafe {
+            eprintln!(
+                "pmstack: warning: PM region {} is emulated (not persistent memory): it survives a pmstack crash but NOT a power loss",
+                pm.display()
+            );
+        }
+        (Some(log), Some(lock), sum)
+    };
+    let opts = Options {
+        mode: a.mode,
+        flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
+        sensitivity: a.sensitivity,
+        ..Options::default()
+    };
     let mut cfg = fuser::Config::default();
     cfg.mount_options = fuse_opts;
     cfg.acl = acl;

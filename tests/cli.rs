@@ -1,0 +1,238 @@
+//! Command-line behaviour: bad input gets one clear line and changes nothing; signals and
+//! umount drain the log; a second mount of one region is refused; PM-full falls back.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::process::Command;
+
+fn run(args: &[&str]) -> (bool, String) {
+    let out = Command::new(common::bin()).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn one_line_error(args: &[&str], needle: &str) {
+    let (ok, err) = run(args);
+    assert!(!ok, "{args:?} should fail");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.contains("warning")).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: expected one line, got {err:?}");
+    assert!(
+        lines[0].contains(needle),
+        "{args:?}: {err:?} should mention {needle:?}"
+    );
+}
+
+#[test]
+fn bad_input_is_one_clear_line_and_writes_nothing() {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let p = |s: &str| d.path().join(s).to_string_lossy().to_string();
+    fs::create_dir(p("lower")).unwrap();
+    fs::create_dir(p("mnt")).unwrap();
+    fs::write(p("file"), b"x").unwrap();
+    one_line_error(&["mount", &p("missing"), &p("mnt")], "lower directory");
+    one_line_error(&["mount", &p("file"), &p("mnt")], "not a directory");
+    one_line_error(&["mount", &p("lower"), &p("nomnt")], "mountpoint");
+    one_line_error(
+        &["mount", "--mode", "strict", &p("lower"), &p("mnt")],
+        "not available yet",
+    );
+    one_line_error(
+        &[
+            "mount",
+            "-o",
+            "bogus",
+            "--pm",
+            &p("r.pm"),
+            &p("lower"),
+            &p("mnt"),
+        ],
+        "unknown mount option",
+    );
+    one_line_error(
+        &[
+            "format",
+            "--pm",
+            &p("r.pm"),
+            "--size",
+            "4K",
+            "--lower",
+            &p("lower"),
+        ],
+        "too small",
+    );
+    // Regions: truncated, wrong magic, corrupted superblock, bound to another directory.
+    fs::write(p("junk.pm"), vec![7u8; 1 << 20]).unwrap();
+    one_line_error(&["check", "--pm", &p("junk.pm")], "bad magic");
+    let (ok, e) = run(&[
+        "format",
+        "--pm",
+        &p("r.pm"),
+        "--size",
+        "1M",
+        "--lower",
+        &p("lower"),
+    ]);
+    assert!(ok, "{e}");
+    let good = fs::read(p("r.pm")).unwrap();
+    fs::write(p("trunc.pm"), &good[..100_000]).unwrap();
+    one_line_error(&["check", "--pm", &p("trunc.pm")], "too small");
+    let mut bad = good.clone();
+    bad[30] ^= 0x10; // inside the uuid: covered by the superblock crc
+    fs::write(p("bad.pm"), &bad).unwrap();
+    one_line_error(&["check", "--pm", &p("bad.pm")], "checksum");
+    let mut v = good.clone();
+    v[8] = 9;
+    fs::write(p("ver.pm"), &v).unwrap();
+    one_line_error(&["check", "--pm", &p("ver.pm")], "version");
+    fs::create_dir(p("other")).unwrap();
+    fs::write(p("other/keep"), b"data").unwrap();
+    if common::can_mount() {
+        let before = fs::read_dir(p("other")).unwrap().count();
+        one_line_error(
+            &["mount", "--pm", &p("r.pm"), &p("other"), &p("mnt")],
+            "no pmstack marker",
+        );
+        assert_eq!(
+            fs::read_dir(p("other")).unwrap().count(),
+            before,
+            "nothing may be written to the wrong lower"
+        );
+        one_line_error(&["recover", "--pm", &p("bad.pm"), &p("lower")], "checksum");
+    }
+    // The corrupted images were not modified by any of this.
+    assert_eq!(fs::read(p("bad.pm")).unwrap(), bad);
+    let (ok, _) = run(&["check", "--pm", &p("r.pm")]);
+    assert!(ok);
+}
+
+#[test]
+fn second_mount_of_a_region_is_refused_and_sigterm_drains() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    m.mount(&[]);
+    let mnt2 = m.base.path().join("mnt2");
+    fs::create_dir(&mnt2).unwrap();
+    let (ok, err) = run(&[
+        "mount",
+        "--pm",
+        m.pm.to_str().unwrap(),
+        m.lower.to_str().unwrap(),
+        mnt2.to_str().unwrap(),
+    ]);
+    assert!(!ok && err.contains("in use"), "{err}");
+    let (ok, err) = run(&[
+        "mount",
+        "--pm",
+        "/dev/shm/x.pm",
+        m.lower.to_str().unwrap(),
+        m.mnt.to_str().unwrap(),
+    ]);
+    assert!(!ok && err.contains("busy"), "{err}");
+    let f = fs::File::create(m.mnt.join("f")).unwrap();
+    f.write_all_at(&[5u8; 10000], 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let pid = m.daemon_pid();
+    // SAFETY: plain kill.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    // SAFETY: probing only.
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    m.mounted = false;
+    assert_eq!(fs::read(m.lower.join("f")).unwrap(), vec![5u8; 10000]);
+    let chk = m.check_json();
+    assert_eq!(chk["clean"], true, "{chk}");
+    assert_eq!(chk["live_entries"], 0, "{chk}");
+}
+
+#[test]
+fn pm_full_falls_back_to_the_lower_fsync_and_never_fails() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    // 512 KiB region, write-back rarely: it fills, fsync falls back, nothing fails.
+    m.mount(&["--pm-size", "512K", "--flush-interval-ms", "600000"]);
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .read(true)
+        .open(m.mnt.join("big"))
+        .unwrap();
+    let mut expect = vec![0u8; 0];
+    for i in 0..400u64 {
+        let d = vec![(i % 250) as u8 + 1; 4096];
+        f.write_all_at(&d, i * 4096).unwrap();
+        f.sync_data().unwrap();
+        expect.extend_from_slice(&d);
+    }
+    drop(f);
+    std::thread::sleep(std::time::Duration::from_millis(1200)); // stats refresh every 500 ms
+    let out = Command::new(common::bin())
+        .args(["stat", "--json"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats = String::from_utf8(out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert!(
+        v["fallbacks"].as_u64().unwrap() > 0 || v["writebacks"].as_u64().unwrap() > 0,
+        "{v}"
+    );
+    m.umount();
+    assert_eq!(fs::read(m.lower.join("big")).unwrap(), expect);
+}
+
+#[test]
+fn concurrent_creates_renames_and_writes_lose_nothing() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    m.mount(&["--flush-interval-ms", "50"]);
+    fs::create_dir(m.mnt.join("shared")).unwrap();
+    let hs: Vec<_> = (0..4)
+        .map(|t| {
+            let d = m.mnt.join("shared");
+            std::thread::spawn(move || {
+                for i in 0..150 {
+                    let tmp = d.join(format!("tmp-{t}-{i}"));
+                    let fin = d.join(format!("f-{t}-{i}"));
+                    fs::write(&tmp, format!("{t}:{i}").repeat(100)).unwrap();
+                    fs::File::open(&tmp).unwrap().sync_all().unwrap();
+                    fs::rename(&tmp, &fin).unwrap();
+                    if i % 3 == 0 {
+                        fs::remove_file(d.join(format!("f-{t}-{}", i / 2))).ok();
+                    }
+                    // read back someone else's file
+                    let _ = fs::read(d.join(format!("f-{}-{}", (t + 1) % 4, i)));
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    let through = common::tree(&m.mnt);
+    m.umount();
+    assert_eq!(common::tree(&m.lower), through);
+    for t in 0..4 {
+        let i = 149;
+        assert_eq!(
+            fs::read_to_string(m.lower.join(format!("shared/f-{t}-{i}"))).unwrap(),
+            format!("{t}:{i}").repeat(100)
+        );
+    }
+}
