@@ -162,6 +162,7 @@ fn pm_full_falls_back_to_the_lower_fsync_and_never_fails() {
     m.mount(&["--pm-size", "512K", "--flush-interval-ms", "600000"]);
     let f = fs::OpenOptions::new()
         .create(true)
+        .truncate(true)
         .write(true)
         .read(true)
         .open(m.mnt.join("big"))
