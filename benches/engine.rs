@@ -11,7 +11,10 @@ use pmstack::pmem::mapped::MappedRegion;
 use pmstack::pmem::Pmem;
 
 fn region(name: &str, bytes: u64) -> Arc<dyn Pmem> {
-    let p = std::path::PathBuf::from(format!("/dev/shm/pmstack-bench-{}-{name}.pm", std::process::id()));
+    let p = std::path::PathBuf::from(format!(
+        "/dev/shm/pmstack-bench-{}-{name}.pm",
+        std::process::id()
+    ));
     let r = MappedRegion::create(&p, bytes).unwrap();
     let _ = std::fs::remove_file(&p); // the mapping stays valid
     Arc::new(r)
@@ -34,7 +37,15 @@ fn commit_latencies(log: &Log, fid: u64, size: usize, ops: usize) -> Vec<u64> {
                 a.append_page(fid, off + (k * PAGE) as u64, chunk).unwrap();
             }
         } else {
-            a.append(&Record::Data { fid, off, bytes: data.clone() }, None).unwrap();
+            a.append(
+                &Record::Data {
+                    fid,
+                    off,
+                    bytes: data.clone(),
+                },
+                None,
+            )
+            .unwrap();
         }
         a.commit();
         drop(a);
@@ -50,13 +61,25 @@ fn pct(v: &mut [u64], p: f64) -> u64 {
 
 fn main() {
     let mut out = serde_json::Map::new();
-    println!("commit latency (append + commit), emulated PM in /dev/shm, median / p99 in microseconds");
-    println!("{:>8} {:>18} {:>18}", "size", "1 thread", "2 threads (each)");
+    println!(
+        "commit latency (append + commit), emulated PM in /dev/shm, median / p99 in microseconds"
+    );
+    println!(
+        "{:>8} {:>18} {:>18}",
+        "size", "1 thread", "2 threads (each)"
+    );
     for size in [64usize, 1024, 4096, 65536] {
         let ops = if size >= 65536 { 3000 } else { 20000 };
         let mut row = Vec::new();
         for threads in [1usize, 2] {
-            let log = Arc::new(Log::format(region(&format!("c{size}-{threads}"), 256 << 20), [0; 16], 16).unwrap());
+            let log = Arc::new(
+                Log::format(
+                    region(&format!("c{size}-{threads}"), 256 << 20),
+                    [0; 16],
+                    16,
+                )
+                .unwrap(),
+            );
             let hs: Vec<_> = (0..threads)
                 .map(|t| {
                     let log = log.clone();
@@ -67,7 +90,11 @@ fn main() {
             let (p50, p99) = (pct(&mut all, 0.5), pct(&mut all, 0.99));
             out.insert(format!("commit_{size}B_{threads}t_p50_ns"), p50.into());
             out.insert(format!("commit_{size}B_{threads}t_p99_ns"), p99.into());
-            row.push(format!("{:>8.2} / {:>6.2}", p50 as f64 / 1e3, p99 as f64 / 1e3));
+            row.push(format!(
+                "{:>8.2} / {:>6.2}",
+                p50 as f64 / 1e3,
+                p99 as f64 / 1e3
+            ));
         }
         println!("{size:>8} {:>18} {:>18}", row[0], row[1]);
     }
@@ -81,7 +108,14 @@ fn main() {
     {
         let mut a = log.area();
         for f in 100..150 {
-            a.append(&Record::Bind { fid: f, handle: vec![1; 12] }, None).unwrap();
+            a.append(
+                &Record::Bind {
+                    fid: f,
+                    handle: vec![1; 12],
+                },
+                None,
+            )
+            .unwrap();
         }
         a.commit();
     }
@@ -90,9 +124,18 @@ fn main() {
         let mut a = log.area();
         for _ in 0..64 {
             let r = if i % 3 == 0 {
-                a.append(&Record::Data { fid: 100 + i % 50, off: i * 1000, bytes: small.clone() }, None).map(|_| ())
+                a.append(
+                    &Record::Data {
+                        fid: 100 + i % 50,
+                        off: i * 1000,
+                        bytes: small.clone(),
+                    },
+                    None,
+                )
+                .map(|_| ())
             } else {
-                a.append_page(100 + i % 50, i * PAGE as u64, &page).map(|_| ())
+                a.append_page(100 + i % 50, i * PAGE as u64, &page)
+                    .map(|_| ())
             };
             if r.is_err() || log.pages_free() < 64 {
                 a.commit();
@@ -118,5 +161,8 @@ fn main() {
     );
     out.insert("scan_seconds_per_gib".into(), per_gib.into());
     out.insert("scan_entries".into(), s.entries.len().into());
-    let _ = std::fs::write("target/engine-bench.json", serde_json::Value::Object(out).to_string());
+    let _ = std::fs::write(
+        "target/engine-bench.json",
+        serde_json::Value::Object(out).to_string(),
+    );
 }

@@ -1,6 +1,8 @@
 //! The file system core: inodes and handles over the lower file system, and the durability
 //! policy of each mode. No FUSE types here: the adapter in `fuse.rs` translates.
 
+#[cfg(test)]
+mod crash_tests;
 pub mod recover;
 pub mod stats;
 
@@ -961,8 +963,16 @@ impl Core {
         } else {
             None
         };
+        // The object a plain rename replaces, so recovery can remove it even if `src` is gone.
+        let victim = match &src {
+            Some(_) if flags & libc::RENAME_EXCHANGE == 0 => self.object_at(&np, newname).ok(),
+            _ => None,
+        };
         self.ns_op(
-            &[&p, &np],
+            &[&p, &np]
+                .into_iter()
+                .chain(victim.as_ref())
+                .collect::<Vec<_>>(),
             || {
                 self.lower.rename(
                     p.node.as_raw_fd(),
@@ -981,6 +991,7 @@ impl Core {
                         newname: newname.as_bytes().to_vec(),
                         flags,
                         src: src.as_ref().map_or(0, |s| s.fid),
+                        victim: victim.as_ref().map_or(0, |v| v.fid),
                     },
                     src.clone(),
                 ))

@@ -27,6 +27,9 @@ struct Replayer<'a> {
     lower: &'a RealLower,
     plan: &'a ReplayPlan,
     nodes: HashMap<u64, OwnedFd>,
+    /// Objects re-created under a temporary name because their name was taken by a later
+    /// object: fid -> (parent fid, temporary name). Later records move or remove them.
+    temp: HashMap<u64, (u64, Vec<u8>)>,
     sum: RecoverySummary,
 }
 
@@ -87,11 +90,24 @@ impl Replayer<'_> {
                 let Some(p) = self.resolve(*parent) else {
                     return Ok(false);
                 };
-                let n = OsStr::from_bytes(name);
-                if let Ok((fd, _)) = l.lookup(p, n) {
-                    self.nodes.insert(*child, fd);
-                    return Ok(false);
+                // The object still exists (under this name, or under another one through a
+                // rename): it was created; never make a second one.
+                if let Ok(Some(obj)) = self.try_resolve(*child) {
+                    if real::fstat(obj).is_ok_and(|st| st.st_nlink > 0) {
+                        return Ok(false);
+                    }
+                    self.nodes.remove(child);
                 }
+                // Lost: create it again. If a later object holds the name now, create it under
+                // a temporary name; the records that follow move or remove it.
+                let tmp;
+                let n = if l.lookup(p, OsStr::from_bytes(name)).is_ok() {
+                    tmp = format!(".pmstack-recover-{child}").into_bytes();
+                    self.temp.insert(*child, (*parent, tmp.clone()));
+                    OsStr::from_bytes(&tmp)
+                } else {
+                    OsStr::from_bytes(name)
+                };
                 match kind {
                     NodeKind::Dir => l.mkdir(p, n, *mode)?,
                     NodeKind::Symlink => l.symlink(p, n, target)?,
@@ -125,6 +141,13 @@ impl Replayer<'_> {
                 let Some(p) = self.resolve(*parent) else {
                     return Ok(false);
                 };
+                if let Some((tp, tn)) = self.temp.remove(victim) {
+                    let Some(tp) = self.resolve(tp) else {
+                        return Ok(false);
+                    };
+                    l.unlink(tp, OsStr::from_bytes(&tn), *dir)?;
+                    return Ok(true);
+                }
                 // Only the very object that was removed: a newer one of that name stays.
                 if self.names(p, name, *victim) {
                     l.unlink(p, OsStr::from_bytes(name), *dir)?;
@@ -139,10 +162,24 @@ impl Replayer<'_> {
                 newname,
                 flags,
                 src,
+                victim,
             } => {
                 let (Some(p), Some(np)) = (self.resolve(*parent), self.resolve(*newparent)) else {
                     return Ok(false);
                 };
+                if let Some((tp, tn)) = self.temp.remove(src) {
+                    let Some(tp) = self.resolve(tp) else {
+                        return Ok(false);
+                    };
+                    l.rename(
+                        tp,
+                        OsStr::from_bytes(&tn),
+                        np,
+                        OsStr::from_bytes(newname),
+                        *flags,
+                    )?;
+                    return Ok(true);
+                }
                 // Applied already (src no longer under `name`, e.g. an exchange done): skip.
                 if self.names(p, name, *src) {
                     l.rename(
@@ -153,6 +190,22 @@ impl Replayer<'_> {
                         *flags,
                     )?;
                     return Ok(true);
+                }
+                // The source is gone (removed later), but the object it replaced must still go.
+                if *victim != 0 && self.try_resolve(*src).ok().flatten().is_none() {
+                    if let Some((tp, tn)) = self.temp.remove(victim) {
+                        if let Some(tp) = self.resolve(tp) {
+                            l.unlink(tp, OsStr::from_bytes(&tn), false)?;
+                            return Ok(true);
+                        }
+                    } else if self.names(np, newname, *victim) {
+                        let dir = self
+                            .resolve(*victim)
+                            .and_then(|v| real::fstat(v).ok())
+                            .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+                        l.unlink(np, OsStr::from_bytes(newname), dir)?;
+                        return Ok(true);
+                    }
                 }
                 Ok(false)
             }
@@ -236,6 +289,7 @@ pub fn replay(
         lower,
         plan,
         nodes: HashMap::new(),
+        temp: HashMap::new(),
         sum: RecoverySummary::default(),
     };
     let total = (plan.namespace.len() + plan.files.len()) as u64;
@@ -248,6 +302,23 @@ pub fn replay(
         }
         done += 1;
         progress(done, total);
+    }
+    // An object still under a temporary name was replaced by an operation the lower file
+    // system kept but the log never acknowledged: that later state wins.
+    for (fid, (tp, tn)) in std::mem::take(&mut r.temp) {
+        if let Some(p) = r.resolve(tp) {
+            let dir = r
+                .nodes
+                .get(&fid)
+                .and_then(|f| real::fstat(f.as_raw_fd()).ok())
+                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+            if let Err(e) = lower.unlink(p, OsStr::from_bytes(&tn), dir) {
+                r.sum.errors.push(format!(
+                    "removing leftover {}: {e}",
+                    String::from_utf8_lossy(&tn)
+                ));
+            }
+        }
     }
     for (fid, ops) in &plan.files {
         r.sum.files += 1;

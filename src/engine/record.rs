@@ -60,6 +60,7 @@ pub enum NsOp {
         victim: u64,
     },
     /// `name` in `parent` (object `src`) moved to `newname` in `newparent`.
+    /// (…replacing object `victim` at `newname`; 0: nothing replaced.)
     Rename {
         parent: u64,
         name: Vec<u8>,
@@ -67,6 +68,7 @@ pub enum NsOp {
         newname: Vec<u8>,
         flags: u32,
         src: u64,
+        victim: u64,
     },
     /// Object `fid` got a new name `newname` in `newparent`.
     Link {
@@ -275,6 +277,7 @@ impl Record {
                         newname,
                         flags,
                         src,
+                        victim,
                     } => {
                         e.sub = NS_RENAME;
                         e.a = *parent;
@@ -283,6 +286,7 @@ impl Record {
                         e.d = *src;
                         put_field(&mut e.payload, name);
                         put_field(&mut e.payload, newname);
+                        put_field(&mut e.payload, &victim.to_le_bytes());
                     }
                     NsOp::Link {
                         fid,
@@ -384,6 +388,7 @@ impl Record {
                         name: f.next()?,
                         newname: f.next()?,
                         src: e.d,
+                        victim: u64::from_le_bytes(f.next()?.try_into().ok()?),
                     },
                     NS_LINK => NsOp::Link {
                         fid: e.a,
@@ -485,6 +490,7 @@ mod tests {
                 newname: b"b".to_vec(),
                 flags: 2,
                 src: 8,
+                victim: 9,
             }),
             Record::Ns(NsOp::Link {
                 fid: 5,
