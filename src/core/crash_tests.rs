@@ -34,10 +34,13 @@ fn pattern(file: u32, rec: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Files: name -> (file id in the model, records written, records durable).
+/// A file in the model: (file id, records written as (index, length), records durable).
+type FileModel = (u32, Vec<(u64, usize)>, usize);
+
+/// Files by name.
 #[derive(Clone, Default, Debug)]
 struct Model {
-    files: BTreeMap<String, (u32, Vec<(u64, usize)>, usize)>,
+    files: BTreeMap<String, FileModel>,
 }
 
 /// Lower content by inode number: a power cut keeps inodes' own pages, whatever their names.
@@ -144,6 +147,7 @@ fn run(seed: u64, nops: usize) {
         match rng.gen_range(0..12) {
             0 | 1 => {
                 let name = format!("f{}", rng.gen_range(0..6));
+                #[allow(clippy::map_entry)] // the insert needs the create's result first
                 if !model.files.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     let flags = libc::O_RDWR
@@ -353,7 +357,7 @@ fn whole_path_crash_images_recover_to_the_contract() {
     let runs: u64 = std::env::var("PMSTACK_WHOLE_PATH_RUNS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(150);
+        .unwrap_or(400);
     let seed0: u64 = std::env::var("PMSTACK_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

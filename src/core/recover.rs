@@ -3,7 +3,7 @@
 //! emptied only after the lower file system is durable, so a crash during recovery is followed
 //! by the same recovery.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -27,9 +27,10 @@ struct Replayer<'a> {
     lower: &'a RealLower,
     plan: &'a ReplayPlan,
     nodes: HashMap<u64, OwnedFd>,
-    /// Objects re-created under a temporary name because their name was taken by a later
-    /// object: fid -> (parent fid, temporary name). Later records move or remove them.
-    temp: HashMap<u64, (u64, Vec<u8>)>,
+    /// Identities (dev, ino) of objects the log wants at some name at the end.
+    wanted: std::collections::HashSet<(u64, u64)>,
+    /// Identities of objects the log removed and wants nowhere.
+    doomed: std::collections::HashSet<(u64, u64)>,
     sum: RecoverySummary,
 }
 
@@ -59,171 +60,301 @@ impl Replayer<'_> {
         Ok(self.nodes.get(&fid).map(|f| f.as_raw_fd()))
     }
 
-    /// Does `name` in `dir` currently name object `fid`?
-    fn names(&mut self, dir: i32, name: &[u8], fid: u64) -> bool {
-        let Ok((_, at)) = self.lower.lookup(dir, OsStr::from_bytes(name)) else {
-            return false;
-        };
-        let Some(obj) = self.resolve(fid) else {
-            return false;
-        };
-        let Ok(o) = real::fstat(obj) else {
-            return false;
-        };
-        (o.st_dev, o.st_ino) == (at.st_dev, at.st_ino)
+    /// The object at `name` in directory `dir` (descriptor and identity), if any.
+    fn at(&self, dir: i32, name: &[u8]) -> Option<(OwnedFd, (u64, u64))> {
+        let (fd, st) = self.lower.lookup(dir, OsStr::from_bytes(name)).ok()?;
+        Some((fd, (st.st_dev, st.st_ino)))
     }
 
-    fn ns(&mut self, op: &NsOp) -> std::io::Result<bool> {
-        let l = self.lower;
-        match op {
-            NsOp::Create {
-                parent,
-                name,
-                child,
-                kind,
-                mode,
-                rdev,
-                uid,
-                gid,
-                target,
-            } => {
-                let Some(p) = self.resolve(*parent) else {
-                    return Ok(false);
-                };
-                // The object still exists (under this name, or under another one through a
-                // rename): it was created; never make a second one.
-                if let Ok(Some(obj)) = self.try_resolve(*child) {
-                    if real::fstat(obj).is_ok_and(|st| st.st_nlink > 0) {
-                        return Ok(false);
+    /// The live object of `fid` and its identity (None: it no longer exists).
+    fn object(&mut self, fid: u64) -> Option<(i32, (u64, u64))> {
+        let fd = self.resolve(fid)?;
+        let st = real::fstat(fd).ok()?;
+        (st.st_nlink > 0 || fid == ROOT_FID).then_some((fd, (st.st_dev, st.st_ino)))
+    }
+
+    /// Namespace recovery by reconciliation: evaluate the log's namespace records into the
+    /// binding every touched name must have at the end (an object, or nothing), then make the
+    /// lower directory match, moving existing objects (identified by their handles) rather
+    /// than re-creating them, and re-creating only objects the lower file system lost.
+    /// Replaying records one by one is ambiguous when the lower already holds later states
+    /// (names reused, objects moved back and forth); the end state is not.
+    fn namespace(&mut self) {
+        let plan = self.plan;
+        let mut target: BTreeMap<(u64, Vec<u8>), Option<u64>> = BTreeMap::new();
+        let mut order: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut created: HashMap<u64, &NsOp> = HashMap::new();
+        let mut links: std::collections::HashSet<(u64, Vec<u8>)> = Default::default();
+        let mut set =
+            |t: &mut BTreeMap<(u64, Vec<u8>), Option<u64>>, k: (u64, Vec<u8>), v: Option<u64>| {
+                if !t.contains_key(&k) {
+                    order.push(k.clone());
+                }
+                t.insert(k, v);
+            };
+        for (_, op) in &plan.namespace {
+            match op {
+                NsOp::Create {
+                    parent,
+                    name,
+                    child,
+                    ..
+                } => {
+                    created.insert(*child, op);
+                    set(&mut target, (*parent, name.clone()), Some(*child));
+                }
+                NsOp::Remove { parent, name, .. } => {
+                    set(&mut target, (*parent, name.clone()), None)
+                }
+                NsOp::Rename {
+                    parent,
+                    name,
+                    newparent,
+                    newname,
+                    flags,
+                    src,
+                    victim,
+                } => {
+                    let from = (*parent, name.clone());
+                    let to = (*newparent, newname.clone());
+                    if flags & libc::RENAME_EXCHANGE != 0 {
+                        let other = target
+                            .get(&to)
+                            .copied()
+                            .unwrap_or((*victim != 0).then_some(*victim));
+                        set(&mut target, from, other);
+                    } else {
+                        set(&mut target, from, None);
                     }
-                    self.nodes.remove(child);
+                    set(&mut target, to, Some(*src));
                 }
-                // Lost: create it again. If a later object holds the name now, create it under
-                // a temporary name; the records that follow move or remove it.
-                let tmp;
-                let n = if l.lookup(p, OsStr::from_bytes(name)).is_ok() {
-                    tmp = format!(".pmstack-recover-{child}").into_bytes();
-                    self.temp.insert(*child, (*parent, tmp.clone()));
-                    OsStr::from_bytes(&tmp)
-                } else {
-                    OsStr::from_bytes(name)
-                };
-                match kind {
-                    NodeKind::Dir => l.mkdir(p, n, *mode)?,
-                    NodeKind::Symlink => l.symlink(p, n, target)?,
-                    NodeKind::File => {
-                        drop(l.create_file(p, n, libc::O_RDWR | libc::O_EXCL, *mode)?)
-                    }
-                    k => {
-                        let t = match k {
-                            NodeKind::Fifo => libc::S_IFIFO,
-                            NodeKind::Socket => libc::S_IFSOCK,
-                            NodeKind::CharDev => libc::S_IFCHR,
-                            _ => libc::S_IFBLK,
-                        };
-                        l.mknod(p, n, t | *mode, *rdev)?
-                    }
+                NsOp::Link {
+                    fid,
+                    newparent,
+                    newname,
+                } => {
+                    links.insert((*newparent, newname.clone()));
+                    set(&mut target, (*newparent, newname.clone()), Some(*fid))
                 }
-                let (fd, _) = l.lookup(p, n)?;
-                let _ = l.chown(fd.as_raw_fd(), *uid, *gid);
-                if *kind != NodeKind::Symlink {
-                    let _ = l.chmod(fd.as_raw_fd(), *mode);
-                }
-                self.nodes.insert(*child, fd);
-                Ok(true)
-            }
-            NsOp::Remove {
-                parent,
-                name,
-                dir,
-                victim,
-            } => {
-                let Some(p) = self.resolve(*parent) else {
-                    return Ok(false);
-                };
-                if let Some((tp, tn)) = self.temp.remove(victim) {
-                    let Some(tp) = self.resolve(tp) else {
-                        return Ok(false);
-                    };
-                    l.unlink(tp, OsStr::from_bytes(&tn), *dir)?;
-                    return Ok(true);
-                }
-                // Only the very object that was removed: a newer one of that name stays.
-                if self.names(p, name, *victim) {
-                    l.unlink(p, OsStr::from_bytes(name), *dir)?;
-                    return Ok(true);
-                }
-                Ok(false)
-            }
-            NsOp::Rename {
-                parent,
-                name,
-                newparent,
-                newname,
-                flags,
-                src,
-                victim,
-            } => {
-                let (Some(p), Some(np)) = (self.resolve(*parent), self.resolve(*newparent)) else {
-                    return Ok(false);
-                };
-                if let Some((tp, tn)) = self.temp.remove(src) {
-                    let Some(tp) = self.resolve(tp) else {
-                        return Ok(false);
-                    };
-                    l.rename(
-                        tp,
-                        OsStr::from_bytes(&tn),
-                        np,
-                        OsStr::from_bytes(newname),
-                        *flags,
-                    )?;
-                    return Ok(true);
-                }
-                // Applied already (src no longer under `name`, e.g. an exchange done): skip.
-                if self.names(p, name, *src) {
-                    l.rename(
-                        p,
-                        OsStr::from_bytes(name),
-                        np,
-                        OsStr::from_bytes(newname),
-                        *flags,
-                    )?;
-                    return Ok(true);
-                }
-                // The source is gone (removed later), but the object it replaced must still go.
-                if *victim != 0 && self.try_resolve(*src).ok().flatten().is_none() {
-                    if let Some((tp, tn)) = self.temp.remove(victim) {
-                        if let Some(tp) = self.resolve(tp) {
-                            l.unlink(tp, OsStr::from_bytes(&tn), false)?;
-                            return Ok(true);
-                        }
-                    } else if self.names(np, newname, *victim) {
-                        let dir = self
-                            .resolve(*victim)
-                            .and_then(|v| real::fstat(v).ok())
-                            .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
-                        l.unlink(np, OsStr::from_bytes(newname), dir)?;
-                        return Ok(true);
-                    }
-                }
-                Ok(false)
-            }
-            NsOp::Link {
-                fid,
-                newparent,
-                newname,
-            } => {
-                let (Some(o), Some(np)) = (self.resolve(*fid), self.resolve(*newparent)) else {
-                    return Ok(false);
-                };
-                if l.lookup(np, OsStr::from_bytes(newname)).is_ok() {
-                    return Ok(false);
-                }
-                l.link(o, np, OsStr::from_bytes(newname))?;
-                Ok(true)
             }
         }
+        // Objects the log removed (unlinked, or replaced by a rename) and does not want at any
+        // name at the end: `doomed`. Objects wanted at some name: `wanted`. Anything else found
+        // at a touched name was put there by an operation in flight at the crash (done by the
+        // lower, never acknowledged): it stays where it is, since its own name is unknown and
+        // it may hold durable data.
+        let want_fids: Vec<u64> = target.values().flatten().copied().collect();
+        for f in want_fids {
+            if let Some((_, id)) = self.object(f) {
+                self.wanted.insert(id);
+            }
+        }
+        let victims: Vec<u64> = plan
+            .namespace
+            .iter()
+            .filter_map(|(_, op)| match op {
+                NsOp::Remove { victim, .. } => Some(*victim),
+                NsOp::Rename { victim, flags, .. } if flags & libc::RENAME_EXCHANGE == 0 => {
+                    Some(*victim)
+                }
+                _ => None,
+            })
+            .filter(|v| *v != 0)
+            .collect();
+        for f in victims {
+            if let Some((_, id)) = self.object(f) {
+                if !self.wanted.contains(&id) {
+                    self.doomed.insert(id);
+                }
+            }
+        }
+        // Place wanted objects; parents before children (retry while progress is made).
+        let mut pending: Vec<(u64, Vec<u8>)> = order
+            .iter()
+            .filter(|k| target[*k].is_some())
+            .cloned()
+            .collect();
+        let mut stash: Vec<(i32, Vec<u8>, (u64, u64))> = Vec::new(); // displaced objects
+        let mut rounds = 0;
+        while !pending.is_empty() && rounds < 64 {
+            rounds += 1;
+            let before = pending.len();
+            let mut next = Vec::new();
+            for key in pending {
+                let want = target[&key].expect("filtered");
+                match self.place(&key, want, &target, &created, &links, &mut stash) {
+                    Ok(Some(true)) => self.sum.namespace_ops += 1,
+                    Ok(Some(false)) => self.sum.namespace_skipped += 1,
+                    Ok(None) => next.push(key), // parent not there yet
+                    Err(e) => self.sum.errors.push(format!(
+                        "recreating {}: {e}",
+                        String::from_utf8_lossy(&key.1)
+                    )),
+                }
+            }
+            if next.len() == before {
+                for k in &next {
+                    // The parent directory is gone for good: removed by a later operation.
+                    self.sum.namespace_skipped += 1;
+                    let _ = k;
+                }
+                break;
+            }
+            pending = next;
+        }
+        // Names that must not exist.
+        for key in order.iter().filter(|k| target[*k].is_none()) {
+            let Some(p) = self.resolve(key.0) else {
+                continue;
+            };
+            if let Some((fd, id)) = self.at(p, &key.1) {
+                if !self.doomed.contains(&id) {
+                    self.sum.namespace_skipped += 1;
+                    continue;
+                }
+                let dir = real::fstat(fd.as_raw_fd())
+                    .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+                match self.lower.unlink(p, OsStr::from_bytes(&key.1), dir) {
+                    Ok(()) => self.sum.namespace_ops += 1,
+                    Err(e) => self
+                        .sum
+                        .errors
+                        .push(format!("removing {}: {e}", String::from_utf8_lossy(&key.1))),
+                }
+            }
+        }
+        // Objects displaced to temporary names and never placed: removed by the log.
+        for (dir, tmp, _) in stash {
+            let is_dir = self
+                .at(dir, &tmp)
+                .and_then(|(fd, _)| real::fstat(fd.as_raw_fd()).ok())
+                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+            if let Err(e) = self.lower.unlink(dir, OsStr::from_bytes(&tmp), is_dir) {
+                self.sum
+                    .errors
+                    .push(format!("removing {}: {e}", String::from_utf8_lossy(&tmp)));
+            }
+        }
+    }
+
+    /// Make `key` name object `want`. Ok(None): its parent is not available yet.
+    fn place(
+        &mut self,
+        key: &(u64, Vec<u8>),
+        want: u64,
+        target: &BTreeMap<(u64, Vec<u8>), Option<u64>>,
+        created: &HashMap<u64, &NsOp>,
+        links: &std::collections::HashSet<(u64, Vec<u8>)>,
+        stash: &mut Vec<(i32, Vec<u8>, (u64, u64))>,
+    ) -> std::io::Result<Option<bool>> {
+        let l = self.lower;
+        let Some((p, _)) = self.object(key.0) else {
+            return Ok(None);
+        };
+        let name = OsStr::from_bytes(&key.1);
+        let cur = self.at(p, &key.1);
+        let obj = self.object(want);
+        if let (Some((_, c)), Some((_, o))) = (&cur, &obj) {
+            if c == o {
+                return Ok(Some(false)); // already right
+            }
+        }
+        if let Some((_, c)) = &cur {
+            if !self.doomed.contains(c) && !self.wanted.contains(c) {
+                // An in-flight operation put an object the log cannot account for here: that
+                // (unacknowledged) state stands.
+                return Ok(Some(false));
+            }
+        }
+        // Where the object is now: a touched name, or a stash slot. Decided before anything
+        // moves, so a name is only cleared when the wanted object can really be put there.
+        let mut from: Option<(i32, Vec<u8>, bool)> = None;
+        let mut from_key: Option<&(u64, Vec<u8>)> = None;
+        if let Some((_, o)) = &obj {
+            for (k, v) in target {
+                if let Some(kp) = self.resolve(k.0) {
+                    if let Some((_, id)) = self.at(kp, &k.1) {
+                        if id == *o {
+                            // Still wanted there too (a hard link): link rather than move.
+                            from = Some((kp, k.1.clone(), *v == Some(want)));
+                            from_key = Some(k);
+                            break;
+                        }
+                    }
+                }
+            }
+            if from.is_none() {
+                if let Some(i) = stash.iter().position(|(_, _, id)| id == o) {
+                    let (d, t, _) = stash.remove(i);
+                    from = Some((d, t, false));
+                }
+            }
+            // At a touched name whose own wanted object is gone for good (it existed before the
+            // log began, so it cannot be re-created): an in-flight rename replaced it with this
+            // one. Moving this one back could not restore that one, so the in-flight state
+            // stands.
+            if let (Some((_, _, false)), Some(k2)) = (&from, from_key) {
+                if let Some(w2) = target[k2] {
+                    if w2 != want && self.object(w2).is_none() && !created.contains_key(&w2) {
+                        return Ok(Some(false));
+                    }
+                }
+            }
+            // At a name the log never touched: only an in-flight operation moves an object
+            // there, so that (unacknowledged) state stands, unless this name is a link.
+            if from.is_none() && !links.contains(key) {
+                return Ok(Some(false));
+            }
+        } else if !created.contains_key(&want) {
+            return Ok(Some(false)); // created before the log began, removed since
+        }
+        // Whatever holds the name now goes aside (it may be wanted elsewhere).
+        if let Some((_, c)) = cur {
+            let tmp = format!(".pmstack-recover-{}-{}", c.0, c.1).into_bytes();
+            l.rename(p, name, p, OsStr::from_bytes(&tmp), 0)?;
+            stash.push((p, tmp, c));
+        }
+        if let Some((ofd, _)) = obj {
+            match from {
+                Some((d, n, false)) => l.rename(d, OsStr::from_bytes(&n), p, name, 0)?,
+                _ => l.link(ofd, p, name)?,
+            }
+            return Ok(Some(true));
+        }
+        // Lost: create it again from its creation record.
+        let Some(NsOp::Create {
+            kind,
+            mode,
+            rdev,
+            uid,
+            gid,
+            target: link_target,
+            ..
+        }) = created.get(&want).copied()
+        else {
+            return Ok(Some(false));
+        };
+        match kind {
+            NodeKind::Dir => l.mkdir(p, name, *mode)?,
+            NodeKind::Symlink => l.symlink(p, name, link_target)?,
+            NodeKind::File => drop(l.create_file(p, name, libc::O_RDWR | libc::O_EXCL, *mode)?),
+            k => {
+                let t = match k {
+                    NodeKind::Fifo => libc::S_IFIFO,
+                    NodeKind::Socket => libc::S_IFSOCK,
+                    NodeKind::CharDev => libc::S_IFCHR,
+                    _ => libc::S_IFBLK,
+                };
+                l.mknod(p, name, t | *mode, *rdev)?
+            }
+        }
+        let (fd, _) = l.lookup(p, name)?;
+        let _ = l.chown(fd.as_raw_fd(), *uid, *gid);
+        if *kind != NodeKind::Symlink {
+            let _ = l.chmod(fd.as_raw_fd(), *mode);
+        }
+        self.nodes.insert(want, fd);
+        Ok(Some(true))
     }
 
     fn file(&mut self, fid: u64, ops: &[(u64, FileOp)]) -> std::io::Result<()> {
@@ -289,37 +420,15 @@ pub fn replay(
         lower,
         plan,
         nodes: HashMap::new(),
-        temp: HashMap::new(),
+        wanted: Default::default(),
+        doomed: Default::default(),
         sum: RecoverySummary::default(),
     };
     let total = (plan.namespace.len() + plan.files.len()) as u64;
     let mut done = 0;
-    for (lsn, op) in &plan.namespace {
-        match r.ns(op) {
-            Ok(true) => r.sum.namespace_ops += 1,
-            Ok(false) => r.sum.namespace_skipped += 1,
-            Err(e) => r.sum.errors.push(format!("LSN {lsn}: {op:?}: {e}")),
-        }
-        done += 1;
-        progress(done, total);
-    }
-    // An object still under a temporary name was replaced by an operation the lower file
-    // system kept but the log never acknowledged: that later state wins.
-    for (fid, (tp, tn)) in std::mem::take(&mut r.temp) {
-        if let Some(p) = r.resolve(tp) {
-            let dir = r
-                .nodes
-                .get(&fid)
-                .and_then(|f| real::fstat(f.as_raw_fd()).ok())
-                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
-            if let Err(e) = lower.unlink(p, OsStr::from_bytes(&tn), dir) {
-                r.sum.errors.push(format!(
-                    "removing leftover {}: {e}",
-                    String::from_utf8_lossy(&tn)
-                ));
-            }
-        }
-    }
+    r.namespace();
+    done += plan.namespace.len() as u64;
+    progress(done, total);
     for (fid, ops) in &plan.files {
         r.sum.files += 1;
         if let Err(e) = r.file(*fid, ops) {
