@@ -110,6 +110,9 @@ struct MountArgs {
     /// Kernel page cache mode for writes: writethrough or writeback.
     #[arg(long, value_enum, default_value = "writethrough")]
     cache: CacheMode,
+    /// In passthrough mode, do not use the kernel's FUSE passthrough (serve I/O in the daemon).
+    #[arg(long)]
+    no_kernel_passthrough: bool,
     /// FUSE worker threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -489,11 +492,12 @@ fn serve(
     ready: &mut Option<fs::File>,
 ) -> Result<()> {
     let core = Core::new(real, opts, log.clone())?;
-    let adapter = pmstack::fuse::Adapter {
-        core: core.clone(),
-        ttl: Duration::from_secs_f64(a.attr_timeout),
-        writeback_cache: a.cache == CacheMode::Writeback,
-    };
+    let adapter = pmstack::fuse::Adapter::new(
+        core.clone(),
+        Duration::from_secs_f64(a.attr_timeout),
+        a.cache == CacheMode::Writeback,
+        a.mode == Mode::Passthrough && !a.no_kernel_passthrough,
+    );
     let mut session = fuser::Session::new(adapter, &mp, &cfg).map_err(|e| {
         anyhow!(
             "mounting {}: {e} (are you permitted to mount? is fuse3 installed?)",

@@ -14,6 +14,12 @@ use fuser::{
     ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, RawFd};
+
+use fuser::BackingId;
+use parking_lot::Mutex;
+
 use crate::core::Core;
 use crate::lower::real::Stat;
 
@@ -22,6 +28,58 @@ pub struct Adapter {
     pub ttl: Duration,
     /// Use the kernel's writeback cache (see `init`).
     pub writeback_cache: bool,
+    /// Kernel FUSE passthrough: reads and writes of open files go straight to the lower file
+    /// (set in `init` when asked for and the kernel offers it).
+    pub passthrough: bool,
+    /// Backing ids per inode (the kernel wants one per inode for all its passthrough handles),
+    /// with the number of open handles using it.
+    backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+    /// fh -> inode, for handles opened with passthrough.
+    pt_handles: Mutex<HashMap<u64, u64>>,
+}
+
+impl Adapter {
+    pub fn new(core: Arc<Core>, ttl: Duration, writeback_cache: bool, passthrough: bool) -> Self {
+        Adapter {
+            core,
+            ttl,
+            writeback_cache,
+            passthrough,
+            backing: Mutex::new(HashMap::new()),
+            pt_handles: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The backing id of `ino` for a new passthrough handle `fh`, created from the handle's
+    /// lower descriptor if the inode has none yet.
+    fn backing_for(&self, ino: u64, fh: u64, open: impl FnOnce(RawFd) -> io::Result<BackingId>) -> io::Result<Arc<BackingId>> {
+        let fd = self.core.fd_of(fh)?;
+        let mut b = self.backing.lock();
+        let id = match b.get_mut(&ino) {
+            Some((id, n)) => {
+                *n += 1;
+                id.clone()
+            }
+            None => {
+                let id = Arc::new(open(fd)?);
+                b.insert(ino, (id.clone(), 1));
+                id
+            }
+        };
+        self.pt_handles.lock().insert(fh, ino);
+        Ok(id)
+    }
+
+    fn release_backing(&self, fh: u64) {
+        let Some(ino) = self.pt_handles.lock().remove(&fh) else { return };
+        let mut b = self.backing.lock();
+        if let Some((_, n)) = b.get_mut(&ino) {
+            *n -= 1;
+            if *n == 0 {
+                b.remove(&ino);
+            }
+        }
+    }
 }
 
 fn err(e: io::Error) -> Errno {
@@ -91,6 +149,17 @@ impl Filesystem for Adapter {
         let mut caps = InitFlags::FUSE_PARALLEL_DIROPS;
         if self.writeback_cache {
             caps |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        // FUSE passthrough only where every open of an inode can use it: the kernel refuses to
+        // mix passthrough and cached opens of one inode, and in the PM modes writes must reach
+        // the daemon. So: passthrough mode only.
+        if self.passthrough {
+            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) && config.set_max_stack_depth(1).is_ok() {
+                caps |= InitFlags::FUSE_PASSTHROUGH;
+            } else {
+                tracing::warn!("kernel FUSE passthrough unavailable; serving reads and writes through the daemon");
+                self.passthrough = false;
+            }
         }
         if let Err(missing) = config.add_capabilities(caps) {
             tracing::warn!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
@@ -269,6 +338,16 @@ impl Filesystem for Adapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         match self.core.open(ino.0, flags.0) {
+            Ok(fh) if self.passthrough => {
+                // SAFETY (closure): the descriptor belongs to the live handle `fh`.
+                match self.backing_for(ino.0, fh, |fd| reply.open_backing(unsafe { BorrowedFd::borrow_raw(fd) })) {
+                    Ok(id) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id),
+                    Err(e) => {
+                        self.core.release(fh);
+                        reply.error(err(e))
+                    }
+                }
+            }
             // Only this mount changes the lower files, so the kernel page cache stays valid
             // across opens.
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
@@ -332,6 +411,7 @@ impl Filesystem for Adapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.release_backing(fh.0);
         self.core.release(fh.0);
         reply.ok();
     }

@@ -963,10 +963,11 @@ impl Core {
         } else {
             None
         };
-        // The object a plain rename replaces, so recovery can remove it even if `src` is gone.
+        // The object at the destination: replaced by a plain rename (recovery removes it even
+        // if `src` is gone), or swapped in by RENAME_EXCHANGE.
         let victim = match &src {
-            Some(_) if flags & libc::RENAME_EXCHANGE == 0 => self.object_at(&np, newname).ok(),
-            _ => None,
+            Some(_) => self.object_at(&np, newname).ok(),
+            None => None,
         };
         self.ns_op(
             &[&p, &np]
