@@ -144,7 +144,7 @@ fn run(seed: u64, nops: usize) {
         }
         r.sim.set_tag(models.len() as u64 - 1);
         let names: Vec<String> = model.files.keys().cloned().collect();
-        match rng.gen_range(0..12) {
+        match rng.gen_range(0..13) {
             0 | 1 => {
                 let name = format!("f{}", rng.gen_range(0..6));
                 #[allow(clippy::map_entry)] // the insert needs the create's result first
@@ -216,6 +216,23 @@ fn run(seed: u64, nops: usize) {
                     *durable = recs.len();
                 }
                 base = trees.len();
+            }
+            11 if names.len() >= 2 => {
+                // RENAME_EXCHANGE of two existing names
+                let a = names[rng.gen_range(0..names.len())].clone();
+                let b = names[rng.gen_range(0..names.len())].clone();
+                if a != b {
+                    crash_op_unlinks |= j == c;
+                    r.core.rename(1, OsStr::new(&a), 1, OsStr::new(&b), libc::RENAME_EXCHANGE).unwrap();
+                    let va = model.files.remove(&a).unwrap();
+                    let vb = model.files.remove(&b).unwrap();
+                    model.files.insert(a.clone(), vb);
+                    model.files.insert(b.clone(), va);
+                    let ha = r.handles.remove(&a).unwrap();
+                    let hb = r.handles.remove(&b).unwrap();
+                    r.handles.insert(a, hb);
+                    r.handles.insert(b, ha);
+                }
             }
             _ => {}
         }
