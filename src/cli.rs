@@ -363,10 +363,9 @@ fn mount(a: MountArgs) -> Result<()> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse is missing: load the fuse module or install fuse3");
     }
-    if matches!(a.mode, Mode::Strict | Mode::Adaptive) {
+    if a.mode == Mode::Adaptive {
         bail!(
-            "mode {:?} is not available yet; use --mode sync (default) or --mode passthrough",
-            a.mode
+            "mode adaptive is not available yet; use --mode sync (default), strict or passthrough"
         );
     }
     let mut fuse_opts = vec![

@@ -52,7 +52,12 @@ impl Adapter {
 
     /// The backing id of `ino` for a new passthrough handle `fh`, created from the handle's
     /// lower descriptor if the inode has none yet.
-    fn backing_for(&self, ino: u64, fh: u64, open: impl FnOnce(RawFd) -> io::Result<BackingId>) -> io::Result<Arc<BackingId>> {
+    fn backing_for(
+        &self,
+        ino: u64,
+        fh: u64,
+        open: impl FnOnce(RawFd) -> io::Result<BackingId>,
+    ) -> io::Result<Arc<BackingId>> {
         let fd = self.core.fd_of(fh)?;
         let mut b = self.backing.lock();
         let id = match b.get_mut(&ino) {
@@ -71,7 +76,9 @@ impl Adapter {
     }
 
     fn release_backing(&self, fh: u64) {
-        let Some(ino) = self.pt_handles.lock().remove(&fh) else { return };
+        let Some(ino) = self.pt_handles.lock().remove(&fh) else {
+            return;
+        };
         let mut b = self.backing.lock();
         if let Some((_, n)) = b.get_mut(&ino) {
             *n -= 1;
@@ -154,7 +161,9 @@ impl Filesystem for Adapter {
         // mix passthrough and cached opens of one inode, and in the PM modes writes must reach
         // the daemon. So: passthrough mode only.
         if self.passthrough {
-            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) && config.set_max_stack_depth(1).is_ok() {
+            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH)
+                && config.set_max_stack_depth(1).is_ok()
+            {
                 caps |= InitFlags::FUSE_PASSTHROUGH;
             } else {
                 tracing::warn!("kernel FUSE passthrough unavailable; serving reads and writes through the daemon");
@@ -340,7 +349,9 @@ impl Filesystem for Adapter {
         match self.core.open(ino.0, flags.0) {
             Ok(fh) if self.passthrough => {
                 // SAFETY (closure): the descriptor belongs to the live handle `fh`.
-                match self.backing_for(ino.0, fh, |fd| reply.open_backing(unsafe { BorrowedFd::borrow_raw(fd) })) {
+                match self.backing_for(ino.0, fh, |fd| {
+                    reply.open_backing(unsafe { BorrowedFd::borrow_raw(fd) })
+                }) {
                     Ok(id) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id),
                     Err(e) => {
                         self.core.release(fh);

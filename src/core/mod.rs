@@ -27,7 +27,7 @@ pub use stats::Stats;
 pub enum Mode {
     /// fsync, fdatasync, O_SYNC writes and namespace operations are absorbed by the PM log.
     Sync,
-    /// Every write durable on return (not yet available).
+    /// Every write and namespace operation durable and ordered on return; fsync is free.
     Strict,
     /// Per-file/per-block eager or lazy logging (not yet available).
     Adaptive,
@@ -43,6 +43,8 @@ pub struct Options {
     /// Active sync sensitivity (NVLog): switch a file to eager logging when pages dirtied
     /// between syncs exceed `sensitivity` times the pages its bytes would fill.
     pub sensitivity: u64,
+    /// strict mode: a writer that finds PM full waits until write-back freed this share.
+    pub throttle_share: f64,
 }
 
 impl Default for Options {
@@ -52,6 +54,7 @@ impl Default for Options {
             flush_interval: Duration::from_secs(5),
             low_watermark: 0.25,
             sensitivity: 2,
+            throttle_share: 0.2,
         }
     }
 }
@@ -442,14 +445,26 @@ impl Core {
             }
             return Ok(n);
         };
-        let _g = self.gate.read();
-        let i = &h.ino;
-        let mut st = i.st.lock();
-        let first = off / PAGE as u64;
-        let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
-        let touches_live = st.live_pages.range(first..=last).next().is_some();
-        let eager = h.sync_writes || st.eager || st.live_attr || touches_live;
-        if eager {
+        let strict = self.opts.mode == Mode::Strict;
+        let mut throttled = false;
+        loop {
+            let g = self.gate.read();
+            let i = &h.ino;
+            let mut st = i.st.lock();
+            let first = off / PAGE as u64;
+            let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
+            let touches_live = st.live_pages.range(first..=last).next().is_some();
+            // strict: every write is durable on return. sync: O_SYNC handles, files switched
+            // to eager by active sync, and pages with live entries (see FileState::live_pages).
+            let eager = strict || h.sync_writes || st.eager || st.live_attr || touches_live;
+            if !eager {
+                let n = real::pwrite_all(fd, data, off)?;
+                add_range(&mut st.dirty, off, off + n as u64);
+                st.dirty_mark = log.lsn_now();
+                st.bytes_since_sync += n as u64;
+                st.pages_since_sync.extend(first..=last);
+                return Ok(n);
+            }
             let mut a = log.area();
             match self.log_bytes(&mut a, i, &mut st, off, data) {
                 Ok(()) => {
@@ -466,9 +481,18 @@ impl Core {
                     return Ok(n);
                 }
                 Err(_) => {
-                    // PM full: the bytes go to the lower FS and are made durable there.
                     a.commit();
                     drop(a);
+                    if strict && !throttled {
+                        // strict mode throttles writers until write-back frees PM (the gate and
+                        // the inode are released: write-back needs them), then retries once.
+                        drop(st);
+                        drop(g);
+                        self.throttle(log);
+                        throttled = true;
+                        continue;
+                    }
+                    // PM full: the bytes go to the lower FS and are made durable there.
                     self.log_full();
                     let n = real::pwrite_all(fd, data, off)?;
                     real::fsync(fd, true)?;
@@ -476,16 +500,27 @@ impl Core {
                 }
             }
         }
-        let n = real::pwrite_all(fd, data, off)?;
-        add_range(&mut st.dirty, off, off + n as u64);
-        st.dirty_mark = log.lsn_now();
-        st.bytes_since_sync += n as u64;
-        st.pages_since_sync.extend(first..=last);
-        Ok(n)
+    }
+
+    /// Wait (bounded) until write-back has freed `throttle_share` of PM.
+    fn throttle(&self, log: &Log) {
+        self.stats.throttles.fetch_add(1, Ordering::Relaxed);
+        let want = (self.opts.throttle_share * log.pages_total() as f64) as usize;
+        let t0 = Instant::now();
+        while log.pages_free() < want && t0.elapsed() < Duration::from_secs(10) {
+            self.wake_flusher();
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// fsync/fdatasync. In sync mode: log every dirty range, commit, never touch the disk.
+    /// In strict mode everything is durable already: ENOSYS tells the kernel to stop asking
+    /// (it then treats every later fsync as done without a round trip).
     pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> R<()> {
+        if self.opts.mode == Mode::Strict && self.log.is_some() {
+            self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+            return Err(errno(libc::ENOSYS));
+        }
         let i = self.inode(ino)?;
         let Some(log) = self.logging() else {
             let fd = match fh.and_then(|f| self.handle(f).ok()) {
@@ -1075,6 +1110,9 @@ impl Core {
         if self.logging().is_some() {
             // Namespace operations are durable when they return: nothing left to do.
             self.stats.absorbed_fsyncdir.fetch_add(1, Ordering::Relaxed);
+            if self.opts.mode == Mode::Strict {
+                return Err(errno(libc::ENOSYS)); // and the kernel may stop asking
+            }
             return Ok(());
         }
         let i = self.inode(ino)?;

@@ -29,4 +29,5 @@ counters!(
     writeback_errors,
     writeback_us,
     active_sync_switches,
+    throttles,
 );
