@@ -143,6 +143,15 @@ fn time_ns(t: Option<TimeOrNow>) -> Option<Option<i64>> {
     })
 }
 
+impl Adapter {
+    fn reply_entry(&self, r: io::Result<(Arc<crate::core::Inode>, Stat)>, reply: ReplyEntry) {
+        match r {
+            Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+}
+
 impl Filesystem for Adapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         let _ = config.set_max_write(1 << 20);
@@ -180,10 +189,7 @@ impl Filesystem for Adapter {
     fn destroy(&mut self) {}
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match self.core.lookup(parent.0, name) {
-            Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
-            Err(e) => reply.error(err(e)),
-        }
+        self.reply_entry(self.core.lookup(parent.0, name), reply)
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
@@ -242,18 +248,18 @@ impl Filesystem for Adapter {
         reply: ReplyEntry,
     ) {
         let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
-        match self.core.mknod(
-            parent.0,
-            name,
-            mode,
-            rdev as u64,
-            None,
-            req.uid(),
-            req.gid(),
-        ) {
-            Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
-            Err(e) => reply.error(err(e)),
-        }
+        self.reply_entry(
+            self.core.mknod(
+                parent.0,
+                name,
+                mode,
+                rdev as u64,
+                None,
+                req.uid(),
+                req.gid(),
+            ),
+            reply,
+        )
     }
 
     fn mkdir(
@@ -266,13 +272,11 @@ impl Filesystem for Adapter {
         reply: ReplyEntry,
     ) {
         let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
-        match self
-            .core
-            .mknod(parent.0, name, mode, 0, None, req.uid(), req.gid())
-        {
-            Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
-            Err(e) => reply.error(err(e)),
-        }
+        self.reply_entry(
+            self.core
+                .mknod(parent.0, name, mode, 0, None, req.uid(), req.gid()),
+            reply,
+        )
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -298,18 +302,18 @@ impl Filesystem for Adapter {
         reply: ReplyEntry,
     ) {
         let t = target.as_os_str().as_bytes();
-        match self.core.mknod(
-            parent.0,
-            link_name,
-            libc::S_IFLNK | 0o777,
-            0,
-            Some(t),
-            req.uid(),
-            req.gid(),
-        ) {
-            Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
-            Err(e) => reply.error(err(e)),
-        }
+        self.reply_entry(
+            self.core.mknod(
+                parent.0,
+                link_name,
+                libc::S_IFLNK | 0o777,
+                0,
+                Some(t),
+                req.uid(),
+                req.gid(),
+            ),
+            reply,
+        )
     }
 
     fn rename(
@@ -339,10 +343,7 @@ impl Filesystem for Adapter {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        match self.core.link(ino.0, newparent.0, newname) {
-            Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
-            Err(e) => reply.error(err(e)),
-        }
+        self.reply_entry(self.core.link(ino.0, newparent.0, newname), reply)
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {

@@ -828,10 +828,9 @@ impl Core {
         }
     }
 
-    fn created(&self, p: &Arc<Inode>, name: &OsStr, target: &[u8]) -> R<(Arc<Inode>, Stat)> {
+    fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
         let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
-        let _ = target;
         let st = self.stat_of(&i)?;
         Ok((i, st))
     }
@@ -882,7 +881,7 @@ impl Core {
                     libc::S_IFLNK => self.lower.symlink(p.node.as_raw_fd(), name, t)?,
                     _ => self.lower.mknod(p.node.as_raw_fd(), name, mode, rdev)?,
                 }
-                let (i, _) = self.created(&p, name, t)?;
+                let (i, _) = self.created(&p, name)?;
                 self.own(&i, uid, gid);
                 let st = self.stat_of(&i)?;
                 Ok((i, st))
@@ -915,7 +914,7 @@ impl Core {
                 let fd = self
                     .lower
                     .create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
-                let (i, _) = self.created(&p, name, b"")?;
+                let (i, _) = self.created(&p, name)?;
                 self.own(&i, uid, gid);
                 let st = self.stat_of(&i)?;
                 Ok((i, st, fd))

@@ -49,7 +49,19 @@ impl Replayer<'_> {
             let Some(h) = self.plan.binds.get(&fid) else {
                 return Ok(None);
             };
-            match self.lower.open_handle(h) {
+            // A transient failure (seen: ENOMEM from open_by_handle_at under concurrent
+            // unlinks) is retried; a stale handle means the object is gone.
+            let mut r = self.lower.open_handle(h);
+            for _ in 0..3 {
+                match &r {
+                    Err(e) if e.raw_os_error() != Some(libc::ESTALE) => {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                        r = self.lower.open_handle(h);
+                    }
+                    _ => break,
+                }
+            }
+            match r {
                 Ok(fd) => {
                     self.nodes.insert(fid, fd);
                 }

@@ -509,9 +509,4 @@ impl AreaGuard<'_> {
         self.a.committed = self.a.end;
         self.log.stats.commits.fetch_add(1, Ordering::Relaxed);
     }
-
-    /// Whether a record of `bytes` payload fits without a new page (used to batch).
-    pub fn has_uncommitted(&self) -> bool {
-        self.a.end != self.a.committed
-    }
 }

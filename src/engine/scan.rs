@@ -334,7 +334,6 @@ impl Scan {
         if let Some(p) = self.problems.first() {
             return Err(p.clone());
         }
-        let wb = self.wb_horizons();
         let mut plan = ReplayPlan::default();
         for e in &self.entries {
             if let Record::Bind { fid, handle } = &e.rec {
@@ -342,7 +341,6 @@ impl Scan {
             }
         }
         for e in self.live_entries() {
-            let _ = &wb;
             match &e.rec {
                 Record::Ns(op) => plan.namespace.push((e.lsn, op.clone())),
                 Record::Data { fid, off, bytes } => plan.files.entry(*fid).or_default().push((
