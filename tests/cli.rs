@@ -237,3 +237,56 @@ fn concurrent_creates_renames_and_writes_lose_nothing() {
         );
     }
 }
+
+#[test]
+fn allow_other_checks_permissions_and_new_files_belong_to_the_caller() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    // The test tree must be reachable by an unprivileged user.
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(m.base.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    m.mount(&["-o", "allow_other"]);
+    let shared = m.mnt.join("shared");
+    fs::create_dir(&shared).unwrap();
+    fs::set_permissions(&shared, fs::Permissions::from_mode(0o777)).unwrap();
+    fs::write(m.mnt.join("secret"), b"root only").unwrap();
+    fs::set_permissions(m.mnt.join("secret"), fs::Permissions::from_mode(0o600)).unwrap();
+    let as_nobody = |script: &str| {
+        Command::new("setpriv")
+            .args([
+                "--reuid",
+                "65534",
+                "--regid",
+                "65534",
+                "--clear-groups",
+                "sh",
+                "-c",
+                script,
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = as_nobody(&format!("echo hi > {}/f", shared.display()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    use std::os::unix::fs::MetadataExt;
+    let md = fs::metadata(shared.join("f")).unwrap();
+    assert_eq!(
+        (md.uid(), md.gid()),
+        (65534, 65534),
+        "a new file belongs to its creator"
+    );
+    let out = as_nobody(&format!("cat {}/secret", m.mnt.display()));
+    assert!(
+        !out.status.success(),
+        "the kernel must refuse a 0600 root file to another user"
+    );
+    m.umount();
+    let md = fs::metadata(m.lower.join("shared/f")).unwrap();
+    assert_eq!(md.uid(), 65534, "ownership reached the lower file system");
+}
