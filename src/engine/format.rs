@@ -4,13 +4,15 @@
 use crate::pmem::{le_u32, le_u64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PMSTACK\x01");
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const PAGE: usize = 4096;
 pub const SLOT: usize = 64;
 pub const SLOTS_PER_PAGE: usize = PAGE / SLOT;
-/// Page 0: superblock. Page 1: area table. Log and data pages follow.
+/// Page 0: superblock. Page 1: area table. Pages 2..: chunk table. Log and data pages follow.
 pub const AREA_TABLE_PAGE: u32 = 1;
-pub const FIRST_ALLOC_PAGE: u32 = 2;
+pub const CHUNK_TABLE_PAGE: u32 = 2;
+/// Pages are handed to processes in chunks of this many, claimed in the chunk table.
+pub const CHUNK_PAGES: u32 = 64;
 pub const MAX_AREAS: u32 = 64;
 pub const AREA_SLOT: usize = 64;
 pub const MIN_PAGES: u64 = 64;
@@ -29,6 +31,9 @@ pub const SB_CRC: usize = 60;
 pub const SB_CLEAN: usize = 128;
 /// Every entry with an LSN below this is expired (written back), in every area.
 pub const SB_CHECKPOINT: usize = 192;
+/// The next LSN, shared by every process appending to the region (fetch-and-add; volatile:
+/// recovery re-derives it from the log).
+pub const SB_NEXT_LSN: usize = 256;
 
 // Area table slot fields (8-byte words).
 pub const AREA_OWNER: usize = 0;
@@ -288,6 +293,33 @@ impl Superblock {
     pub fn pages(&self) -> u32 {
         (self.region_bytes / PAGE as u64) as u32
     }
+
+    /// Pages of the chunk table (8 bytes per chunk).
+    pub fn chunk_table_pages(&self) -> u32 {
+        (self.pages() / CHUNK_PAGES * 8)
+            .div_ceil(PAGE as u32)
+            .max(1)
+    }
+
+    /// The first page that holds log or data.
+    pub fn first_alloc_page(&self) -> u32 {
+        CHUNK_TABLE_PAGE + self.chunk_table_pages()
+    }
+
+    pub fn chunks(&self) -> u32 {
+        (self.pages() - self.first_alloc_page()).div_ceil(CHUNK_PAGES)
+    }
+
+    /// Pages of chunk `c`.
+    pub fn chunk_pages(&self, c: u32) -> std::ops::Range<u32> {
+        let s = self.first_alloc_page() + c * CHUNK_PAGES;
+        s..(s + CHUNK_PAGES).min(self.pages())
+    }
+
+    /// Offset of chunk `c`'s owner word (0: free; else 1 + the owning area).
+    pub fn chunk_word(&self, c: u32) -> usize {
+        CHUNK_TABLE_PAGE as usize * PAGE + c as usize * 8
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -296,7 +328,7 @@ pub enum SbError {
     TooSmall(u64),
     #[error("not a pmstack region (bad magic); format it with `pmstack format`")]
     BadMagic,
-    #[error("unsupported format version {0} (this pmstack reads version 1)")]
+    #[error("unsupported format version {0} (this pmstack reads version 2)")]
     Version(u32),
     #[error("superblock checksum mismatch: the region is corrupted")]
     Checksum,

@@ -65,8 +65,13 @@ pub struct LogStats {
 pub struct Log {
     pm: Arc<dyn Pmem>,
     sb: Superblock,
-    next_lsn: AtomicU64,
+    /// The areas this process leased (exclusive open: all of them).
     areas: Vec<Mutex<Area>>,
+    /// Owner tag this process writes into the chunk table (1 + its first area).
+    chunk_tag: u64,
+    /// Chunks not yet claimed by anyone, as last seen (an estimate under sharing).
+    unclaimed_chunks: AtomicUsize,
+    next_chunk: AtomicUsize,
     next_area: AtomicUsize,
     free: Mutex<Vec<u32>>,
     free_count: AtomicUsize,
@@ -77,6 +82,9 @@ pub struct Log {
 
 /// Pages kept back so that log pages can always be chained (data pages fail first).
 const RESERVE_PAGES: usize = 4;
+
+/// Empty areas an exclusive open (the daemon) leases; the others are left to `attach`.
+const OPEN_AREAS: usize = 8;
 
 /// The first LSN handed out; everything below is reserved (fid 1 is the root directory).
 pub const FIRST_LSN: u64 = 16;
@@ -104,11 +112,13 @@ impl Log {
         // half-initialized one that passes the magic check.
         pm.store_u64(SB_MAGIC, 0);
         pm.persist(0, 8);
-        pm.write(8, &vec![0u8; 2 * PAGE - 8]);
+        let meta = sb.first_alloc_page() as usize * PAGE;
+        pm.write(8, &vec![0u8; meta - 8]);
         // LSNs start above ROOT_FID: the fs core also draws file ids from the LSN counter.
         store_sealed(&*pm, SB_CHECKPOINT, FIRST_LSN);
         store_sealed(&*pm, SB_CLEAN, 1);
-        pm.persist(0, 2 * PAGE);
+        pm.store_u64(SB_NEXT_LSN, FIRST_LSN);
+        pm.persist(0, meta);
         let enc = sb.encode();
         pm.write(8, &enc[8..]);
         pm.persist(0, 64);
@@ -118,15 +128,23 @@ impl Log {
         Ok(log)
     }
 
-    /// Open a formatted region, rebuilding the volatile state from a scan. The log is
-    /// returned as found (live entries stay live); see `reset` after recovery.
+    /// Open a formatted region exclusively (the daemon, holding the region lock; recovery),
+    /// rebuilding the volatile state from a scan: every area and chunk becomes this process's.
+    /// The log is returned as found (live entries stay live); see `reset` after recovery.
     pub fn open(pm: Arc<dyn Pmem>) -> Result<(Log, Scan), LogError> {
         let s = scan(&*pm)?;
         if let Some(p) = s.problems.first() {
             return Err(LogError::Corrupt(p.clone()));
         }
         let mut areas = Vec::new();
+        // Every area holding entries (they must be managed), and empty ones up to
+        // OPEN_AREAS; the rest stay free for other processes to lease (`attach`).
+        let mut taken = Vec::new();
         for a in &s.areas {
+            if a.head == 0 && taken.len() >= OPEN_AREAS {
+                continue;
+            }
+            taken.push(a.idx);
             let last = a.pages.last();
             areas.push(Mutex::new(Area {
                 idx: a.idx,
@@ -159,10 +177,22 @@ impl Log {
                 oop.entry(fid).or_default().push((e.lsn, page));
             }
         }
+        let sb = read_superblock(&*pm)?;
+        pm.store_u64(SB_NEXT_LSN, s.checkpoint.max(s.max_lsn + 1).max(FIRST_LSN));
+        let pid = std::process::id() as u64;
+        for a in &s.areas {
+            let owner = if taken.contains(&a.idx) { pid } else { 0 };
+            pm.store_u64(area_word(a.idx, AREA_OWNER), owner);
+        }
+        for c in 0..sb.chunks() {
+            pm.store_u64(sb.chunk_word(c), 1);
+        }
         let log = Log {
-            sb: read_superblock(&*pm)?,
-            next_lsn: AtomicU64::new(s.checkpoint.max(s.max_lsn + 1).max(FIRST_LSN)),
+            sb,
             areas,
+            chunk_tag: 1,
+            unclaimed_chunks: AtomicUsize::new(0),
+            next_chunk: AtomicUsize::new(0),
             next_area: AtomicUsize::new(0),
             free_count: AtomicUsize::new(free.len()),
             free: Mutex::new(free),
@@ -180,17 +210,95 @@ impl Log {
         &self.pm
     }
     pub fn pages_total(&self) -> usize {
-        (self.sb.pages() - FIRST_ALLOC_PAGE) as usize
+        (self.sb.pages() - self.sb.first_alloc_page()) as usize
     }
     pub fn pages_free(&self) -> usize {
         self.free_count.load(Ordering::Relaxed)
+            + self.unclaimed_chunks.load(Ordering::Relaxed) * CHUNK_PAGES as usize
     }
     /// The next LSN that will be handed out (every LSN below it is assigned).
     pub fn lsn_now(&self) -> u64 {
-        self.next_lsn.load(Ordering::SeqCst)
+        self.pm.load_u64(SB_NEXT_LSN)
     }
+    /// A new LSN, unique across every process appending to the region.
     pub fn next_lsn(&self) -> u64 {
-        self.next_lsn.fetch_add(1, Ordering::SeqCst)
+        self.pm.fetch_add_u64(SB_NEXT_LSN, 1)
+    }
+
+    /// Attach to a region another process (the daemon) has open: lease `n` free areas
+    /// (compare-and-swap of their owner words) and claim page chunks on demand, so nothing
+    /// this process appends depends on any other process's private state. The region must be
+    /// in use (not being recovered).
+    pub fn attach(pm: Arc<dyn Pmem>, n: usize) -> Result<Log, LogError> {
+        let sb = read_superblock(&*pm)?;
+        let pid = std::process::id() as u64;
+        let mut areas = Vec::new();
+        for idx in 0..sb.areas {
+            if areas.len() == n {
+                break;
+            }
+            let head = load_sealed(&*pm, area_word(idx, AREA_HEAD), "area head")
+                .map_err(LogError::Corrupt)?;
+            if head == 0
+                && pm
+                    .compare_exchange_u64(area_word(idx, AREA_OWNER), 0, pid)
+                    .is_ok()
+            {
+                areas.push(Mutex::new(Area {
+                    idx,
+                    cur: 0,
+                    off: PAGE,
+                    seq: 0,
+                    pages: VecDeque::new(),
+                    pending: Vec::new(),
+                    end: 0,
+                    committed: 0,
+                }));
+            }
+        }
+        if areas.is_empty() {
+            return Err(LogError::Corrupt("no free append area to lease".into()));
+        }
+        let chunk_tag = 1 + areas[0].lock().idx as u64;
+        let unclaimed = (0..sb.chunks())
+            .filter(|&c| pm.load_u64(sb.chunk_word(c)) == 0)
+            .count();
+        Ok(Log {
+            sb,
+            areas,
+            chunk_tag,
+            unclaimed_chunks: AtomicUsize::new(unclaimed),
+            next_chunk: AtomicUsize::new(0),
+            next_area: AtomicUsize::new(0),
+            free_count: AtomicUsize::new(0),
+            free: Mutex::new(Vec::new()),
+            oop: Mutex::new(HashMap::new()),
+            pm,
+            stats: LogStats::default(),
+        })
+    }
+
+    /// Claim a free chunk (compare-and-swap in the chunk table) into `pool`.
+    fn claim_chunk(&self, pool: &mut Vec<u32>) -> bool {
+        let n = self.sb.chunks() as usize;
+        let start = self.next_chunk.load(Ordering::Relaxed);
+        for k in 0..n {
+            let c = ((start + k) % n) as u32;
+            let w = self.sb.chunk_word(c);
+            if self.pm.load_u64(w) == 0
+                && self.pm.compare_exchange_u64(w, 0, self.chunk_tag).is_ok()
+            {
+                self.next_chunk
+                    .store((c as usize + 1) % n, Ordering::Relaxed);
+                let _ =
+                    self.unclaimed_chunks
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| u.checked_sub(1));
+                pool.extend(self.sb.chunk_pages(c).rev());
+                return true;
+            }
+        }
+        self.unclaimed_chunks.store(0, Ordering::Relaxed);
+        false
     }
     pub fn checkpoint_lsn(&self) -> u64 {
         load_sealed(&*self.pm, SB_CHECKPOINT, "checkpoint").unwrap_or(0)
@@ -234,6 +342,9 @@ impl Log {
 
     fn alloc(&self, reserve_ok: bool) -> Option<u32> {
         let mut f = self.free.lock();
+        if f.len() <= RESERVE_PAGES {
+            self.claim_chunk(&mut f);
+        }
         if !reserve_ok && f.len() <= RESERVE_PAGES {
             return None;
         }
@@ -328,13 +439,12 @@ impl Log {
     /// expire every entry and empty every area. Crash-safe: the single checkpoint store
     /// expires everything at once, the area resets after it only reclaim space.
     pub fn reset(&self) {
-        let upto = self.next_lsn.load(Ordering::SeqCst);
+        let upto = self.lsn_now();
         store_sealed(&*self.pm, SB_CHECKPOINT, upto.max(self.checkpoint_lsn()));
         self.pm.persist(SB_CHECKPOINT, 8);
-        let mut all_free: Vec<u32> = Vec::new();
         for am in &self.areas {
             let mut a = am.lock();
-            for w in [AREA_HEAD, AREA_TAIL, AREA_OWNER] {
+            for w in [AREA_HEAD, AREA_TAIL] {
                 self.pm.store_u64(area_word(a.idx, w), 0);
             }
             self.pm.persist(area_word(a.idx, 0), AREA_SLOT);
@@ -347,10 +457,15 @@ impl Log {
             a.committed = 0;
         }
         self.oop.lock().clear();
-        all_free.extend(FIRST_ALLOC_PAGE..self.sb.pages());
+        // Every chunk back to the shared pool; this process claims again on demand.
+        for c in 0..self.sb.chunks() {
+            self.pm.store_u64(self.sb.chunk_word(c), 0);
+        }
+        self.unclaimed_chunks
+            .store(self.sb.chunks() as usize, Ordering::Relaxed);
         let mut f = self.free.lock();
-        *f = all_free;
-        self.free_count.store(f.len(), Ordering::Relaxed);
+        f.clear();
+        self.free_count.store(0, Ordering::Relaxed);
     }
 
     /// Bytes of PM in use by the log (log and live data pages).

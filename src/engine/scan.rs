@@ -167,7 +167,8 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
             s.areas.push(a);
             continue;
         }
-        let bad_page = |p: u64| p < FIRST_ALLOC_PAGE as u64 || p >= npages as u64;
+        let first = sb.first_alloc_page() as u64;
+        let bad_page = |p: u64| p < first || p >= npages as u64;
         if bad_page(head) || (tail_page != 0 && bad_page(tail_page as u64)) || tail_off > PAGE {
             s.problems.push(format!(
                 "area {idx}: head page {head} or tail {tail_page}:{tail_off} out of range"
@@ -323,7 +324,7 @@ impl Scan {
     /// The free-page pool rebuilt from the scan.
     pub fn free_pages(&self) -> Vec<u32> {
         let used = self.used_pages();
-        (FIRST_ALLOC_PAGE..self.sb.pages())
+        (self.sb.first_alloc_page()..self.sb.pages())
             .filter(|p| !used.contains(p))
             .collect()
     }
@@ -356,7 +357,7 @@ impl Scan {
                     page,
                     crc,
                 } => {
-                    if *page < FIRST_ALLOC_PAGE || *page >= self.sb.pages() {
+                    if *page < self.sb.first_alloc_page() || *page >= self.sb.pages() {
                         return Err(format!("LSN {}: data page {page} out of range", e.lsn));
                     }
                     let mut buf = vec![0u8; PAGE];

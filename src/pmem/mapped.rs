@@ -190,6 +190,20 @@ impl Pmem for MappedRegion {
         let a = unsafe { &*(self.ptr.add(off) as *const AtomicU64) };
         a.store(v, Ordering::Release);
     }
+    fn fetch_add_u64(&self, off: usize, v: u64) -> u64 {
+        self.check(off, 8);
+        assert!(off % 8 == 0);
+        // SAFETY: aligned, in range; shared-memory atomics work across processes.
+        let a = unsafe { &*(self.ptr.add(off) as *const AtomicU64) };
+        a.fetch_add(v, Ordering::AcqRel)
+    }
+    fn compare_exchange_u64(&self, off: usize, current: u64, new: u64) -> Result<u64, u64> {
+        self.check(off, 8);
+        assert!(off % 8 == 0);
+        // SAFETY: aligned, in range.
+        let a = unsafe { &*(self.ptr.add(off) as *const AtomicU64) };
+        a.compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
     fn read(&self, off: usize, buf: &mut [u8]) {
         self.check(off, buf.len());
         // SAFETY: in range (checked).

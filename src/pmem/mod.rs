@@ -43,6 +43,10 @@ pub trait Pmem: Send + Sync {
     }
     /// 8-byte failure-atomic store; `off` must be 8-byte aligned.
     fn store_u64(&self, off: usize, v: u64);
+    /// Atomic fetch-and-add on an 8-byte word shared by every process mapping the region.
+    fn fetch_add_u64(&self, off: usize, v: u64) -> u64;
+    /// Atomic compare-and-swap on an 8-byte word; Ok(old) if it held `current`.
+    fn compare_exchange_u64(&self, off: usize, current: u64, new: u64) -> Result<u64, u64>;
     fn read(&self, off: usize, buf: &mut [u8]);
     fn load_u64(&self, off: usize) -> u64;
     /// Write back the cache lines covering `off..off+len` (ordering needs `fence`).

@@ -43,6 +43,7 @@ pub struct CrashImage {
 
 pub struct SimPmem {
     st: Mutex<State>,
+    rmw: Mutex<()>,
     tag: std::sync::atomic::AtomicU64,
 }
 
@@ -63,6 +64,7 @@ impl SimPmem {
                 capture: None,
             }),
             tag: 0.into(),
+            rmw: Mutex::new(()),
         }
     }
 
@@ -146,6 +148,22 @@ impl Pmem for SimPmem {
     fn store_u64(&self, off: usize, v: u64) {
         assert!(off % 8 == 0, "unaligned 8-byte store");
         self.write(off, &v.to_le_bytes())
+    }
+    fn fetch_add_u64(&self, off: usize, v: u64) -> u64 {
+        // One lock makes the read-modify-write atomic for the simulator.
+        let _serial = self.rmw.lock();
+        let old = self.load_u64(off);
+        self.store_u64(off, old.wrapping_add(v));
+        old
+    }
+    fn compare_exchange_u64(&self, off: usize, current: u64, new: u64) -> Result<u64, u64> {
+        let _serial = self.rmw.lock();
+        let old = self.load_u64(off);
+        if old != current {
+            return Err(old);
+        }
+        self.store_u64(off, new);
+        Ok(old)
     }
     fn read(&self, off: usize, buf: &mut [u8]) {
         let st = self.st.lock();
