@@ -363,11 +363,6 @@ fn mount(a: MountArgs) -> Result<()> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse is missing: load the fuse module or install fuse3");
     }
-    if a.mode == Mode::Adaptive {
-        bail!(
-            "mode adaptive is not available yet; use --mode sync (default), strict or passthrough"
-        );
-    }
     let mut fuse_opts = vec![
         fuser::MountOption::FSName(format!("pmstack:{}", lower.display())),
         fuser::MountOption::Subtype("pmstack".into()),
@@ -596,6 +591,17 @@ fn stats_json(core: &Core, rec: &Option<RecoverySummary>) -> serde_json::Value {
             ((l.pages_free() * PAGE) as u64).into(),
         );
         m.insert("pm_full_events".into(), s.full.load(Relaxed).into());
+    }
+    if core.opts.mode == Mode::Adaptive {
+        let (e, l) = core.adaptive_blocks();
+        m.insert("adaptive_blocks_eager".into(), e.into());
+        m.insert("adaptive_blocks_lazy".into(), l.into());
+        let s = &core.stats;
+        use std::sync::atomic::Ordering::Relaxed;
+        let h = s.adaptive_hits.load(Relaxed);
+        let all = h + s.adaptive_misses.load(Relaxed) + s.adaptive_wasted.load(Relaxed);
+        let rate = if all == 0 { 0.0 } else { h as f64 / all as f64 };
+        m.insert("adaptive_prediction_hit_rate".into(), rate.into());
     }
     m.insert(
         "mode".into(),

@@ -37,10 +37,6 @@ fn bad_input_is_one_clear_line_and_writes_nothing() {
     one_line_error(&["mount", &p("file"), &p("mnt")], "not a directory");
     one_line_error(&["mount", &p("lower"), &p("nomnt")], "mountpoint");
     one_line_error(
-        &["mount", "--mode", "adaptive", &p("lower"), &p("mnt")],
-        "not available yet",
-    );
-    one_line_error(
         &[
             "mount",
             "-o",

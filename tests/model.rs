@@ -294,6 +294,11 @@ fn model_sync_mode() {
 }
 
 #[test]
+fn model_adaptive_mode() {
+    run_mode("adaptive");
+}
+
+#[test]
 fn model_strict_mode() {
     run_mode("strict");
 }

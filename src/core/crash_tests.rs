@@ -395,6 +395,75 @@ fn whole_path_crash_images_recover_to_the_contract() {
 }
 
 #[test]
+fn adaptive_mode_crash_images_recover_to_the_contract() {
+    run_many(Mode::Adaptive);
+}
+
+/// adaptive mode switches a file written in small pieces and synced often to eager logging,
+/// and leaves a file written in large sequential pieces and synced rarely lazy.
+#[test]
+fn adaptive_mode_learns_per_block() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let lower = dir.path().join("lower");
+    fs::create_dir(&lower).unwrap();
+    let sim = Arc::new(SimPmem::new(4096 * 4096));
+    let log = Arc::new(Log::format(sim, [4; 16], 4).unwrap());
+    let opts = Options {
+        mode: Mode::Adaptive,
+        flush_interval: std::time::Duration::from_secs(3600),
+        ..Options::default()
+    };
+    let core = Core::new(RealLower::open(&lower).unwrap(), opts, Some(log)).unwrap();
+    let eager = |c: &Core| {
+        c.stats
+            .eager_writes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    // A: 100-byte records into 4 blocks, fsync after each.
+    let (a, _, fa) = core
+        .create(1, OsStr::new("hot"), 0o644, libc::O_RDWR, 0, 0)
+        .unwrap();
+    for i in 0..40u64 {
+        core.write(fa, (i % 4) * 4096 + (i * 100) % 3000, &[i as u8; 100])
+            .unwrap();
+        core.fsync(a.ino, Some(fa), true).unwrap();
+    }
+    let hot_eager = eager(&core);
+    assert!(
+        hot_eager >= 30,
+        "only {hot_eager} of 40 small synced writes were logged eagerly"
+    );
+    assert!(
+        core.stats
+            .adaptive_to_eager
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 4
+    );
+    // B: 4 MiB in 64 KiB sequential pieces, one fsync at the end.
+    let (b, _, fb) = core
+        .create(1, OsStr::new("bulk"), 0o644, libc::O_RDWR, 0, 0)
+        .unwrap();
+    for i in 0..64u64 {
+        core.write(fb, i * 65536, &[7u8; 65536]).unwrap();
+    }
+    core.fsync(b.ino, Some(fb), true).unwrap();
+    for i in 0..64u64 {
+        core.write(fb, (64 + i) * 65536, &[8u8; 65536]).unwrap();
+    }
+    assert_eq!(
+        eager(&core),
+        hot_eager,
+        "sequential, rarely synced writes stay lazy"
+    );
+    let (e, l) = core.adaptive_blocks();
+    assert!(e >= 4 && l >= 1000, "eager {e}, lazy {l}");
+    // Nothing lost while switching: the lower holds every byte.
+    let got = fs::read(lower.join("bulk")).unwrap();
+    assert_eq!(got.len(), 128 * 65536);
+    assert!(got[..64 * 65536].iter().all(|b| *b == 7) && got[64 * 65536..].iter().all(|b| *b == 8));
+}
+
+#[test]
 fn strict_mode_crash_images_keep_every_acknowledged_write() {
     run_many(Mode::Strict);
 }

@@ -1,6 +1,7 @@
 //! The file system core: inodes and handles over the lower file system, and the durability
 //! policy of each mode. No FUSE types here: the adapter in `fuse.rs` translates.
 
+pub mod adaptive;
 #[cfg(test)]
 mod crash_tests;
 pub mod recover;
@@ -29,7 +30,7 @@ pub enum Mode {
     Sync,
     /// Every write and namespace operation durable and ordered on return; fsync is free.
     Strict,
-    /// Per-file/per-block eager or lazy logging (not yet available).
+    /// As sync, with per-file (active sync) and per-block (buffer benefit) eager logging.
     Adaptive,
     /// No PM: everything, fsync included, goes to the lower file system.
     Passthrough,
@@ -75,6 +76,8 @@ struct FileState {
     dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
+    /// adaptive mode: the per-block eager/lazy predictor.
+    predictor: Option<Box<adaptive::Predictor>>,
     /// Active sync: bytes written and pages dirtied since the last sync.
     bytes_since_sync: u64,
     pages_since_sync: BTreeSet<u64>,
@@ -456,7 +459,11 @@ impl Core {
             let touches_live = st.live_pages.range(first..=last).next().is_some();
             // strict: every write is durable on return. sync: O_SYNC handles, files switched
             // to eager by active sync, and pages with live entries (see FileState::live_pages).
-            let eager = strict || h.sync_writes || st.eager || st.live_attr || touches_live;
+            let mut eager = strict || h.sync_writes || st.eager || st.live_attr || touches_live;
+            if self.opts.mode == Mode::Adaptive {
+                let p = st.predictor.get_or_insert_with(Default::default);
+                eager |= p.on_write(first..=last, Instant::now());
+            }
             if !eager {
                 let n = real::pwrite_all(fd, data, off)?;
                 add_range(&mut st.dirty, off, off + n as u64);
@@ -472,6 +479,9 @@ impl Core {
                     drop(a);
                     if h.sync_writes {
                         self.stats.absorbed_osync.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if let Some(p) = st.predictor.as_mut() {
+                        p.logged(first..=last);
                     }
                     let n = real::pwrite_all(fd, data, off)?;
                     self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
@@ -544,6 +554,19 @@ impl Core {
         }
         st.bytes_since_sync = 0;
         st.pages_since_sync.clear();
+        if st.predictor.is_some() {
+            let lazy: Vec<u64> = st
+                .dirty
+                .iter()
+                .flat_map(|(s, e)| s / PAGE as u64..=(e.max(&(s + 1)) - 1) / PAGE as u64)
+                .collect();
+            let o = st.predictor.as_mut().expect("checked").on_sync(
+                lazy,
+                Instant::now(),
+                self.adaptive_decay(),
+            );
+            self.record(o);
+        }
         if st.dirty.is_empty() {
             self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
             return Ok(());
@@ -1192,6 +1215,10 @@ impl Core {
             if st.dirty_mark < upto {
                 st.dirty.clear();
             }
+            if let Some(p) = st.predictor.as_mut() {
+                let o = p.on_write_back(Instant::now(), self.adaptive_decay());
+                self.record(o);
+            }
         }
         t.orphans
             .retain(|_, st| st.last_lsn >= upto || st.dirty_mark >= upto);
@@ -1201,6 +1228,30 @@ impl Core {
             .writeback_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// adaptive mode: an eager block not synced for this long goes back to lazy.
+    fn adaptive_decay(&self) -> Duration {
+        (self.opts.flush_interval * 2).max(Duration::from_millis(200))
+    }
+
+    fn record(&self, o: adaptive::Outcome) {
+        let s = &self.stats;
+        s.adaptive_hits.fetch_add(o.hits, Ordering::Relaxed);
+        s.adaptive_misses.fetch_add(o.misses, Ordering::Relaxed);
+        s.adaptive_wasted.fetch_add(o.wasted, Ordering::Relaxed);
+        s.adaptive_to_eager.fetch_add(o.to_eager, Ordering::Relaxed);
+        s.adaptive_to_lazy.fetch_add(o.to_lazy, Ordering::Relaxed);
+    }
+
+    /// adaptive mode: blocks currently predicted eager and lazy, over all cached inodes.
+    pub fn adaptive_blocks(&self) -> (u64, u64) {
+        let t = self.table.read();
+        t.by_ino.values().fold((0, 0), |(e, l), i| {
+            let st = i.st.lock();
+            let (e2, l2) = st.predictor.as_ref().map_or((0, 0), |p| p.eager_blocks());
+            (e + e2, l + l2)
+        })
     }
 
     /// The flusher loop: write back every `flush_interval`, or when woken (PM low, full).

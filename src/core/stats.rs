@@ -30,4 +30,9 @@ counters!(
     writeback_us,
     active_sync_switches,
     throttles,
+    adaptive_hits,
+    adaptive_misses,
+    adaptive_wasted,
+    adaptive_to_eager,
+    adaptive_to_lazy,
 );
