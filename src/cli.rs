@@ -101,6 +101,12 @@ struct MountArgs {
     /// Write-back period in milliseconds (First Responder: ms for SSD, ~1000 for HDD/network).
     #[arg(long, default_value_t = 5000)]
     flush_interval_ms: u64,
+    /// Start write-back when less than this share of PM is free (all PM modes).
+    #[arg(long, default_value_t = 0.25, value_parser = parse_share)]
+    low_watermark: f64,
+    /// strict mode: a writer that finds PM full waits until write-back has freed this share.
+    #[arg(long, default_value_t = 0.2, value_parser = parse_share)]
+    throttle_share: f64,
     /// Active-sync sensitivity (NVLog §4.4).
     #[arg(long, default_value_t = 2)]
     sensitivity: u64,
@@ -128,6 +134,15 @@ struct MountArgs {
 enum CacheMode {
     Writethrough,
     Writeback,
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "invalid share '{s}' (a number from 0 to 1, e.g. 0.2)"
+        )),
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -412,7 +427,8 @@ fn mount(a: MountArgs) -> Result<()> {
         mode: a.mode,
         flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
         sensitivity: a.sensitivity,
-        ..Options::default()
+        low_watermark: a.low_watermark,
+        throttle_share: a.throttle_share,
     };
     let mut cfg = fuser::Config::default();
     cfg.mount_options = fuse_opts;

@@ -6,12 +6,12 @@
 //! After HiNFS's buffer benefit model: each tracked block counts writes and syncs; a block
 //! whose syncs keep up with its writes (at least two syncs, and syncs * 2 >= writes: it is
 //! synced at least every other write) is eager. A lazy block found dirty at a sync is a misprediction and is
-//! re-evaluated at once; an eager block not synced for `decay` goes back to lazy (its logging
-//! was wasted). Blocks are tracked in a bounded table; evicted blocks leave a ghost record, and
+//! re-evaluated at once; at write-back, an eager block not synced for `decay` goes back to lazy
+//! (its logging was wasted). A sync costs O(blocks it touched), not O(blocks tracked). Blocks are tracked in a bounded table; evicted blocks leave a ghost record, and
 //! a write to a ghost block starts eager (it was recently hot). Combined with NVLog's per-file
 //! active sync by the caller.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Tracked blocks per file; the least recently touched are evicted to the ghost list.
@@ -42,7 +42,12 @@ pub struct Outcome {
 #[derive(Default, Debug)]
 pub struct Predictor {
     blocks: HashMap<u64, Block>,
-    ghosts: VecDeque<u64>,
+    /// Ghost records: recently evicted hot blocks (set for lookups, queue for age; the queue
+    /// may hold entries already taken back, skipped when they age out).
+    ghosts: HashSet<u64>,
+    ghost_order: VecDeque<u64>,
+    /// Blocks logged eagerly since the last sync (so a sync touches only what it must).
+    logged_since_sync: Vec<u64>,
 }
 
 impl Predictor {
@@ -50,18 +55,15 @@ impl Predictor {
     pub fn on_write(&mut self, pages: std::ops::RangeInclusive<u64>, now: Instant) -> bool {
         let mut eager = true;
         for p in pages {
-            let ghost = self.ghosts.iter().position(|g| *g == p);
+            let ghosts = &mut self.ghosts;
             let b = self.blocks.entry(p).or_insert_with(|| Block {
                 writes: 0,
                 syncs: 0,
-                eager: ghost.is_some(),
+                eager: ghosts.remove(&p),
                 logged: false,
                 last_write: now,
                 last_sync: now,
             });
-            if let Some(g) = ghost {
-                self.ghosts.remove(g);
-            }
             b.writes = b.writes.saturating_add(1);
             b.last_write = now;
             eager &= b.eager;
@@ -76,7 +78,10 @@ impl Predictor {
     pub fn logged(&mut self, pages: std::ops::RangeInclusive<u64>) {
         for p in pages {
             if let Some(b) = self.blocks.get_mut(&p) {
-                b.logged = true;
+                if !b.logged {
+                    b.logged = true;
+                    self.logged_since_sync.push(p);
+                }
             }
         }
     }
@@ -102,7 +107,10 @@ impl Predictor {
                 }
             }
         }
-        for b in self.blocks.values_mut() {
+        for p in std::mem::take(&mut self.logged_since_sync) {
+            let Some(b) = self.blocks.get_mut(&p) else {
+                continue;
+            };
             if b.logged {
                 b.logged = false;
                 b.syncs = b.syncs.saturating_add(1);
@@ -112,13 +120,9 @@ impl Predictor {
                     b.eager = true;
                     o.to_eager += 1;
                 }
-            } else if b.eager && now.duration_since(b.last_sync) > decay {
-                b.eager = false;
-                b.writes = 0;
-                b.syncs = 0;
-                o.to_lazy += 1;
             }
         }
+        let _ = decay; // eager blocks decay at write-back (`on_write_back`), not on every sync
         o
     }
 
@@ -126,6 +130,7 @@ impl Predictor {
     /// (their logging was wasted).
     pub fn on_write_back(&mut self, now: Instant, decay: Duration) -> Outcome {
         let mut o = Outcome::default();
+        self.logged_since_sync.clear();
         for b in self.blocks.values_mut() {
             if b.logged {
                 b.logged = false;
@@ -154,14 +159,16 @@ impl Predictor {
             .collect();
         v.sort_by_key(|(_, t)| *t);
         for (p, _) in v.into_iter().take(MAX_BLOCKS / 4) {
-            if self
+            let hot = self
                 .blocks
                 .remove(&p)
-                .is_some_and(|b| b.eager || b.syncs > 0)
-            {
-                self.ghosts.push_back(p);
-                if self.ghosts.len() > MAX_GHOSTS {
-                    self.ghosts.pop_front();
+                .is_some_and(|b| b.eager || b.syncs > 0);
+            if hot && self.ghosts.insert(p) {
+                self.ghost_order.push_back(p);
+                while self.ghost_order.len() > MAX_GHOSTS {
+                    if let Some(old) = self.ghost_order.pop_front() {
+                        self.ghosts.remove(&old);
+                    }
                 }
             }
         }
@@ -216,5 +223,27 @@ mod tests {
         let o = p.on_write_back(t + Duration::from_millis(50), decay);
         assert_eq!(o.to_lazy, 1);
         assert_eq!(p.eager_blocks().0, 0);
+    }
+
+    #[test]
+    fn an_evicted_hot_block_comes_back_eager_through_its_ghost() {
+        let t = Instant::now();
+        let decay = Duration::from_secs(1);
+        let mut p = Predictor::default();
+        for _ in 0..2 {
+            p.on_write(0..=0, t);
+            p.on_sync([0], t, decay);
+        }
+        assert!(p.on_write(0..=0, t), "hot block is eager");
+        // Many newer blocks push block 0 out of the table.
+        let later = t + Duration::from_millis(1);
+        for b in 1..=(MAX_BLOCKS as u64 + 10) {
+            p.on_write(b..=b, later);
+        }
+        assert!(!p.blocks.contains_key(&0), "block 0 was evicted");
+        assert!(
+            p.on_write(0..=0, later),
+            "its ghost record brings it back eager"
+        );
     }
 }
