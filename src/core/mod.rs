@@ -330,37 +330,37 @@ impl Core {
         while pos < data.len() {
             let o = off + pos as u64;
             let rest = data.len() - pos;
-            let lsn = if o % PAGE as u64 == 0 && rest >= PAGE {
-                a.append_page(i.fid, o, &data[pos..pos + PAGE])?;
-                pos += PAGE;
-                continue;
+            let (lsn, n) = if o % PAGE as u64 == 0 && rest >= PAGE {
+                (a.append_page(i.fid, o, &data[pos..pos + PAGE])?, PAGE)
             } else {
                 // Up to the next page boundary if a whole page follows, so it can go out of place.
                 let to_boundary = PAGE - (o % PAGE as u64) as usize;
                 let n = if rest > to_boundary {
-                    to_boundary.min(MAX_PAYLOAD)
+                    to_boundary
                 } else {
-                    rest.min(MAX_PAYLOAD)
-                };
-                let lsn = a.append(
-                    &Record::Data {
-                        fid: i.fid,
-                        off: o,
-                        bytes: data[pos..pos + n].to_vec(),
-                    },
-                    None,
-                )?;
-                pos += n;
-                lsn
+                    rest
+                }
+                .min(MAX_PAYLOAD);
+                let bytes = data[pos..pos + n].to_vec();
+                (
+                    a.append(
+                        &Record::Data {
+                            fid: i.fid,
+                            off: o,
+                            bytes,
+                        },
+                        None,
+                    )?,
+                    n,
+                )
             };
+            // Per entry, not once at the end: if a later append fails (PM full), the entries
+            // already appended still get committed, and their pages must count as live.
+            st.live_pages
+                .extend(o / PAGE as u64..=(o + n as u64 - 1) / PAGE as u64);
             st.last_lsn = lsn;
+            pos += n;
         }
-        let first = off / PAGE as u64;
-        let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
-        st.live_pages.extend(first..=last);
-        st.last_lsn = st
-            .last_lsn
-            .max(self.log.as_ref().map_or(0, |l| l.lsn_now() - 1));
         Ok(())
     }
 
@@ -554,17 +554,15 @@ impl Core {
         }
         st.bytes_since_sync = 0;
         st.pages_since_sync.clear();
-        if st.predictor.is_some() {
-            let lazy: Vec<u64> = st
-                .dirty
+        let FileState {
+            dirty, predictor, ..
+        } = &mut *st;
+        if let Some(p) = predictor {
+            // Dirty ranges are never empty (add_range), so e - 1 >= s.
+            let lazy = dirty
                 .iter()
-                .flat_map(|(s, e)| s / PAGE as u64..=(e.max(&(s + 1)) - 1) / PAGE as u64)
-                .collect();
-            let o = st.predictor.as_mut().expect("checked").on_sync(
-                lazy,
-                Instant::now(),
-                self.adaptive_decay(),
-            );
+                .flat_map(|(s, e)| s / PAGE as u64..=(e - 1) / PAGE as u64);
+            let o = p.on_sync(lazy, Instant::now(), self.adaptive_decay());
             self.record(o);
         }
         if st.dirty.is_empty() {

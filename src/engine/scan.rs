@@ -296,14 +296,10 @@ impl Scan {
     /// Unexpired entries (binds and write-back records are bookkeeping, not counted).
     pub fn live_entries(&self) -> impl Iterator<Item = &ScannedEntry> {
         let wb = self.wb_horizons();
-        self.entries
-            .iter()
-            .filter(move |e| {
-                !matches!(e.rec, Record::Bind { .. } | Record::WriteBack { .. })
-                    && !self.expired(e, &wb)
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
+        self.entries.iter().filter(move |e| {
+            !matches!(e.rec, Record::Bind { .. } | Record::WriteBack { .. })
+                && !self.expired(e, &wb)
+        })
     }
 
     /// Pages in use: log pages of every area, and data pages of unexpired out-of-place entries.
