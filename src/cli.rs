@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+use pmstack::config::{CacheMode, LogTarget, Settings};
 use pmstack::core::recover::{recover, RecoverySummary};
 use pmstack::core::{Core, Mode, Options};
 use pmstack::engine::format::PAGE;
@@ -83,91 +84,303 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
+    /// Write the man pages into a directory (packaging).
+    #[command(hide = true)]
+    Man {
+        #[arg(long, default_value = "docs/man")]
+        out: PathBuf,
+    },
 }
 
-#[derive(clap::Args, Clone)]
+const MOUNT_HELP: &str = "\
+Settings (flag, -o key=value, or key in the --config TOML file; flags win over -o, -o over the file):
+  mode                sync (default), strict, adaptive, passthrough
+  pm                  PM region: /dev/daxX.Y, a file on an fsdax mount (MAP_SYNC), or any
+                      file (emulated: survives a pmstack crash, NOT a power loss).
+                      Default: /dev/shm/pmstack-<id>.pm, bound to LOWER
+  pm_size             size of a region created on first mount (default 256M)
+  flush_interval_ms   write-back period (default 5000; ms for SSD, ~1000 for HDD/network)
+  low_watermark       start write-back below this free share of PM (default 0.25)
+  throttle_share      strict: share write-back must free before a throttled writer goes on (0.2)
+  sensitivity         active-sync sensitivity, NVLog section 4.4 (default 2)
+  attr_timeout        attribute and entry cache timeout in seconds (default 1)
+  cache               writethrough (default) or writeback kernel page cache
+  kernel_passthrough  passthrough mode: use the kernel's FUSE passthrough (default true)
+  threads             FUSE worker threads (default 2)
+  log_level           error, warn (default), info, debug, trace, or a filter (pmstack=debug)
+  log_target          stderr (default; a daemon writes /run/pmstack/<id>.log), journald, syslog
+  metrics_addr        serve Prometheus text at http://ADDR/metrics (default off)
+  allow_other, default_permissions, ro, noatime, nodev, nosuid, noexec
+                      FUSE/VFS mount flags (as -o words, or key = true in the file)
+  lower, mountpoint   (config file only) used when not given on the command line
+
+-o also takes config=PATH, and ignores what mount(8) and fstab pass to every helper
+(rw, defaults, auto, noauto, nofail, _netdev, user, x-*, comment=*).
+
+Mounting the Linux way (the package links /usr/sbin/mount.fuse.pmstack to pmstack):
+  mount -t fuse.pmstack /srv/data /mnt/data -o pm=/dev/dax0.0,mode=sync
+  /etc/fstab:  /srv/data  /mnt/data  fuse.pmstack  pm=/dev/dax0.0,mode=sync,nofail  0 0
+
+A crashed log is checked and replayed onto LOWER before the mount goes live. The command
+returns once the mount is live (unless -f); SIGTERM/SIGINT or `pmstack umount` unmounts and
+drains the log into LOWER. Exit status: 0 mounted, 1 error (one line on stderr).";
+
+#[derive(clap::Args, Clone, Default)]
+#[command(after_long_help = MOUNT_HELP)]
 struct MountArgs {
-    lower: PathBuf,
-    mountpoint: PathBuf,
-    #[arg(long, value_enum, default_value = "sync")]
-    mode: Mode,
-    /// PM region: /dev/daxX.Y, a file on an fsdax mount, or any file (emulated PM).
-    /// Default: an emulated region in /dev/shm bound to LOWER.
-    #[arg(long)]
-    pm: Option<PathBuf>,
-    /// Size of a region created on first mount.
-    #[arg(long, default_value = "256M", value_parser = parse_size)]
-    pm_size: u64,
-    /// Write-back period in milliseconds (First Responder: ms for SSD, ~1000 for HDD/network).
-    #[arg(long, default_value_t = 5000)]
-    flush_interval_ms: u64,
-    /// Start write-back when less than this share of PM is free (all PM modes).
-    #[arg(long, default_value_t = 0.25, value_parser = parse_share)]
-    low_watermark: f64,
-    /// strict mode: a writer that finds PM full waits until write-back has freed this share.
-    #[arg(long, default_value_t = 0.2, value_parser = parse_share)]
-    throttle_share: f64,
-    /// Active-sync sensitivity (NVLog §4.4).
-    #[arg(long, default_value_t = 2)]
-    sensitivity: u64,
-    /// Attribute and entry cache timeout, in seconds.
-    #[arg(long, default_value_t = 1.0)]
-    attr_timeout: f64,
-    /// Kernel page cache mode for writes: writethrough or writeback.
-    #[arg(long, value_enum, default_value = "writethrough")]
-    cache: CacheMode,
-    /// In passthrough mode, do not use the kernel's FUSE passthrough (serve I/O in the daemon).
+    /// The existing directory to stack over (or `lower` in the config file).
+    lower: Option<PathBuf>,
+    /// Where to mount (or `mountpoint` in the config file).
+    mountpoint: Option<PathBuf>,
+    /// TOML configuration file (keys below); flags and -o options override it.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// sync (default), strict, adaptive, passthrough.
+    #[arg(long, value_name = "MODE")]
+    mode: Option<String>,
+    /// PM region (default: an emulated region in /dev/shm bound to LOWER).
+    #[arg(long, value_name = "PATH")]
+    pm: Option<String>,
+    /// Size of a region created on first mount (default 256M).
+    #[arg(long, value_name = "SIZE")]
+    pm_size: Option<String>,
+    /// Write-back period in milliseconds (default 5000).
+    #[arg(long, value_name = "MS")]
+    flush_interval_ms: Option<String>,
+    /// Start write-back when less than this share of PM is free (default 0.25).
+    #[arg(long, value_name = "SHARE")]
+    low_watermark: Option<String>,
+    /// strict: a writer that finds PM full waits until write-back freed this share (0.2).
+    #[arg(long, value_name = "SHARE")]
+    throttle_share: Option<String>,
+    /// Active-sync sensitivity, NVLog section 4.4 (default 2).
+    #[arg(long, value_name = "N")]
+    sensitivity: Option<String>,
+    /// Attribute and entry cache timeout, in seconds (default 1).
+    #[arg(long, value_name = "SECONDS")]
+    attr_timeout: Option<String>,
+    /// Kernel page cache mode for writes: writethrough (default) or writeback.
+    #[arg(long, value_name = "MODE")]
+    cache: Option<String>,
+    /// In passthrough mode, do not use the kernel's FUSE passthrough.
     #[arg(long)]
     no_kernel_passthrough: bool,
-    /// FUSE worker threads.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
-    /// Stay in the foreground.
+    /// FUSE worker threads (default 2).
+    #[arg(long, value_name = "N")]
+    threads: Option<String>,
+    /// error, warn (default), info, debug, trace, or a tracing filter.
+    #[arg(long, value_name = "LEVEL")]
+    log_level: Option<String>,
+    /// stderr (default), journald, syslog.
+    #[arg(long, value_name = "TARGET")]
+    log_target: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9464 (default off).
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<String>,
+    /// Stay in the foreground (for systemd Type=notify units; READY=1 once live).
     #[arg(short, long)]
     foreground: bool,
-    /// Mount options: allow_other, ro, noatime, … (comma separated).
-    #[arg(short = 'o')]
+    /// Mount options, comma separated: key=value settings, config=PATH, and flags
+    /// (allow_other, ro, noatime, …).
+    #[arg(short = 'o', value_name = "OPTIONS")]
     options: Option<String>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum CacheMode {
-    Writethrough,
-    Writeback,
+/// The resolved mount: settings plus the positional paths.
+struct Mount {
+    s: Settings,
+    lower: PathBuf,
+    mountpoint: PathBuf,
+    foreground: bool,
 }
 
-fn parse_share(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "invalid share '{s}' (a number from 0 to 1, e.g. 0.2)"
-        )),
+impl MountArgs {
+    /// Defaults < config file < -o options < flags; every value validated by one function.
+    fn resolve(&self) -> Result<Mount> {
+        let mut s = Settings::default();
+        if let Some(c) = &self.config {
+            s.apply_file(c)?;
+        }
+        if let Some(o) = &self.options {
+            s.apply_options(o)?;
+        }
+        let flags: [(&str, &Option<String>); 13] = [
+            ("mode", &self.mode),
+            ("pm", &self.pm),
+            ("pm_size", &self.pm_size),
+            ("flush_interval_ms", &self.flush_interval_ms),
+            ("low_watermark", &self.low_watermark),
+            ("throttle_share", &self.throttle_share),
+            ("sensitivity", &self.sensitivity),
+            ("attr_timeout", &self.attr_timeout),
+            ("cache", &self.cache),
+            ("threads", &self.threads),
+            ("log_level", &self.log_level),
+            ("log_target", &self.log_target),
+            ("metrics_addr", &self.metrics_addr),
+        ];
+        for (k, v) in flags {
+            if let Some(v) = v {
+                s.set(k, v)
+                    .map_err(|e| anyhow!("--{}: {e}", k.replace('_', "-")))?;
+            }
+        }
+        if self.no_kernel_passthrough {
+            s.kernel_passthrough = false;
+        }
+        let lower = self.lower.clone().or(s.lower.clone()).ok_or_else(|| {
+            anyhow!(
+                "no lower directory: give LOWER MOUNTPOINT, or lower = \"...\" in the config file"
+            )
+        })?;
+        let mountpoint = self.mountpoint.clone().or(s.mountpoint.clone()).ok_or_else(|| {
+            anyhow!("no mountpoint: give LOWER MOUNTPOINT, or mountpoint = \"...\" in the config file")
+        })?;
+        Ok(Mount {
+            s,
+            lower,
+            mountpoint,
+            foreground: self.foreground,
+        })
     }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
+    pmstack::config::parse_size(s)
+}
+
+/// Where warnings go besides the terminal (set once logging is configured).
+static LOG_TARGET: std::sync::OnceLock<LogTarget> = std::sync::OnceLock::new();
+
+/// A warning the operator must see: on the terminal, and in the log when that is elsewhere.
+fn warn_user(msg: &str) {
+    eprintln!("pmstack: warning: {msg}");
+    if LOG_TARGET.get().is_some_and(|t| *t != LogTarget::Stderr) {
+        tracing::warn!("{msg}");
+    }
+}
+
+/// Structured logs to stderr, journald or syslog. `PMSTACK_LOG` (a tracing filter) overrides
+/// the level, for debugging.
+fn init_logging(level: &str, target: LogTarget) -> Result<()> {
+    use tracing_subscriber::prelude::*;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("PMSTACK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},fuser=error")));
+    let _ = LOG_TARGET.set(target);
+    match target {
+        LogTarget::Stderr => tracing_subscriber::registry()
+            .with(filter)
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .init(),
+        LogTarget::Journald => {
+            let layer = tracing_journald::layer().map_err(|e| {
+                anyhow!("log_target journald: cannot reach the journal ({e}); is systemd-journald running? use stderr or syslog")
+            })?;
+            tracing_subscriber::registry()
+                .with(filter)
+                .with(layer.with_syslog_identifier("pmstack".into()))
+                .init()
+        }
+        LogTarget::Syslog => {
+            let sl = syslog_tracing::Syslog::new(
+                c"pmstack",
+                syslog_tracing::Options::LOG_PID,
+                syslog_tracing::Facility::Daemon,
+            )
+            .ok_or_else(|| {
+                anyhow!("log_target syslog: syslog is already in use by this process")
+            })?;
+            tracing_subscriber::registry()
+                .with(filter)
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_writer(sl)
+                        .with_ansi(false)
+                        .without_time(),
+                )
+                .init()
+        }
+    }
+    Ok(())
+}
+
+/// `mount.fuse.pmstack SOURCE MOUNTPOINT [-sfnv] [-o OPTIONS] [-t TYPE]`, as mount(8) calls a
+/// helper for `-t fuse.pmstack` and for fstab lines of that type.
+fn mount_helper(args: &[String]) -> Result<()> {
+    let mut pos = Vec::new();
+    let mut opts: Vec<String> = Vec::new();
+    let mut fake = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-o" => opts.push(
+                it.next()
+                    .ok_or_else(|| anyhow!("-o needs an option string"))?
+                    .clone(),
+            ),
+            "-t" | "-N" => {
+                let v = it.next();
+                if a == "-N" {
+                    bail!("mount.fuse.pmstack: -N {} (mount namespaces) is not supported; mount from inside the namespace", v.map_or("", |s| s.as_str()));
+                }
+            }
+            s if s.starts_with("-o") => opts.push(s[2..].to_string()),
+            s if s.starts_with('-') && s.len() > 1 => {
+                for c in s[1..].chars() {
+                    match c {
+                        's' | 'n' | 'v' => {}
+                        'f' => fake = true,
+                        _ => bail!("mount.fuse.pmstack: unknown flag -{c} (usage: mount.fuse.pmstack LOWER MOUNTPOINT [-sfnv] [-o OPTIONS])"),
+                    }
+                }
+            }
+            _ => pos.push(a.clone()),
+        }
+    }
+    if pos.len() != 2 {
+        bail!(
+            "usage: mount.fuse.pmstack LOWER MOUNTPOINT [-o OPTIONS] (got {} paths)",
+            pos.len()
+        );
+    }
+    let a = MountArgs {
+        lower: Some(PathBuf::from(&pos[0])),
+        mountpoint: Some(PathBuf::from(&pos[1])),
+        options: Some(opts.join(",")),
+        ..Default::default()
     };
-    num.parse::<u64>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("invalid size '{s}' (use e.g. 256M or 1G)"))
+    let m = a.resolve()?;
+    if fake {
+        return Ok(());
+    }
+    init_logging(&m.s.log_level, m.s.log_target)?;
+    mount(m)
 }
 
 pub fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PMSTACK_LOG")
-                .unwrap_or_else(|_| "warn,fuser=error".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().cmd {
-        Cmd::Mount(a) => mount(a),
+    let argv: Vec<String> = std::env::args().collect();
+    let prog = argv
+        .first()
+        .map(|a| {
+            Path::new(a)
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .to_string()
+        })
+        .unwrap_or_default();
+    if prog == "mount.fuse.pmstack" || prog == "mount.pmstack" {
+        return mount_helper(&argv[1..]);
+    }
+    let cmd = Cli::parse().cmd;
+    if let Cmd::Mount(a) = &cmd {
+        let m = a.resolve()?;
+        init_logging(&m.s.log_level, m.s.log_target)?;
+        return mount(m);
+    }
+    init_logging("warn", LogTarget::Stderr)?;
+    match cmd {
+        Cmd::Mount(_) => unreachable!("handled above"),
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Format {
             pm,
@@ -179,7 +392,43 @@ pub fn main() -> Result<()> {
         Cmd::Recover { pm, lower } => recover_cmd(&pm, &lower),
         Cmd::Stat { mountpoint, json } => stat(&mountpoint, json),
         Cmd::Demo { dir, ops, reps } => demo(&dir, ops, reps),
+        Cmd::Man { out } => man_pages(&out),
     }
+}
+
+/// Write the man pages (pmstack(1), pmstack-SUBCOMMAND(1), mount.fuse.pmstack(8)) into `out`.
+fn man_pages(out: &Path) -> Result<()> {
+    use clap::CommandFactory;
+    fs::create_dir_all(out)?;
+    let cmd = Cli::command();
+    let mut buf = Vec::new();
+    clap_mangen::Man::new(cmd.clone()).render(&mut buf)?;
+    fs::write(out.join("pmstack.1"), &buf)?;
+    for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        let name = format!("pmstack-{}", sub.get_name());
+        let sub = sub.clone().name(name.clone());
+        let mut buf = Vec::new();
+        clap_mangen::Man::new(sub).render(&mut buf)?;
+        fs::write(out.join(format!("{name}.1")), &buf)?;
+    }
+    let helper = clap::Command::new("mount.fuse.pmstack")
+        .about("mount(8) helper for file systems of type fuse.pmstack")
+        .long_about("mount(8) runs this helper for `mount -t fuse.pmstack LOWER MOUNTPOINT -o OPTIONS` and for /etc/fstab lines of type fuse.pmstack. It is pmstack itself (a link) and behaves as `pmstack mount LOWER MOUNTPOINT -o OPTIONS`.")
+        .version(env!("CARGO_PKG_VERSION"))
+        .arg(clap::Arg::new("lower").value_name("LOWER").required(true).help("The existing directory to stack over"))
+        .arg(clap::Arg::new("mountpoint").value_name("MOUNTPOINT").required(true).help("Where to mount"))
+        .arg(clap::Arg::new("options").short('o').value_name("OPTIONS").help("Settings as key=value (see pmstack-mount(1)), config=PATH, FUSE flags; mount(8)'s generic options are ignored"))
+        .arg(clap::Arg::new("fake").short('f').action(clap::ArgAction::SetTrue).help("Check the options, do not mount"))
+        .arg(clap::Arg::new("sloppy").short('s').action(clap::ArgAction::SetTrue).help("Accepted, ignored"))
+        .arg(clap::Arg::new("nomtab").short('n').action(clap::ArgAction::SetTrue).help("Accepted, ignored"))
+        .arg(clap::Arg::new("verbose").short('v').action(clap::ArgAction::SetTrue).help("Accepted, ignored"))
+        .after_long_help(MOUNT_HELP);
+    let mut buf = Vec::new();
+    clap_mangen::Man::new(helper)
+        .section("8")
+        .render(&mut buf)?;
+    fs::write(out.join("mount.fuse.pmstack.8"), &buf)?;
+    Ok(())
 }
 
 fn id_of(p: &Path) -> String {
@@ -351,12 +600,13 @@ fn raise_fd_limit() {
     }
 }
 
-fn mount(a: MountArgs) -> Result<()> {
-    let lower = check_lower(&a.lower)?;
-    let mp = fs::canonicalize(&a.mountpoint).map_err(|e| {
+fn mount(m: Mount) -> Result<()> {
+    let a = &m.s;
+    let lower = check_lower(&m.lower)?;
+    let mp = fs::canonicalize(&m.mountpoint).map_err(|e| {
         anyhow!(
             "mountpoint {}: {e} (create it first)",
-            a.mountpoint.display()
+            m.mountpoint.display()
         )
     })?;
     if !mp.is_dir() {
@@ -378,33 +628,41 @@ fn mount(a: MountArgs) -> Result<()> {
     if !Path::new("/dev/fuse").exists() {
         bail!("/dev/fuse is missing: load the fuse module or install fuse3");
     }
+    // The source shown in /proc/mounts is LOWER as given, like fstab's first field, so that
+    // `mount -a` and systemd recognize the mount as already done.
     let mut fuse_opts = vec![
-        fuser::MountOption::FSName(format!("pmstack:{}", lower.display())),
-        fuser::MountOption::Subtype("pmstack".into()),
+        fuser::MountOption::FSName(m.lower.to_string_lossy().into_owned()),
+        // Given to the kernel directly (fuser's Subtype only reaches fusermount), so that
+        // /proc/mounts says fuse.pmstack, as fstab and `mount -t` name it.
+        fuser::MountOption::CUSTOM("subtype=pmstack".into()),
     ];
     let mut acl = fuser::SessionACL::Owner;
-    for o in a
-        .options
-        .as_deref()
-        .unwrap_or("")
-        .split(',')
-        .filter(|s| !s.is_empty())
-    {
-        match o {
-            "allow_other" => {
-                acl = fuser::SessionACL::All;
-                fuse_opts.push(fuser::MountOption::CUSTOM("allow_other".into()));
-                fuse_opts.push(fuser::MountOption::DefaultPermissions);
-            }
-            "default_permissions" => fuse_opts.push(fuser::MountOption::DefaultPermissions),
-            "ro" => fuse_opts.push(fuser::MountOption::RO),
-            "noatime" => fuse_opts.push(fuser::MountOption::NoAtime),
-            "nodev" => fuse_opts.push(fuser::MountOption::NoDev),
-            "nosuid" => fuse_opts.push(fuser::MountOption::NoSuid),
-            "noexec" => fuse_opts.push(fuser::MountOption::NoExec),
-            other => bail!("unknown mount option '{other}' (known: allow_other, default_permissions, ro, noatime, nodev, nosuid, noexec)"),
+    if a.allow_other {
+        acl = fuser::SessionACL::All;
+        fuse_opts.push(fuser::MountOption::CUSTOM("allow_other".into()));
+        fuse_opts.push(fuser::MountOption::DefaultPermissions);
+    } else if a.default_permissions {
+        fuse_opts.push(fuser::MountOption::DefaultPermissions);
+    }
+    for (on, o) in [
+        (a.ro, fuser::MountOption::RO),
+        (a.noatime, fuser::MountOption::NoAtime),
+        (a.nodev, fuser::MountOption::NoDev),
+        (a.nosuid, fuser::MountOption::NoSuid),
+        (a.noexec, fuser::MountOption::NoExec),
+    ] {
+        if on {
+            fuse_opts.push(o);
         }
     }
+    // Bind the metrics endpoint before anything is mounted, so a taken port fails cleanly.
+    let metrics = match &a.metrics_addr {
+        // A plain listener now (no threads before the fork); the server is built in `serve`.
+        Some(addr) => Some(std::net::TcpListener::bind(addr.as_str()).map_err(|e| {
+            anyhow!("metrics_addr {addr}: cannot listen ({e}); choose another port or leave metrics off")
+        })?),
+        None => None,
+    };
     raise_fd_limit();
     let real = RealLower::open(&lower)?;
     let (log, lock, summary) = if a.mode == Mode::Passthrough {
@@ -416,16 +674,16 @@ fn mount(a: MountArgs) -> Result<()> {
         let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
         let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real)?;
         if log.pm().durability() != Durability::PowerFailSafe {
-            eprintln!(
-                "pmstack: warning: PM region {} is emulated (not persistent memory): it survives a pmstack crash but NOT a power loss",
+            warn_user(&format!(
+                "PM region {} is emulated (not persistent memory): it survives a pmstack crash but NOT a power loss; use a devdax device or a file on an fsdax mount for power-fail safety",
                 pm.display()
-            );
+            ));
         }
         (Some(log), Some(lock), sum)
     };
     let opts = Options {
         mode: a.mode,
-        flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
+        flush_interval: a.flush_interval(),
         sensitivity: a.sensitivity,
         low_watermark: a.low_watermark,
         throttle_share: a.throttle_share,
@@ -438,7 +696,7 @@ fn mount(a: MountArgs) -> Result<()> {
 
     // Daemonize before any thread exists; the parent returns once the mount is live.
     let mut ready_pipe: Option<fs::File> = None;
-    if !a.foreground {
+    if !m.foreground {
         let mut fds = [0i32; 2];
         // SAFETY: plain pipe/fork; no threads exist yet.
         unsafe {
@@ -472,7 +730,7 @@ fn mount(a: MountArgs) -> Result<()> {
         }
     }
     let result = serve(
-        &a,
+        a,
         lower,
         mp,
         real,
@@ -480,6 +738,7 @@ fn mount(a: MountArgs) -> Result<()> {
         opts,
         cfg,
         summary,
+        metrics,
         &mut ready_pipe,
     );
     if let (Err(e), Some(p)) = (&result, ready_pipe.as_mut()) {
@@ -491,7 +750,7 @@ fn mount(a: MountArgs) -> Result<()> {
 
 #[allow(clippy::too_many_arguments)]
 fn serve(
-    a: &MountArgs,
+    a: &Settings,
     lower: PathBuf,
     mp: PathBuf,
     real: RealLower,
@@ -499,6 +758,7 @@ fn serve(
     opts: Options,
     cfg: fuser::Config,
     summary: Option<RecoverySummary>,
+    metrics: Option<std::net::TcpListener>,
     ready: &mut Option<fs::File>,
 ) -> Result<()> {
     let core = Core::new(real, opts, log.clone())?;
@@ -506,7 +766,7 @@ fn serve(
         core.clone(),
         Duration::from_secs_f64(a.attr_timeout),
         a.cache == CacheMode::Writeback,
-        a.mode == Mode::Passthrough && !a.no_kernel_passthrough,
+        a.mode == Mode::Passthrough && a.kernel_passthrough,
     );
     let mut session = fuser::Session::new(adapter, &mp, &cfg).map_err(|e| {
         anyhow!(
@@ -559,6 +819,35 @@ fn serve(
                 }
             })?;
     }
+    if let Some(listener) = metrics {
+        let server = tiny_http::Server::from_listener(listener, None)
+            .map_err(|e| anyhow!("metrics endpoint: {e}"))?;
+        let c = core.clone();
+        let sum = summary.clone();
+        std::thread::Builder::new()
+            .name("pmstack-metrics".into())
+            .spawn(move || {
+                for req in server.incoming_requests() {
+                    let path = req.url().split('?').next().unwrap_or("");
+                    let resp = if path == "/metrics" && *req.method() == tiny_http::Method::Get {
+                        let body = pmstack::metrics::render(&stats_json(&c, &sum), &c.latency);
+                        tiny_http::Response::from_string(body).with_header(
+                            tiny_http::Header::from_bytes(
+                                &b"Content-Type"[..],
+                                &b"text/plain; version=0.0.4; charset=utf-8"[..],
+                            )
+                            .expect("static header"),
+                        )
+                    } else {
+                        tiny_http::Response::from_string("pmstack: metrics are at /metrics\n")
+                            .with_status_code(404)
+                    };
+                    let _ = req.respond(resp);
+                }
+            })?;
+    }
+    // systemd Type=notify: the mount is live (a no-op outside systemd).
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     {
         let c = core.clone();
         let statf = state.with_extension("stats");
@@ -571,12 +860,14 @@ fn serve(
             })?;
     }
     let run = session.run();
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let drained = core.log.as_ref().map_or(0, |l| l.bytes_used());
+    let t0 = Instant::now();
     let r = core.shutdown();
-    let _ = fs::write(
-        state.with_extension("stats"),
-        stats_json(&core, &summary).to_string(),
-    );
+    let mut last = stats_json(&core, &summary);
+    last["drained_bytes"] = drained.into();
+    last["drain_ms"] = (t0.elapsed().as_millis() as u64).into();
+    let _ = fs::write(state.with_extension("stats"), last.to_string());
     let _ = flusher.join();
     let _ = fs::remove_file(&state);
     r.with_context(|| format!("draining the log into {} at unmount", lower.display()))?;
@@ -586,6 +877,7 @@ fn serve(
 
 fn stats_json(core: &Core, rec: &Option<RecoverySummary>) -> serde_json::Value {
     let mut m = core.stats.to_json();
+    m.insert("latency_us".into(), core.latency.to_json());
     if let Some(l) = &core.log {
         let s = &l.stats;
         use std::sync::atomic::Ordering::Relaxed;
@@ -668,10 +960,14 @@ fn umount(mp: &Path) -> Result<()> {
         let _ = fs::remove_file(state.with_extension("stats"));
         let v: serde_json::Value = serde_json::from_str(&stats).unwrap_or_default();
         eprintln!(
-            "pmstack: unmounted {}; log drained ({} write-backs, {} syncs absorbed)",
+            "pmstack: unmounted {}; log drained: {} bytes of live log written back to the lower file system in {} ms ({} write-backs while mounted, {} syncs absorbed)",
             mp.display(),
-            v["writebacks"].as_u64().unwrap_or(0) + 1,
+            v["drained_bytes"].as_u64().unwrap_or(0),
+            v["drain_ms"].as_u64().unwrap_or(0),
+            v["writebacks"].as_u64().unwrap_or(0),
             v["absorbed_fsync"].as_u64().unwrap_or(0)
+                + v["absorbed_fsyncdir"].as_u64().unwrap_or(0)
+                + v["absorbed_osync"].as_u64().unwrap_or(0)
         );
     }
     Ok(())

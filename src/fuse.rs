@@ -20,7 +20,7 @@ use std::os::fd::{BorrowedFd, RawFd};
 use fuser::BackingId;
 use parking_lot::Mutex;
 
-use crate::core::Core;
+use crate::core::{Core, Op};
 use crate::lower::real::Stat;
 
 pub struct Adapter {
@@ -143,7 +143,20 @@ fn time_ns(t: Option<TimeOrNow>) -> Option<Option<i64>> {
     })
 }
 
+/// Records a request's service time in the core's histogram when dropped.
+struct Timed<'a>(&'a crate::core::stats::Histogram, std::time::Instant);
+
+impl Drop for Timed<'_> {
+    fn drop(&mut self) {
+        self.0.observe(self.1.elapsed());
+    }
+}
+
 impl Adapter {
+    fn time(&self, op: Op) -> Timed<'_> {
+        Timed(self.core.latency.get(op), std::time::Instant::now())
+    }
+
     fn reply_entry(&self, r: io::Result<(Arc<crate::core::Inode>, Stat)>, reply: ReplyEntry) {
         match r {
             Ok((_, st)) => reply.entry(&self.ttl, &attr(&st), Generation(0)),
@@ -189,6 +202,7 @@ impl Filesystem for Adapter {
     fn destroy(&mut self) {}
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _t = self.time(Op::Lookup);
         self.reply_entry(self.core.lookup(parent.0, name), reply)
     }
 
@@ -197,6 +211,7 @@ impl Filesystem for Adapter {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _t = self.time(Op::Getattr);
         match self.core.getattr(ino.0) {
             Ok(st) => reply.attr(&self.ttl, &attr(&st)),
             Err(e) => reply.error(err(e)),
@@ -221,6 +236,7 @@ impl Filesystem for Adapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _t = self.time(Op::Setattr);
         match self
             .core
             .setattr(ino.0, mode, uid, gid, size, time_ns(atime), time_ns(mtime))
@@ -231,6 +247,7 @@ impl Filesystem for Adapter {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _t = self.time(Op::Other);
         match self.core.readlink(ino.0) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(err(e)),
@@ -247,6 +264,7 @@ impl Filesystem for Adapter {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        let _t = self.time(Op::Create);
         let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
         self.reply_entry(
             self.core.mknod(
@@ -271,6 +289,7 @@ impl Filesystem for Adapter {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _t = self.time(Op::Mkdir);
         let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
         self.reply_entry(
             self.core
@@ -280,6 +299,7 @@ impl Filesystem for Adapter {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.time(Op::Unlink);
         match self.core.remove(parent.0, name, false) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -287,6 +307,7 @@ impl Filesystem for Adapter {
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.time(Op::Rmdir);
         match self.core.remove(parent.0, name, true) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -301,6 +322,7 @@ impl Filesystem for Adapter {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        let _t = self.time(Op::Symlink);
         let t = target.as_os_str().as_bytes();
         self.reply_entry(
             self.core.mknod(
@@ -326,6 +348,7 @@ impl Filesystem for Adapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Rename);
         match self
             .core
             .rename(parent.0, name, newparent.0, newname, flags.bits())
@@ -343,10 +366,12 @@ impl Filesystem for Adapter {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _t = self.time(Op::Link);
         self.reply_entry(self.core.link(ino.0, newparent.0, newname), reply)
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.time(Op::Open);
         match self.core.open(ino.0, flags.0) {
             Ok(fh) if self.passthrough => {
                 // SAFETY (closure): the descriptor belongs to the live handle `fh`.
@@ -378,6 +403,7 @@ impl Filesystem for Adapter {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let _t = self.time(Op::Read);
         match self.core.read(fh.0, offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(err(e)),
@@ -396,6 +422,7 @@ impl Filesystem for Adapter {
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let _t = self.time(Op::Write);
         match self.core.write(fh.0, offset, data) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
@@ -410,6 +437,7 @@ impl Filesystem for Adapter {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Flush);
         reply.ok();
     }
 
@@ -423,6 +451,7 @@ impl Filesystem for Adapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Release);
         self.release_backing(fh.0);
         self.core.release(fh.0);
         reply.ok();
@@ -436,6 +465,7 @@ impl Filesystem for Adapter {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Fsync);
         match self.core.fsync(ino.0, Some(fh.0), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -443,6 +473,7 @@ impl Filesystem for Adapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.time(Op::Open);
         match self.core.opendir(ino.0) {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
             Err(e) => reply.error(err(e)),
@@ -457,6 +488,7 @@ impl Filesystem for Adapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let _t = self.time(Op::Readdir);
         let d = match self.core.dir(fh.0) {
             Ok(d) => d,
             Err(e) => return reply.error(err(e)),
@@ -500,6 +532,7 @@ impl Filesystem for Adapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Release);
         self.core.releasedir(fh.0);
         reply.ok();
     }
@@ -512,6 +545,7 @@ impl Filesystem for Adapter {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Fsyncdir);
         match self.core.fsyncdir(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -519,6 +553,7 @@ impl Filesystem for Adapter {
     }
 
     fn statfs(&self, _req: &Request, ino: INodeNo, reply: ReplyStatfs) {
+        let _t = self.time(Op::Other);
         match self.core.statfs(ino.0) {
             Ok(s) => reply.statfs(
                 s.f_blocks,
@@ -544,6 +579,7 @@ impl Filesystem for Adapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Xattr);
         match self.core.setxattr(ino.0, name.as_bytes(), value, flags) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -551,6 +587,7 @@ impl Filesystem for Adapter {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let _t = self.time(Op::Xattr);
         match self.core.getxattr(ino.0, name.as_bytes(), size as usize) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) => reply.data(&v),
@@ -559,6 +596,7 @@ impl Filesystem for Adapter {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let _t = self.time(Op::Xattr);
         match self.core.listxattr(ino.0, size as usize) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) => reply.data(&v),
@@ -567,6 +605,7 @@ impl Filesystem for Adapter {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.time(Op::Xattr);
         match self.core.removexattr(ino.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -574,6 +613,7 @@ impl Filesystem for Adapter {
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        let _t = self.time(Op::Other);
         match self.core.getattr(ino.0) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -590,6 +630,7 @@ impl Filesystem for Adapter {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        let _t = self.time(Op::Create);
         match self
             .core
             .create(parent.0, name, mode & !umask, flags, req.uid(), req.gid())
@@ -615,6 +656,7 @@ impl Filesystem for Adapter {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        let _t = self.time(Op::Setattr);
         match self.core.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -630,6 +672,7 @@ impl Filesystem for Adapter {
         whence: i32,
         reply: ReplyLseek,
     ) {
+        let _t = self.time(Op::Other);
         match self.core.lseek(fh.0, offset, whence) {
             Ok(o) => reply.offset(o),
             Err(e) => reply.error(err(e)),
@@ -649,6 +692,7 @@ impl Filesystem for Adapter {
         _flags: CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        let _t = self.time(Op::Write);
         match self
             .core
             .copy_file_range(fh_in.0, offset_in, fh_out.0, offset_out, len)

@@ -4,8 +4,10 @@
 //! log) → [`core`] (the file system core: inodes, handles, policies) over [`lower`] (the real or
 //! simulated lower file system); [`fuse`] is the thin FUSE adapter.
 
+pub mod config;
 pub mod core;
 pub mod engine;
 pub mod fuse;
 pub mod lower;
+pub mod metrics;
 pub mod pmem;

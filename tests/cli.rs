@@ -46,7 +46,7 @@ fn bad_input_is_one_clear_line_and_writes_nothing() {
             &p("lower"),
             &p("mnt"),
         ],
-        "unknown mount option",
+        "mount option: key 'bogus': unknown key",
     );
     one_line_error(
         &[

@@ -22,7 +22,7 @@ use crate::engine::format::{MAX_PAYLOAD, PAGE};
 use crate::engine::{AttrOp, Log, NodeKind, NsOp, Record, ROOT_FID};
 use crate::lower::real::{self, fstat, Stat};
 use crate::lower::{errno, RealLower, MARKER};
-pub use stats::Stats;
+pub use stats::{Latency, Op, Stats};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 pub enum Mode {
@@ -131,7 +131,11 @@ pub struct Core {
     /// LSN captured by the latest write-back: a fid bound below it must bind again.
     horizon: AtomicU64,
     pub stats: Stats,
+    /// Request latency per kind, recorded by the FUSE adapter.
+    pub latency: Latency,
     flusher_wake: (Mutex<bool>, Condvar),
+    /// When the last "PM full" warning was logged (rate limit: one per minute).
+    full_warned: Mutex<Option<Instant>>,
     stopping: AtomicBool,
 }
 
@@ -176,7 +180,9 @@ impl Core {
             ns_order: Mutex::new(()),
             horizon: AtomicU64::new(0),
             stats: Stats::default(),
+            latency: Latency::default(),
             flusher_wake: (Mutex::new(false), Condvar::new()),
+            full_warned: Mutex::new(None),
             stopping: AtomicBool::new(false),
         }))
     }
@@ -367,6 +373,14 @@ impl Core {
     fn log_full(&self) {
         self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
         self.wake_flusher();
+        let mut w = self.full_warned.lock();
+        if w.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+            *w = Some(Instant::now());
+            tracing::warn!(
+                fallbacks = self.stats.fallbacks.load(Ordering::Relaxed),
+                "PM region full: syncs fall back to the lower file system's fsync (slower, still durable) until write-back frees space; use a larger region (pm_size, on a new region) or a shorter flush_interval_ms"
+            );
+        }
     }
 
     fn pm_low(&self, log: &Log) -> bool {

@@ -1,0 +1,459 @@
+//! Operating pmstack like a file system: `mount -t fuse.pmstack`, an fstab line, the TOML
+//! configuration, the Prometheus endpoint, the man pages.
+
+mod common;
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{bin, can_mount, Mount};
+
+/// The process (any name) whose command line names `mnt`.
+fn daemon_for(mnt: &Path) -> Option<i32> {
+    for e in fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmd) = fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        if cmd
+            .split(|b| *b == 0)
+            .any(|a| a == mnt.as_os_str().as_encoded_bytes())
+        {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn wait_daemon_gone(mnt: &Path) {
+    let t0 = Instant::now();
+    while daemon_for(mnt).is_some() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "daemon for {} did not exit",
+            mnt.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// mountinfo lines for `mnt`: (source, fstype).
+fn mounts_at(mnt: &Path) -> Vec<(String, String)> {
+    let s = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let want = mnt.to_string_lossy().replace(' ', "\\040");
+    s.lines()
+        .filter(|l| l.split(' ').nth(4) == Some(want.as_str()))
+        .map(|l| {
+            let after: Vec<&str> = l.split(" - ").nth(1).unwrap().split(' ').collect();
+            (after[1].to_string(), after[0].to_string())
+        })
+        .collect()
+}
+
+fn stat_json(mnt: &Path) -> serde_json::Value {
+    let out = Command::new(bin())
+        .args(["stat", "--json"])
+        .arg(mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn write_synced(path: &Path, data: &[u8]) {
+    let f = fs::File::create(path).unwrap();
+    f.write_all_at(data, 0).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// Installs /usr/sbin/mount.fuse.pmstack -> this build's binary for the test's duration.
+struct Helper(bool);
+
+impl Helper {
+    fn install() -> Helper {
+        let link = Path::new("/usr/sbin/mount.fuse.pmstack");
+        let existed = fs::symlink_metadata(link).is_ok();
+        let _ = fs::remove_file(link);
+        std::os::unix::fs::symlink(bin(), link).expect("installing the mount helper link");
+        Helper(!existed)
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        if self.0 {
+            let _ = fs::remove_file("/usr/sbin/mount.fuse.pmstack");
+        }
+    }
+}
+
+#[test]
+fn mount_t_fuse_pmstack_and_an_fstab_line_mount_for_real() {
+    if !can_mount() {
+        return;
+    }
+    let _h = Helper::install();
+    let mut m = Mount::new(None);
+    // mount(8) with a type: the helper gets LOWER MOUNTPOINT -o rw,…
+    let out = Command::new("mount")
+        .args(["-t", "fuse.pmstack"])
+        .arg(&m.lower)
+        .arg(&m.mnt)
+        .arg("-o")
+        .arg(format!(
+            "pm={},mode=strict,flush_interval_ms=100,noatime",
+            m.pm.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mount -t fuse.pmstack: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    m.mounted = true;
+    assert_eq!(
+        mounts_at(&m.mnt),
+        vec![(
+            m.lower.to_string_lossy().to_string(),
+            "fuse.pmstack".to_string()
+        )]
+    );
+    write_synced(&m.mnt.join("a"), b"through mount -t");
+    assert_eq!(stat_json(&m.mnt)["mode"], "strict");
+    // umount(8) unmounts; the daemon drains on its own.
+    let st = Command::new("umount").arg(&m.mnt).status().unwrap();
+    assert!(st.success());
+    m.mounted = false;
+    wait_daemon_gone(&m.mnt);
+    assert_eq!(fs::read(m.lower.join("a")).unwrap(), b"through mount -t");
+    let c = m.check_json();
+    assert_eq!(c["clean"], true);
+    assert_eq!(c["live_entries"], 0);
+
+    // A bad option through mount(8): one line naming the key, nothing mounted.
+    let out = Command::new("mount")
+        .args(["-t", "fuse.pmstack"])
+        .arg(&m.lower)
+        .arg(&m.mnt)
+        .args(["-o", "mode=fast"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "key 'mode': invalid value 'fast' (allowed: sync, strict, adaptive, passthrough)"
+        ),
+        "{err}"
+    );
+    assert!(mounts_at(&m.mnt).is_empty());
+
+    // An fstab line, with the options systemd and mount(8) add.
+    let fstab = m.base.path().join("fstab");
+    fs::write(
+        &fstab,
+        format!(
+            "# pmstack over a directory\n{}  {}  fuse.pmstack  pm={},mode=sync,nofail,_netdev,x-systemd.mount-timeout=30,defaults  0 0\n",
+            m.lower.display(),
+            m.mnt.display(),
+            m.pm.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new("mount")
+        .arg("--fstab")
+        .arg(&fstab)
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mount via fstab: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    m.mounted = true;
+    assert_eq!(stat_json(&m.mnt)["mode"], "sync");
+    assert_eq!(fs::read(m.mnt.join("a")).unwrap(), b"through mount -t");
+    write_synced(&m.mnt.join("b"), &vec![5u8; 100_000]);
+    // `mount -a` sees the line as mounted already (the source matches) and does nothing.
+    let out = Command::new("mount")
+        .arg("--fstab")
+        .arg(&fstab)
+        .arg("-a")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mount -a: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(mounts_at(&m.mnt).len(), 1, "mount -a mounted it twice");
+    // pmstack umount waits for the drain and says how much it wrote back.
+    let out = Command::new(bin())
+        .arg("umount")
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    m.mounted = false;
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        msg.contains("bytes of live log written back to the lower file system"),
+        "{msg}"
+    );
+    assert!(
+        daemon_for(&m.mnt).is_none(),
+        "umount returned before the drain"
+    );
+    assert_eq!(fs::read(m.lower.join("b")).unwrap(), vec![5u8; 100_000]);
+}
+
+#[test]
+fn config_file_sets_the_mount_flags_override_it_errors_name_the_key() {
+    if !can_mount() {
+        return;
+    }
+    let mut m = Mount::new(None);
+    let cfg = m.base.path().join("pmstack.toml");
+    // Bad value: one line naming file, key, value and the allowed values; nothing created.
+    fs::write(&cfg, "mode = \"fast\"\n").unwrap();
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--config")
+        .arg(&cfg)
+        .arg(&m.lower)
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.trim(),
+        format!(
+            "pmstack: config {}: key 'mode': invalid value 'fast' (allowed: sync, strict, adaptive, passthrough)",
+            cfg.display()
+        )
+    );
+    fs::write(&cfg, "flush_interval = 100\n").unwrap();
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--config")
+        .arg(&cfg)
+        .arg(&m.lower)
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err
+                .contains("key 'flush_interval': unknown key (known keys: lower, mountpoint, mode"),
+        "{err}"
+    );
+    assert!(mounts_at(&m.mnt).is_empty());
+    assert!(
+        fs::read_dir(&m.lower).unwrap().next().is_none(),
+        "nothing may be written to LOWER"
+    );
+
+    // A complete file: paths, mode, region, flush interval.
+    fs::write(
+        &cfg,
+        format!(
+            "lower = \"{}\"\nmountpoint = \"{}\"\npm = \"{}\"\npm_size = \"32M\"\nmode = \"adaptive\"\nflush_interval_ms = 250\nlog_level = \"info\"\n",
+            m.lower.display(),
+            m.mnt.display(),
+            m.pm.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    m.mounted = true;
+    assert_eq!(stat_json(&m.mnt)["mode"], "adaptive");
+    assert_eq!(m.check_json()["region_bytes"], 32u64 << 20);
+    write_synced(&m.mnt.join("x"), b"cfg");
+    m.umount();
+    // Flags win over the file.
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--mode", "strict"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    m.mounted = true;
+    assert_eq!(stat_json(&m.mnt)["mode"], "strict");
+    assert_eq!(fs::read(m.mnt.join("x")).unwrap(), b"cfg");
+    m.umount();
+    // And a flag's bad value names the flag.
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--threads", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "pmstack: --threads: invalid value '0' (allowed: an integer from 1 to 64)"
+    );
+}
+
+fn scrape(addr: &str, path: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let code = resp
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+fn sample(scrape: &prometheus_parse::Scrape, name: &str, op: Option<&str>) -> f64 {
+    let s = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == name && op.is_none_or(|o| s.labels.get("op") == Some(o)))
+        .unwrap_or_else(|| panic!("{name} {op:?} missing"));
+    match &s.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => *v,
+        prometheus_parse::Value::Histogram(b) => b
+            .iter()
+            .find(|c| c.less_than.is_infinite())
+            .map(|c| c.count)
+            .unwrap(),
+        o => panic!("{name}: {o:?}"),
+    }
+}
+
+#[test]
+fn metrics_endpoint_serves_prometheus_text_that_moves_under_load() {
+    if !can_mount() {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut m = Mount::new(None);
+    m.mount(&["--metrics-addr", &addr]);
+    let parse = |body: &str| {
+        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+            .expect("parsable Prometheus text")
+    };
+    let (code, body) = scrape(&addr, "/metrics");
+    assert_eq!(code, 200);
+    let before = parse(&body);
+    let f = fs::File::create(m.mnt.join("data")).unwrap();
+    for i in 0..50u64 {
+        f.write_all_at(&[i as u8; 4096], i * 4096).unwrap();
+        f.sync_data().unwrap();
+    }
+    drop(f);
+    let (code, body) = scrape(&addr, "/metrics");
+    assert_eq!(code, 200);
+    let after = parse(&body);
+    let d = |n: &str, op: Option<&str>| sample(&after, n, op) - sample(&before, n, op);
+    assert!(d("pmstack_absorbed_fsync_total", None) >= 50.0);
+    assert!(d("pmstack_log_commits_total", None) >= 50.0);
+    assert!(d("pmstack_request_duration_seconds", Some("fsync")) >= 50.0);
+    assert!(d("pmstack_request_duration_seconds", Some("write")) >= 50.0);
+    assert!(sample(&after, "pmstack_pm_bytes_used", None) > 0.0);
+    assert!(sample(&after, "pmstack_pm_bytes_free", None) > 0.0);
+    // `stat` shows the same counters, latency included (its file is refreshed twice a second).
+    let t0 = Instant::now();
+    let st = loop {
+        let st = stat_json(&m.mnt);
+        if st["absorbed_fsync"].as_u64().unwrap() >= 50 || t0.elapsed() > Duration::from_secs(5) {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(st["absorbed_fsync"].as_u64().unwrap() >= 50);
+    assert!(st["latency_us"]["fsync"]["count"].as_u64().unwrap() >= 50);
+    assert_eq!(scrape(&addr, "/other").0, 404);
+    // A port in use fails the mount cleanly.
+    let mut m2 = Mount::new(None);
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--pm")
+        .arg(&m2.pm)
+        .args(["--metrics-addr", &addr])
+        .arg(&m2.lower)
+        .arg(&m2.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot listen"), "{err}");
+    assert!(mounts_at(&m2.mnt).is_empty());
+    m2.mounted = false;
+    m.umount();
+}
+
+#[test]
+fn man_pages_are_current() {
+    let d = tempfile::tempdir().unwrap();
+    let st = Command::new(bin())
+        .args(["man", "--out"])
+        .arg(d.path())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/man");
+    let mut n = 0;
+    for e in fs::read_dir(d.path()).unwrap().flatten() {
+        let want = fs::read(e.path()).unwrap();
+        let have = fs::read(committed.join(e.file_name())).unwrap_or_default();
+        assert!(
+            want == have,
+            "docs/man/{} is stale: run `cargo run --release -- man --out docs/man`",
+            e.file_name().to_string_lossy()
+        );
+        n += 1;
+    }
+    assert!(n >= 8, "expected a page per subcommand, got {n}");
+    let mount = fs::read_to_string(d.path().join("pmstack-mount.1")).unwrap();
+    assert!(mount.contains("flush_interval_ms") && mount.contains("fuse.pmstack"));
+}
