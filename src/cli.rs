@@ -35,7 +35,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Stack pmstack over LOWER at MOUNTPOINT. Recovers a crashed log first.
-    Mount(MountArgs),
+    Mount(Box<MountArgs>),
     /// Unmount, wait until the log is drained into LOWER, report.
     Umount { mountpoint: PathBuf },
     /// Create a PM region bound to a lower directory.
