@@ -459,6 +459,27 @@ fn check_lower(lower: &Path) -> Result<PathBuf> {
     Ok(fs::canonicalize(lower)?)
 }
 
+/// The file system type mounted at `p` (last mount wins), if any.
+fn mount_type(p: &Path) -> Option<String> {
+    let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = p.to_string_lossy().replace(' ', "\\040");
+    s.lines()
+        .rev()
+        .filter(|l| l.split(' ').nth(4) == Some(want.as_str()))
+        .find_map(|l| l.split(" - ").nth(1)?.split(' ').next().map(String::from))
+}
+
+fn dead_connection(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED))
+}
+
+/// A pmstack mount whose daemon died (kill -9, OOM): the kernel answers ENOTCONN or
+/// ECONNABORTED.
+fn is_dead_pmstack_mount(p: &Path) -> bool {
+    mount_type(p).as_deref() == Some("fuse.pmstack")
+        && fs::metadata(p).is_err_and(|e| dead_connection(&e))
+}
+
 fn is_mountpoint(p: &Path) -> bool {
     let Ok(s) = fs::read_to_string("/proc/self/mountinfo") else {
         return false;
@@ -603,12 +624,40 @@ fn raise_fd_limit() {
 fn mount(m: Mount) -> Result<()> {
     let a = &m.s;
     let lower = check_lower(&m.lower)?;
-    let mp = fs::canonicalize(&m.mountpoint).map_err(|e| {
-        anyhow!(
+    let mp = match fs::canonicalize(&m.mountpoint) {
+        Ok(p) => p,
+        // A dead FUSE mount cannot be resolved itself; its parent can.
+        Err(e) if dead_connection(&e) => {
+            let parent = m.mountpoint.parent().unwrap_or(Path::new("/"));
+            let parent = if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            };
+            fs::canonicalize(parent)?.join(m.mountpoint.file_name().unwrap_or_default())
+        }
+        Err(e) => bail!(
             "mountpoint {}: {e} (create it first)",
             m.mountpoint.display()
-        )
-    })?;
+        ),
+    };
+    if is_dead_pmstack_mount(&mp) {
+        // Its log is recovered below, before the new mount goes live.
+        warn_user(&format!(
+            "{} holds a dead pmstack mount (its daemon exited without unmounting); detaching it and recovering its log",
+            mp.display()
+        ));
+        let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
+        // SAFETY: valid C string; lazy detach of a mount nobody can use.
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+            bail!(
+                "detaching the dead mount at {}: {} (try `umount -l {}`)",
+                mp.display(),
+                std::io::Error::last_os_error(),
+                mp.display()
+            );
+        }
+    }
     if !mp.is_dir() {
         bail!("mountpoint {} is not a directory", mp.display());
     }

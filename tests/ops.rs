@@ -457,3 +457,46 @@ fn man_pages_are_current() {
     let mount = fs::read_to_string(d.path().join("pmstack-mount.1")).unwrap();
     assert!(mount.contains("flush_interval_ms") && mount.contains("fuse.pmstack"));
 }
+
+#[test]
+fn remount_after_kill9_detaches_the_dead_mount_and_recovers() {
+    if !can_mount() {
+        return;
+    }
+    let mut m = Mount::new(None);
+    m.mount(&["--flush-interval-ms", "600000"]);
+    write_synced(&m.mnt.join("kept"), b"acknowledged before the crash");
+    let pid = daemon_for(&m.mnt).expect("daemon");
+    // SAFETY: plain kill.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_daemon_gone(&m.mnt);
+    // The dead mount is still there: the kernel answers ENOTCONN or ECONNABORTED.
+    let e = fs::metadata(&m.mnt).unwrap_err().raw_os_error();
+    assert!(
+        matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED)),
+        "{e:?}"
+    );
+    // Mounting again over it (what systemd's Restart= does) detaches it and recovers.
+    let out = Command::new(bin())
+        .arg("mount")
+        .arg("--pm")
+        .arg(&m.pm)
+        .arg(&m.lower)
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("dead pmstack mount"), "{err}");
+    assert!(err.contains("recovering"), "{err}");
+    assert_eq!(mounts_at(&m.mnt).len(), 1);
+    assert_eq!(
+        fs::read(m.mnt.join("kept")).unwrap(),
+        b"acknowledged before the crash"
+    );
+    m.umount();
+    assert_eq!(
+        fs::read(m.lower.join("kept")).unwrap(),
+        b"acknowledged before the crash"
+    );
+}

@@ -1213,7 +1213,7 @@ impl Core {
         };
         if let Err(e) = self.lower.syncfs() {
             self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries");
+            tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries every flush interval; check the lower file system (free space, I/O errors in dmesg)");
             return Err(e);
         }
         log.checkpoint(upto);
