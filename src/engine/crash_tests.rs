@@ -276,3 +276,18 @@ fn corrupt_entries_and_pages_are_reported_never_replayed() {
         assert!(scan(&SimPmem::from_image(clean[..cut].to_vec())).is_err());
     }
 }
+
+#[test]
+fn empty_log_reports_zero_used_with_a_partial_last_chunk() {
+    // 100 pages: the chunk table and superblock leave a last chunk shorter than 64 pages.
+    for pages in [100usize, 130, 64 * 3 + 7] {
+        let sim = Arc::new(SimPmem::new(pages * PAGE));
+        let log = Log::format(sim.clone(), [2; 16], 2).unwrap();
+        assert_eq!(log.bytes_used(), 0, "{pages} pages");
+        assert_eq!(log.pages_free(), log.pages_total(), "{pages} pages");
+        log.reset();
+        assert_eq!(log.bytes_used(), 0, "{pages} pages after reset");
+        let (reopened, _) = Log::open(sim.clone()).unwrap();
+        assert_eq!(reopened.bytes_used(), 0, "{pages} pages reopened");
+    }
+}

@@ -70,7 +70,7 @@ pub struct Log {
     /// Owner tag this process writes into the chunk table (1 + its first area).
     chunk_tag: u64,
     /// Chunks not yet claimed by anyone, as last seen (an estimate under sharing).
-    unclaimed_chunks: AtomicUsize,
+    unclaimed_pages: AtomicUsize,
     next_chunk: AtomicUsize,
     next_area: AtomicUsize,
     free: Mutex<Vec<u32>>,
@@ -191,7 +191,7 @@ impl Log {
             sb,
             areas,
             chunk_tag: 1,
-            unclaimed_chunks: AtomicUsize::new(0),
+            unclaimed_pages: AtomicUsize::new(0),
             next_chunk: AtomicUsize::new(0),
             next_area: AtomicUsize::new(0),
             free_count: AtomicUsize::new(free.len()),
@@ -213,8 +213,7 @@ impl Log {
         (self.sb.pages() - self.sb.first_alloc_page()) as usize
     }
     pub fn pages_free(&self) -> usize {
-        self.free_count.load(Ordering::Relaxed)
-            + self.unclaimed_chunks.load(Ordering::Relaxed) * CHUNK_PAGES as usize
+        self.free_count.load(Ordering::Relaxed) + self.unclaimed_pages.load(Ordering::Relaxed)
     }
     /// The next LSN that will be handed out (every LSN below it is assigned).
     pub fn lsn_now(&self) -> u64 {
@@ -260,14 +259,16 @@ impl Log {
             return Err(LogError::Corrupt("no free append area to lease".into()));
         }
         let chunk_tag = 1 + areas[0].lock().idx as u64;
+        // Pages, not chunks: the last chunk may be partial.
         let unclaimed = (0..sb.chunks())
             .filter(|&c| pm.load_u64(sb.chunk_word(c)) == 0)
-            .count();
+            .map(|c| sb.chunk_pages(c).len())
+            .sum();
         Ok(Log {
             sb,
             areas,
             chunk_tag,
-            unclaimed_chunks: AtomicUsize::new(unclaimed),
+            unclaimed_pages: AtomicUsize::new(unclaimed),
             next_chunk: AtomicUsize::new(0),
             next_area: AtomicUsize::new(0),
             free_count: AtomicUsize::new(0),
@@ -290,14 +291,17 @@ impl Log {
             {
                 self.next_chunk
                     .store((c as usize + 1) % n, Ordering::Relaxed);
+                let got = self.sb.chunk_pages(c).len();
                 let _ =
-                    self.unclaimed_chunks
-                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| u.checked_sub(1));
+                    self.unclaimed_pages
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                            Some(u.saturating_sub(got))
+                        });
                 pool.extend(self.sb.chunk_pages(c).rev());
                 return true;
             }
         }
-        self.unclaimed_chunks.store(0, Ordering::Relaxed);
+        self.unclaimed_pages.store(0, Ordering::Relaxed);
         false
     }
     pub fn checkpoint_lsn(&self) -> u64 {
@@ -461,8 +465,8 @@ impl Log {
         for c in 0..self.sb.chunks() {
             self.pm.store_u64(self.sb.chunk_word(c), 0);
         }
-        self.unclaimed_chunks
-            .store(self.sb.chunks() as usize, Ordering::Relaxed);
+        self.unclaimed_pages
+            .store(self.pages_total(), Ordering::Relaxed);
         let mut f = self.free.lock();
         f.clear();
         self.free_count.store(0, Ordering::Relaxed);
@@ -470,7 +474,7 @@ impl Log {
 
     /// Bytes of PM in use by the log (log and live data pages).
     pub fn bytes_used(&self) -> u64 {
-        ((self.pages_total() - self.pages_free()) * PAGE) as u64
+        (self.pages_total().saturating_sub(self.pages_free()) * PAGE) as u64
     }
 }
 
