@@ -128,6 +128,36 @@ impl Fileset {
     fn put(&self, i: usize, present: bool) {
         self.state.lock().unwrap()[i] = present as u8;
     }
+
+    /// Flowop deletefile on a present file. Returns the operations done.
+    fn delete_one(&self, rng: &mut StdRng) -> u64 {
+        let Some(i) = self.take(1, rng) else { return 0 };
+        fs::remove_file(self.path(i)).expect("delete");
+        self.put(i, false);
+        1
+    }
+
+    /// open + read whole file + close.
+    fn read_one(&self, rng: &mut StdRng, rbuf: &mut Vec<u8>) -> u64 {
+        let Some(i) = self.take(1, rng) else { return 0 };
+        read_whole(&self.path(i), rbuf).expect("read");
+        self.put(i, true);
+        3
+    }
+
+    /// create + write a whole new file (+ fsync, timed in `sync`, when given) + close.
+    fn create_one(&self, rng: &mut StdRng, wbuf: &[u8], sync: Option<&mut Tally>) -> u64 {
+        let Some(i) = self.take(0, rng) else { return 0 };
+        let mut f = File::create(self.path(i)).expect("create");
+        let n = self.size(rng);
+        append(&mut f, n, wbuf);
+        if let Some(t) = sync {
+            t.sync(|| f.sync_all().expect("fsync"));
+        }
+        drop(f);
+        self.put(i, true);
+        3
+    }
 }
 
 /// Per-thread counters and synchronous-operation latencies (µs).
@@ -181,23 +211,15 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
             // fsync+close; open+read whole+close.
             let s = sh.set.as_ref().unwrap();
             while !stop() {
-                if let Some(i) = s.take(1, &mut rng) {
-                    fs::remove_file(s.path(i)).expect("delete");
-                    s.put(i, false);
-                    t.ops += 1;
-                }
-                if let Some(i) = s.take(0, &mut rng) {
-                    let mut f = File::create(s.path(i)).expect("create");
-                    let n = s.size(&mut rng);
-                    append(&mut f, n, &wbuf);
-                    t.sync(|| f.sync_all().expect("fsync"));
-                    drop(f);
-                    s.put(i, true);
-                    t.ops += 3; // create, append, close
-                }
+                t.ops += s.delete_one(&mut rng);
+                let n = s.create_one(&mut rng, &wbuf, Some(&mut *t));
+                t.ops += n;
                 if let Some(i) = s.take(1, &mut rng) {
                     read_whole(&s.path(i), &mut rbuf).expect("read");
-                    let mut f = OpenOptions::new().append(true).open(s.path(i)).expect("open");
+                    let mut f = OpenOptions::new()
+                        .append(true)
+                        .open(s.path(i))
+                        .expect("open");
                     let n = s.size(&mut rng);
                     append(&mut f, n, &wbuf);
                     t.sync(|| f.sync_all().expect("fsync"));
@@ -205,11 +227,7 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
                     s.put(i, true);
                     t.ops += 4; // open, read, append, close
                 }
-                if let Some(i) = s.take(1, &mut rng) {
-                    read_whole(&s.path(i), &mut rbuf).expect("read");
-                    s.put(i, true);
-                    t.ops += 3; // open, read, close
-                }
+                t.ops += s.read_one(&mut rng, &mut rbuf);
             }
         }
         "fileserver" => {
@@ -217,32 +235,20 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
             // whole+close; delete; stat. No fsync.
             let s = sh.set.as_ref().unwrap();
             while !stop() {
-                if let Some(i) = s.take(0, &mut rng) {
-                    let mut f = File::create(s.path(i)).expect("create");
-                    let n = s.size(&mut rng);
-                    append(&mut f, n, &wbuf);
-                    drop(f);
-                    s.put(i, true);
-                    t.ops += 3;
-                }
+                t.ops += s.create_one(&mut rng, &wbuf, None);
                 if let Some(i) = s.take(1, &mut rng) {
-                    let mut f = OpenOptions::new().append(true).open(s.path(i)).expect("open");
+                    let mut f = OpenOptions::new()
+                        .append(true)
+                        .open(s.path(i))
+                        .expect("open");
                     let n = rng.gen_range(8 << 10..=24 << 10); // mean append 16K
                     append(&mut f, n, &wbuf);
                     drop(f);
                     s.put(i, true);
                     t.ops += 3;
                 }
-                if let Some(i) = s.take(1, &mut rng) {
-                    read_whole(&s.path(i), &mut rbuf).expect("read");
-                    s.put(i, true);
-                    t.ops += 3;
-                }
-                if let Some(i) = s.take(1, &mut rng) {
-                    fs::remove_file(s.path(i)).expect("delete");
-                    s.put(i, false);
-                    t.ops += 1;
-                }
+                t.ops += s.read_one(&mut rng, &mut rbuf);
+                t.ops += s.delete_one(&mut rng);
                 if let Some(i) = s.take(1, &mut rng) {
                     fs::metadata(s.path(i)).expect("stat");
                     s.put(i, true);
@@ -255,14 +261,12 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
             let s = sh.set.as_ref().unwrap();
             while !stop() {
                 for _ in 0..10 {
-                    if let Some(i) = s.take(1, &mut rng) {
-                        read_whole(&s.path(i), &mut rbuf).expect("read");
-                        s.put(i, true);
-                        t.ops += 3;
-                    }
+                    t.ops += s.read_one(&mut rng, &mut rbuf);
                 }
-                let mut l = sh.log.as_ref().unwrap().lock().unwrap();
-                l.write_all(&wbuf[..8 << 10]).expect("log append");
+                // Appends to the shared log, rotated at 64 MiB so long runs fit the image.
+                let l = sh.log.as_ref().unwrap().lock().unwrap();
+                let off = sh.counter.fetch_add(8 << 10, Ordering::Relaxed) % (64 << 20);
+                l.write_all_at(&wbuf[..8 << 10], off).expect("log append");
                 t.ops += 1;
             }
         }
@@ -270,25 +274,10 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
             // Filebench webproxy.f: delete; create+append+close; 5 × (open+read whole+close).
             let s = sh.set.as_ref().unwrap();
             while !stop() {
-                if let Some(i) = s.take(1, &mut rng) {
-                    fs::remove_file(s.path(i)).expect("delete");
-                    s.put(i, false);
-                    t.ops += 1;
-                }
-                if let Some(i) = s.take(0, &mut rng) {
-                    let mut f = File::create(s.path(i)).expect("create");
-                    let n = s.size(&mut rng);
-                    append(&mut f, n, &wbuf);
-                    drop(f);
-                    s.put(i, true);
-                    t.ops += 3;
-                }
+                t.ops += s.delete_one(&mut rng);
+                t.ops += s.create_one(&mut rng, &wbuf, None);
                 for _ in 0..5 {
-                    if let Some(i) = s.take(1, &mut rng) {
-                        read_whole(&s.path(i), &mut rbuf).expect("read");
-                        s.put(i, true);
-                        t.ops += 3;
-                    }
+                    t.ops += s.read_one(&mut rng, &mut rbuf);
                 }
             }
         }
@@ -343,22 +332,33 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
             let d = sh.a.dir.join(format!("t{tid}"));
             fs::create_dir_all(&d).expect("thread dir");
             let dfd = File::open(&d).expect("dir");
+            // create/mkdir: each thread keeps at most KEEP entries; the one made KEEP operations
+            // earlier is removed (not synced) in the same operation, so long runs fit the image.
+            const KEEP: u64 = 1000;
             match sh.a.personality.as_str() {
                 "meta-create" => {
+                    let mut k = 0u64;
                     while !stop() {
-                        let k = sh.counter.fetch_add(1, Ordering::Relaxed);
                         let f = File::create(d.join(format!("c{k}"))).expect("create");
                         f.write_all_at(&wbuf[..4096], 0).expect("write");
                         t.sync(|| f.sync_all().expect("fsync"));
                         t.sync(|| dfd.sync_all().expect("fsync dir"));
                         t.ops -= 1; // one create = one op, two syncs timed
+                        if k >= KEEP {
+                            fs::remove_file(d.join(format!("c{}", k - KEEP))).expect("unlink");
+                        }
+                        k += 1;
                     }
                 }
                 "meta-mkdir" => {
+                    let mut k = 0u64;
                     while !stop() {
-                        let k = sh.counter.fetch_add(1, Ordering::Relaxed);
                         fs::create_dir(d.join(format!("m{k}"))).expect("mkdir");
                         t.sync(|| dfd.sync_all().expect("fsync dir"));
+                        if k >= KEEP {
+                            fs::remove_dir(d.join(format!("m{}", k - KEEP))).expect("rmdir");
+                        }
+                        k += 1;
                     }
                 }
                 "meta-rename" => {
@@ -423,7 +423,8 @@ fn main() {
         Mutex::new(
             OpenOptions::new()
                 .create(true)
-                .append(true)
+                .truncate(false)
+                .write(true)
                 .open(a.dir.join("web.log"))
                 .expect("log"),
         )

@@ -286,3 +286,62 @@ fn allow_other_checks_permissions_and_new_files_belong_to_the_caller() {
     let md = fs::metadata(m.lower.join("shared/f")).unwrap();
     assert_eq!(md.uid(), 65534, "ownership reached the lower file system");
 }
+
+/// Open flags real programs use on existing files (SQLite opens with O_NOFOLLOW), in every
+/// mode, and SQLite itself reopening its database.
+#[test]
+fn programs_open_flags_and_sqlite_reopen_work_in_every_mode() {
+    if !common::can_mount() {
+        return;
+    }
+    use std::os::unix::fs::OpenOptionsExt;
+    for mode in ["sync", "strict", "adaptive", "passthrough"] {
+        let mut m = common::Mount::new(None);
+        m.mount(&["--mode", mode]);
+        let p = m.mnt.join("f");
+        fs::write(&p, b"0123456789").unwrap();
+        for (what, flags) in [
+            ("O_NOFOLLOW", libc::O_NOFOLLOW),
+            ("O_NOATIME", libc::O_NOATIME),
+            ("O_CLOEXEC|O_NOFOLLOW", libc::O_CLOEXEC | libc::O_NOFOLLOW),
+            ("O_DSYNC|O_NOFOLLOW", libc::O_DSYNC | libc::O_NOFOLLOW),
+        ] {
+            let f = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(flags)
+                .open(&p)
+                .unwrap_or_else(|e| panic!("{mode}: open with {what}: {e}"));
+            f.write_all_at(b"ab", 2).unwrap();
+            f.sync_all().unwrap();
+            let r = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(&p)
+                .unwrap_or_else(|e| panic!("{mode}: read-only open with {what}: {e}"));
+            let mut b = [0u8; 4];
+            r.read_exact_at(&mut b, 0).unwrap();
+            assert_eq!(&b, b"01ab", "{mode} {what}");
+        }
+        // SQLite: create, close, reopen, insert, read back (rollback journal and WAL).
+        let script = "import sqlite3,sys\n\
+            for j in ('DELETE','WAL'):\n\
+            \x20   for k in range(3):\n\
+            \x20       c=sqlite3.connect(sys.argv[1]+'/'+j+'.db',isolation_level=None)\n\
+            \x20       c.execute('PRAGMA journal_mode='+j); c.execute('PRAGMA synchronous=FULL')\n\
+            \x20       c.execute('CREATE TABLE IF NOT EXISTS t(v)'); c.execute('INSERT INTO t VALUES(?)',(k,))\n\
+            \x20       assert c.execute('SELECT count(*) FROM t').fetchone()[0]==k+1\n\
+            \x20       c.close()\n";
+        let out = Command::new("python3")
+            .args(["-c", script])
+            .arg(&m.mnt)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{mode}: sqlite: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        m.umount();
+    }
+}

@@ -12,6 +12,14 @@ use std::time::{Duration, Instant};
 
 use common::{bin, can_mount, Mount};
 
+/// Run this build's pmstack with `args`.
+fn pmstack(args: &[&dyn AsRef<std::ffi::OsStr>]) -> std::process::Output {
+    Command::new(bin())
+        .args(args.iter().map(|a| a.as_ref()))
+        .output()
+        .unwrap()
+}
+
 /// The process (any name) whose command line names `mnt`.
 fn daemon_for(mnt: &Path) -> Option<i32> {
     for e in fs::read_dir("/proc").ok()?.flatten() {
@@ -57,11 +65,7 @@ fn mounts_at(mnt: &Path) -> Vec<(String, String)> {
 }
 
 fn stat_json(mnt: &Path) -> serde_json::Value {
-    let out = Command::new(bin())
-        .args(["stat", "--json"])
-        .arg(mnt)
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"stat", &"--json", &mnt]);
     assert!(
         out.status.success(),
         "{}",
@@ -200,11 +204,7 @@ fn mount_t_fuse_pmstack_and_an_fstab_line_mount_for_real() {
     );
     assert_eq!(mounts_at(&m.mnt).len(), 1, "mount -a mounted it twice");
     // pmstack umount waits for the drain and says how much it wrote back.
-    let out = Command::new(bin())
-        .arg("umount")
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"umount", &m.mnt]);
     assert!(out.status.success());
     m.mounted = false;
     let msg = String::from_utf8_lossy(&out.stderr);
@@ -228,14 +228,7 @@ fn config_file_sets_the_mount_flags_override_it_errors_name_the_key() {
     let cfg = m.base.path().join("pmstack.toml");
     // Bad value: one line naming file, key, value and the allowed values; nothing created.
     fs::write(&cfg, "mode = \"fast\"\n").unwrap();
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--config")
-        .arg(&cfg)
-        .arg(&m.lower)
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"mount", &"--config", &cfg, &m.lower, &m.mnt]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
@@ -246,14 +239,7 @@ fn config_file_sets_the_mount_flags_override_it_errors_name_the_key() {
         )
     );
     fs::write(&cfg, "flush_interval = 100\n").unwrap();
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--config")
-        .arg(&cfg)
-        .arg(&m.lower)
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"mount", &"--config", &cfg, &m.lower, &m.mnt]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success()
@@ -278,12 +264,7 @@ fn config_file_sets_the_mount_flags_override_it_errors_name_the_key() {
         ),
     )
     .unwrap();
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--config")
-        .arg(&cfg)
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"mount", &"--config", &cfg]);
     assert!(
         out.status.success(),
         "{}",
@@ -295,13 +276,7 @@ fn config_file_sets_the_mount_flags_override_it_errors_name_the_key() {
     write_synced(&m.mnt.join("x"), b"cfg");
     m.umount();
     // Flags win over the file.
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--mode", "strict"])
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"mount", &"--config", &cfg, &"--mode", &"strict"]);
     assert!(
         out.status.success(),
         "{}",
@@ -312,13 +287,7 @@ fn config_file_sets_the_mount_flags_override_it_errors_name_the_key() {
     assert_eq!(fs::read(m.mnt.join("x")).unwrap(), b"cfg");
     m.umount();
     // And a flag's bad value names the flag.
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--threads", "0"])
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"mount", &"--config", &cfg, &"--threads", &"0"]);
     assert_eq!(
         String::from_utf8_lossy(&out.stderr).trim(),
         "pmstack: --threads: invalid value '0' (allowed: an integer from 1 to 64)"
@@ -415,15 +384,15 @@ fn metrics_endpoint_serves_prometheus_text_that_moves_under_load() {
     assert_eq!(scrape(&addr, "/other").0, 404);
     // A port in use fails the mount cleanly.
     let mut m2 = Mount::new(None);
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--pm")
-        .arg(&m2.pm)
-        .args(["--metrics-addr", &addr])
-        .arg(&m2.lower)
-        .arg(&m2.mnt)
-        .output()
-        .unwrap();
+    let out = pmstack(&[
+        &"mount",
+        &"--pm",
+        &m2.pm,
+        &"--metrics-addr",
+        &addr,
+        &m2.lower,
+        &m2.mnt,
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot listen"), "{err}");
@@ -477,14 +446,7 @@ fn remount_after_kill9_detaches_the_dead_mount_and_recovers() {
         "{e:?}"
     );
     // Mounting again over it (what systemd's Restart= does) detaches it and recovers.
-    let out = Command::new(bin())
-        .arg("mount")
-        .arg("--pm")
-        .arg(&m.pm)
-        .arg(&m.lower)
-        .arg(&m.mnt)
-        .output()
-        .unwrap();
+    let out = pmstack(&[&"mount", &"--pm", &m.pm, &m.lower, &m.mnt]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("dead pmstack mount"), "{err}");

@@ -384,7 +384,18 @@ impl Core {
     }
 
     fn pm_low(&self, log: &Log) -> bool {
-        (log.pages_free() as f64) < self.opts.low_watermark * log.pages_total() as f64
+        let free = log.pages_free() as f64 / log.pages_total().max(1) as f64;
+        if free < 0.1 {
+            let mut w = self.full_warned.lock();
+            if w.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                *w = Some(Instant::now());
+                tracing::warn!(
+                    free_pct = (free * 100.0) as u64,
+                    "PM region nearly full: write-back is not keeping up with synchronous writes; soon syncs fall back to the lower file system's fsync; use a larger region or a shorter flush_interval_ms"
+                );
+            }
+        }
+        free < self.opts.low_watermark
     }
 
     // ---------- data path ----------

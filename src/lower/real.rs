@@ -106,7 +106,11 @@ impl RealLower {
     /// Reopen an object (file or directory) for I/O with `flags`.
     pub fn reopen(&self, node: RawFd, flags: i32) -> io::Result<OwnedFd> {
         let p = proc_path(node);
-        let flags = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY) | libc::O_CLOEXEC;
+        // O_NOFOLLOW is the caller's concern about the name it opened, which the kernel already
+        // resolved; here it would make the magic link itself fail with ELOOP (SQLite opens its
+        // database with O_NOFOLLOW).
+        let flags = flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_NOFOLLOW)
+            | libc::O_CLOEXEC;
         // SAFETY: valid C string.
         let fd = cvt(unsafe { libc::open(p.as_ptr(), flags) })?;
         // SAFETY: fresh fd we own.
