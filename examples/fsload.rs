@@ -56,12 +56,9 @@ struct Fileset {
 
 impl Fileset {
     fn path(&self, i: usize) -> PathBuf {
-        if self.width == 0 {
-            self.root.join(format!("f{i}"))
-        } else {
-            self.root
-                .join(format!("d{}", i / self.width))
-                .join(format!("f{i}"))
+        match i.checked_div(self.width) {
+            None => self.root.join(format!("f{i}")), // width 0: one flat directory
+            Some(d) => self.root.join(format!("d{d}")).join(format!("f{i}")),
         }
     }
 
