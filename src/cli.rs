@@ -481,12 +481,7 @@ fn is_dead_pmstack_mount(p: &Path) -> bool {
 }
 
 fn is_mountpoint(p: &Path) -> bool {
-    let Ok(s) = fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = p.to_string_lossy().replace(' ', "\\040");
-    s.lines()
-        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+    mount_type(p).is_some()
 }
 
 /// The lower directory's identity (the marker file), created if `create`.
@@ -831,6 +826,11 @@ fn serve(
         "pm": log.as_ref().map(|_| a.pm.clone().unwrap_or_else(|| default_pm(&lower))),
     });
     fs::write(&state, info.to_string())?;
+    // Counters exist before the mount is reported live, so `pmstack stat` works at once.
+    fs::write(
+        state.with_extension("stats"),
+        stats_json(&core, &summary).to_string(),
+    )?;
     if let Some(mut p) = ready.take() {
         let _ = p.write_all(b"ok");
         drop(p);
