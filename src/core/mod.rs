@@ -76,6 +76,9 @@ struct FileState {
     dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
+    /// Earlier fids of this object (it was forgotten and looked up again) whose entries may
+    /// still be live: a fallback must expire them too.
+    old_fids: Vec<u64>,
     /// adaptive mode: the per-block eager/lazy predictor.
     predictor: Option<Box<adaptive::Predictor>>,
     /// Active sync: bytes written and pages dirtied since the last sync.
@@ -140,6 +143,12 @@ pub struct Core {
 }
 
 pub type R<T> = io::Result<T>;
+
+thread_local! {
+    /// Set by a fallback that could not append its write-back record (PM reserve exhausted);
+    /// consumed by `Core::settled` on the same thread.
+    static NEED_FULL_WRITE_BACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 fn kind_of(mode: u32) -> u32 {
     mode & libc::S_IFMT
@@ -281,12 +290,17 @@ impl Core {
                 .fetch_sub(n.min(i.nlookup.load(Ordering::Relaxed)), Ordering::Relaxed)
                 <= n
             {
-                let key = i.dev_ino;
-                let state = std::mem::take(&mut *i.st.lock());
+                let (key, fid) = (i.dev_ino, i.fid);
+                let mut state = std::mem::take(&mut *i.st.lock());
                 t.by_ino.remove(&ino);
                 t.by_dev_ino.remove(&key);
                 // Unlogged dirty bytes or live entries still matter if the object comes back.
-                if !state.dirty.is_empty() || !state.live_pages.is_empty() || state.live_attr {
+                if !state.dirty.is_empty()
+                    || !state.live_pages.is_empty()
+                    || state.live_attr
+                    || !state.old_fids.is_empty()
+                {
+                    state.old_fids.push(fid);
                     t.orphans.insert(key, state);
                 }
             }
@@ -464,77 +478,78 @@ impl Core {
     }
 
     pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> R<usize> {
-        let h = self.handle(fh)?;
-        let fd = h.fd.as_raw_fd();
-        let Some(log) = self.logging() else {
-            let n = real::pwrite_all(fd, data, off)?;
-            if h.sync_writes {
-                real::fsync(fd, true)?;
-            }
-            return Ok(n);
-        };
-        let strict = self.opts.mode == Mode::Strict;
-        let mut throttled = false;
-        loop {
-            let g = self.gate.read();
-            let i = &h.ino;
-            let mut st = i.st.lock();
-            let first = off / PAGE as u64;
-            let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
-            let touches_live = st.live_pages.range(first..=last).next().is_some();
-            // strict: every write is durable on return. sync: O_SYNC handles, files switched
-            // to eager by active sync, and pages with live entries (see FileState::live_pages).
-            let mut eager = strict || h.sync_writes || st.eager || st.live_attr || touches_live;
-            if self.opts.mode == Mode::Adaptive {
-                let p = st.predictor.get_or_insert_with(Default::default);
-                eager |= p.on_write(first..=last, Instant::now());
-            }
-            if !eager {
+        self.settled(|| {
+            let h = self.handle(fh)?;
+            let fd = h.fd.as_raw_fd();
+            let Some(log) = self.logging() else {
                 let n = real::pwrite_all(fd, data, off)?;
-                add_range(&mut st.dirty, off, off + n as u64);
-                st.dirty_mark = log.lsn_now();
-                st.bytes_since_sync += n as u64;
-                st.pages_since_sync.extend(first..=last);
-                return Ok(n);
-            }
-            let mut a = log.area();
-            match self.log_bytes(&mut a, i, &mut st, off, data) {
-                Ok(()) => {
-                    a.commit();
-                    drop(a);
-                    if h.sync_writes {
-                        self.stats.absorbed_osync.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if let Some(p) = st.predictor.as_mut() {
-                        p.logged(first..=last);
-                    }
-                    let n = real::pwrite_all(fd, data, off)?;
-                    self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
-                    if self.pm_low(log) {
-                        self.wake_flusher();
-                    }
-                    return Ok(n);
-                }
-                Err(_) => {
-                    a.commit();
-                    drop(a);
-                    if strict && !throttled {
-                        // strict mode throttles writers until write-back frees PM (the gate and
-                        // the inode are released: write-back needs them), then retries once.
-                        drop(st);
-                        drop(g);
-                        self.throttle(log);
-                        throttled = true;
-                        continue;
-                    }
-                    // PM full: the bytes go to the lower FS and are made durable there.
-                    self.log_full();
-                    let n = real::pwrite_all(fd, data, off)?;
+                if h.sync_writes {
                     real::fsync(fd, true)?;
+                }
+                return Ok(n);
+            };
+            let strict = self.opts.mode == Mode::Strict;
+            let mut throttled = false;
+            loop {
+                let g = self.gate.read();
+                let i = &h.ino;
+                let mut st = i.st.lock();
+                let first = off / PAGE as u64;
+                let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
+                let touches_live = st.live_pages.range(first..=last).next().is_some();
+                // strict: every write is durable on return. sync: O_SYNC handles, files switched
+                // to eager by active sync, and pages with live entries (see FileState::live_pages).
+                let mut eager = strict || h.sync_writes || st.eager || st.live_attr || touches_live;
+                if self.opts.mode == Mode::Adaptive {
+                    let p = st.predictor.get_or_insert_with(Default::default);
+                    eager |= p.on_write(first..=last, Instant::now());
+                }
+                if !eager {
+                    let n = real::pwrite_all(fd, data, off)?;
+                    add_range(&mut st.dirty, off, off + n as u64);
+                    st.dirty_mark = log.lsn_now();
+                    st.bytes_since_sync += n as u64;
+                    st.pages_since_sync.extend(first..=last);
                     return Ok(n);
                 }
+                let mut a = log.area();
+                match self.log_bytes(&mut a, i, &mut st, off, data) {
+                    Ok(()) => {
+                        a.commit();
+                        drop(a);
+                        if h.sync_writes {
+                            self.stats.absorbed_osync.fetch_add(1, Ordering::Relaxed);
+                        }
+                        if let Some(p) = st.predictor.as_mut() {
+                            p.logged(first..=last);
+                        }
+                        let n = real::pwrite_all(fd, data, off)?;
+                        self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
+                        if self.pm_low(log) {
+                            self.wake_flusher();
+                        }
+                        return Ok(n);
+                    }
+                    Err(_) => {
+                        a.commit();
+                        drop(a);
+                        if strict && !throttled {
+                            // strict mode throttles writers until write-back frees PM (the gate and
+                            // the inode are released: write-back needs them), then retries once.
+                            drop(st);
+                            drop(g);
+                            self.throttle(log);
+                            throttled = true;
+                            continue;
+                        }
+                        // PM full: the bytes go to the lower FS and are made durable there.
+                        let n = real::pwrite_all(fd, data, off)?;
+                        self.fall_back_file(log, i, &mut st)?;
+                        return Ok(n);
+                    }
+                }
             }
-        }
+        })
     }
 
     /// Wait (bounded) until write-back has freed `throttle_share` of PM.
@@ -552,92 +567,91 @@ impl Core {
     /// In strict mode everything is durable already: ENOSYS tells the kernel to stop asking
     /// (it then treats every later fsync as done without a round trip).
     pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> R<()> {
-        if self.opts.mode == Mode::Strict && self.log.is_some() {
-            self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
-            return Err(errno(libc::ENOSYS));
-        }
-        let i = self.inode(ino)?;
-        let Some(log) = self.logging() else {
-            let fd = match fh.and_then(|f| self.handle(f).ok()) {
-                Some(h) => return real::fsync(h.fd.as_raw_fd(), datasync),
-                None => self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+        self.settled(|| {
+            if self.opts.mode == Mode::Strict && self.log.is_some() {
+                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+                return Err(errno(libc::ENOSYS));
+            }
+            let i = self.inode(ino)?;
+            let Some(log) = self.logging() else {
+                let fd = match fh.and_then(|f| self.handle(f).ok()) {
+                    Some(h) => return real::fsync(h.fd.as_raw_fd(), datasync),
+                    None => self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+                };
+                return real::fsync(fd.as_raw_fd(), datasync);
             };
-            return real::fsync(fd.as_raw_fd(), datasync);
-        };
-        let _g = self.gate.read();
-        let mut st = i.st.lock();
-        // Active sync (NVLog §4.4): many pages dirtied for few bytes means logging at write
-        // time is cheaper than collecting at sync time; switch per file, and back.
-        let bytes_pages = st.bytes_since_sync.div_ceil(PAGE as u64).max(1);
-        let was = st.eager;
-        st.eager = st.pages_since_sync.len() as u64 > self.opts.sensitivity * bytes_pages
-            || (st.bytes_since_sync > 0 && st.bytes_since_sync < 512 && !st.dirty.is_empty());
-        if st.eager != was {
-            self.stats
-                .active_sync_switches
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        st.bytes_since_sync = 0;
-        st.pages_since_sync.clear();
-        let FileState {
-            dirty, predictor, ..
-        } = &mut *st;
-        if let Some(p) = predictor {
-            // Dirty ranges are never empty (add_range), so e - 1 >= s.
-            let lazy = dirty
-                .iter()
-                .flat_map(|(s, e)| s / PAGE as u64..=(e - 1) / PAGE as u64);
-            let o = p.on_sync(lazy, Instant::now(), self.adaptive_decay());
-            self.record(o);
-        }
-        if st.dirty.is_empty() {
-            self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
-        }
-        let rd = match fh.and_then(|f| self.handle(f).ok()) {
-            Some(h) => h,
-            None => Arc::new(Handle {
-                ino: i.clone(),
-                fd: self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
-                sync_writes: false,
-            }),
-        };
-        let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
-        let mut a = log.area();
-        let mut ok = true;
-        for (s, e) in &ranges {
-            let mut buf = vec![0u8; (e - s) as usize];
-            let n = match real::pread(rd.fd.as_raw_fd(), &mut buf, *s) {
-                Ok(n) => n,
-                Err(_) => {
+            let _g = self.gate.read();
+            let mut st = i.st.lock();
+            // Active sync (NVLog §4.4): many pages dirtied for few bytes means logging at write
+            // time is cheaper than collecting at sync time; switch per file, and back.
+            let bytes_pages = st.bytes_since_sync.div_ceil(PAGE as u64).max(1);
+            let was = st.eager;
+            st.eager = st.pages_since_sync.len() as u64 > self.opts.sensitivity * bytes_pages
+                || (st.bytes_since_sync > 0 && st.bytes_since_sync < 512 && !st.dirty.is_empty());
+            if st.eager != was {
+                self.stats
+                    .active_sync_switches
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            st.bytes_since_sync = 0;
+            st.pages_since_sync.clear();
+            let FileState {
+                dirty, predictor, ..
+            } = &mut *st;
+            if let Some(p) = predictor {
+                // Dirty ranges are never empty (add_range), so e - 1 >= s.
+                let lazy = dirty
+                    .iter()
+                    .flat_map(|(s, e)| s / PAGE as u64..=(e - 1) / PAGE as u64);
+                let o = p.on_sync(lazy, Instant::now(), self.adaptive_decay());
+                self.record(o);
+            }
+            if st.dirty.is_empty() {
+                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            let rd = match fh.and_then(|f| self.handle(f).ok()) {
+                Some(h) => h,
+                None => Arc::new(Handle {
+                    ino: i.clone(),
+                    fd: self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+                    sync_writes: false,
+                }),
+            };
+            let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
+            let mut a = log.area();
+            let mut ok = true;
+            for (s, e) in &ranges {
+                let mut buf = vec![0u8; (e - s) as usize];
+                let n = match real::pread(rd.fd.as_raw_fd(), &mut buf, *s) {
+                    Ok(n) => n,
+                    Err(_) => {
+                        ok = false;
+                        break;
+                    }
+                };
+                buf.truncate(n); // the file may have shrunk since; a truncate entry covers the rest
+                if buf.is_empty() {
+                    continue;
+                }
+                if self.log_bytes(&mut a, &i, &mut st, *s, &buf).is_err() {
                     ok = false;
                     break;
                 }
-            };
-            buf.truncate(n); // the file may have shrunk since; a truncate entry covers the rest
-            if buf.is_empty() {
-                continue;
             }
-            if self.log_bytes(&mut a, &i, &mut st, *s, &buf).is_err() {
-                ok = false;
-                break;
+            a.commit();
+            drop(a);
+            if ok {
+                st.dirty.clear();
+                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+                if self.pm_low(log) {
+                    self.wake_flusher();
+                }
+                return Ok(());
             }
-        }
-        a.commit();
-        drop(a);
-        if ok {
-            st.dirty.clear();
-            self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
-            if self.pm_low(log) {
-                self.wake_flusher();
-            }
-            return Ok(());
-        }
-        // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
-        self.log_full();
-        real::fsync(rd.fd.as_raw_fd(), datasync)?;
-        st.dirty.clear();
-        Ok(())
+            // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
+            self.fall_back_file(log, &i, &mut st)
+        })
     }
 
     // ---------- attributes ----------
@@ -660,12 +674,42 @@ impl Core {
                 st.live_attr = true;
                 Ok(())
             }
-            Err(_) => {
-                drop(st);
-                self.log_full();
-                self.sync_object(i)
+            Err(_) => self.fall_back_file(log, i, &mut st),
+        }
+    }
+
+    /// A file operation could not be logged (PM full) and went to the lower file system only.
+    /// Make the object durable there (a full fsync: data, size and attributes), then expire
+    /// its older log entries with write-back records: replayed after a crash, they would
+    /// overwrite the newer bytes (a rollback of acknowledged data). Caller holds `st`, so no
+    /// entry of this object is appended meanwhile. If even the reserved pages are exhausted,
+    /// a full write-back runs before the operation returns (`settled`).
+    fn fall_back_file(&self, log: &Log, i: &Inode, st: &mut FileState) -> R<()> {
+        self.log_full();
+        self.sync_object(i)?;
+        let upto = log.lsn_now();
+        for fid in std::iter::once(i.fid).chain(st.old_fids.iter().copied()) {
+            if log.write_back(fid, upto).is_err() {
+                NEED_FULL_WRITE_BACK.with(|c| c.set(true));
+                break;
             }
         }
+        st.dirty.clear();
+        st.live_pages.clear();
+        st.live_attr = false;
+        st.old_fids.clear();
+        Ok(())
+    }
+
+    /// Run a public operation; if a fallback could not even append its write-back record,
+    /// make everything durable with a full write-back before the operation returns (no lock
+    /// is held here, so write-back can take the gate).
+    fn settled<T>(&self, f: impl FnOnce() -> R<T>) -> R<T> {
+        let r = f();
+        if NEED_FULL_WRITE_BACK.with(|c| c.replace(false)) {
+            self.write_back()?;
+        }
+        r
     }
 
     fn sync_object(&self, i: &Inode) -> R<()> {
@@ -708,76 +752,84 @@ impl Core {
         atime: Option<Option<i64>>,
         mtime: Option<Option<i64>>,
     ) -> R<Stat> {
-        let i = self.inode(ino)?;
-        if let Some(s) = size {
-            self.setattr_size(&i, s)?;
-        }
-        let _g = self.gate.read();
-        if let Some(m) = mode {
-            self.lower.chmod(i.node.as_raw_fd(), m)?;
-            self.log_attr(&i, AttrOp::Chmod(m & 0o7777))?;
-        }
-        if uid.is_some() || gid.is_some() {
-            let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
-            self.lower.chown(i.node.as_raw_fd(), u, g)?;
-            self.log_attr(&i, AttrOp::Chown(u, g))?;
-        }
-        if atime.is_some() || mtime.is_some() {
-            self.lower.utimens(i.node.as_raw_fd(), atime, mtime)?;
-            // Log the resulting times, so "now" replays as the same instant.
-            let st = fstat(i.node.as_raw_fd())?;
-            let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
-            let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
-            self.log_attr(
-                &i,
-                AttrOp::Times {
-                    atime_ns: a,
-                    mtime_ns: m,
-                },
-            )?;
-        }
-        self.stat_of(&i)
+        self.settled(|| {
+            let i = self.inode(ino)?;
+            if let Some(s) = size {
+                self.setattr_size(&i, s)?;
+            }
+            let _g = self.gate.read();
+            if let Some(m) = mode {
+                self.lower.chmod(i.node.as_raw_fd(), m)?;
+                self.log_attr(&i, AttrOp::Chmod(m & 0o7777))?;
+            }
+            if uid.is_some() || gid.is_some() {
+                let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
+                self.lower.chown(i.node.as_raw_fd(), u, g)?;
+                self.log_attr(&i, AttrOp::Chown(u, g))?;
+            }
+            if atime.is_some() || mtime.is_some() {
+                self.lower.utimens(i.node.as_raw_fd(), atime, mtime)?;
+                // Log the resulting times, so "now" replays as the same instant.
+                let st = fstat(i.node.as_raw_fd())?;
+                let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
+                let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
+                self.log_attr(
+                    &i,
+                    AttrOp::Times {
+                        atime_ns: a,
+                        mtime_ns: m,
+                    },
+                )?;
+            }
+            self.stat_of(&i)
+        })
     }
 
     pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> R<()> {
-        let h = self.handle(fh)?;
-        let _g = self.gate.read();
-        real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
-        self.log_attr(
-            &h.ino,
-            AttrOp::Fallocate {
-                mode: mode as u32,
-                offset: off,
-                len,
-            },
-        )
+        self.settled(|| {
+            let h = self.handle(fh)?;
+            let _g = self.gate.read();
+            real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
+            self.log_attr(
+                &h.ino,
+                AttrOp::Fallocate {
+                    mode: mode as u32,
+                    offset: off,
+                    len,
+                },
+            )
+        })
     }
 
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> R<()> {
-        let i = self.inode(ino)?;
-        let _g = self.gate.read();
-        self.lower
-            .setxattr(i.node.as_raw_fd(), name, value, flags)?;
-        self.log_attr(
-            &i,
-            AttrOp::SetXattr {
-                name: name.to_vec(),
-                value: value.to_vec(),
-                flags: 0,
-            },
-        )
+        self.settled(|| {
+            let i = self.inode(ino)?;
+            let _g = self.gate.read();
+            self.lower
+                .setxattr(i.node.as_raw_fd(), name, value, flags)?;
+            self.log_attr(
+                &i,
+                AttrOp::SetXattr {
+                    name: name.to_vec(),
+                    value: value.to_vec(),
+                    flags: 0,
+                },
+            )
+        })
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> R<()> {
-        let i = self.inode(ino)?;
-        let _g = self.gate.read();
-        self.lower.removexattr(i.node.as_raw_fd(), name)?;
-        self.log_attr(
-            &i,
-            AttrOp::RemoveXattr {
-                name: name.to_vec(),
-            },
-        )
+        self.settled(|| {
+            let i = self.inode(ino)?;
+            let _g = self.gate.read();
+            self.lower.removexattr(i.node.as_raw_fd(), name)?;
+            self.log_attr(
+                &i,
+                AttrOp::RemoveXattr {
+                    name: name.to_vec(),
+                },
+            )
+        })
     }
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: usize) -> R<Vec<u8>> {
@@ -799,7 +851,6 @@ impl Core {
         bind: &[&Arc<Inode>],
         lower_op: impl FnOnce() -> R<T>,
         rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>,
-        fallback_sync: &[&Arc<Inode>],
     ) -> R<T> {
         let Some(log) = self.logging() else {
             return lower_op();
@@ -850,12 +901,18 @@ impl Core {
                 Ok(out)
             }
             Err(_) => {
+                // PM full: make the operation durable in the lower file system (syncfs: the
+                // directories involved, and every namespace operation ordered before it), then
+                // expire the namespace records up to it. Reconciliation at recovery would
+                // otherwise restore the names those older records describe, undoing this
+                // acknowledged operation (e.g. moving a renamed file back).
                 self.log_full();
-                for i in fallback_sync {
-                    self.sync_object(i)?;
-                }
-                if let Some(c) = child {
-                    self.sync_object(&c)?;
+                self.lower.syncfs()?;
+                if log
+                    .write_back(crate::engine::NAMESPACE_FID, lsn + 1)
+                    .is_err()
+                {
+                    NEED_FULL_WRITE_BACK.with(|c| c.set(true));
                 }
                 Ok(out)
             }
@@ -914,27 +971,30 @@ impl Core {
         uid: u32,
         gid: u32,
     ) -> R<(Arc<Inode>, Stat)> {
-        let p = self.inode(parent)?;
-        if self.hidden(&p, name) {
-            return Err(errno(libc::EPERM));
-        }
-        let t = target.unwrap_or(b"");
-        self.ns_op(
-            &[&p],
-            || {
-                match mode & libc::S_IFMT {
-                    libc::S_IFDIR => self.lower.mkdir(p.node.as_raw_fd(), name, mode & 0o7777)?,
-                    libc::S_IFLNK => self.lower.symlink(p.node.as_raw_fd(), name, t)?,
-                    _ => self.lower.mknod(p.node.as_raw_fd(), name, mode, rdev)?,
-                }
-                let (i, _) = self.created(&p, name)?;
-                self.own(&i, uid, gid);
-                let st = self.stat_of(&i)?;
-                Ok((i, st))
-            },
-            |(i, st)| Some((Self::create_rec(&p, name, i, st, t), Some(i.clone()))),
-            &[&p],
-        )
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            if self.hidden(&p, name) {
+                return Err(errno(libc::EPERM));
+            }
+            let t = target.unwrap_or(b"");
+            self.ns_op(
+                &[&p],
+                || {
+                    match mode & libc::S_IFMT {
+                        libc::S_IFDIR => {
+                            self.lower.mkdir(p.node.as_raw_fd(), name, mode & 0o7777)?
+                        }
+                        libc::S_IFLNK => self.lower.symlink(p.node.as_raw_fd(), name, t)?,
+                        _ => self.lower.mknod(p.node.as_raw_fd(), name, mode, rdev)?,
+                    }
+                    let (i, _) = self.created(&p, name)?;
+                    self.own(&i, uid, gid);
+                    let st = self.stat_of(&i)?;
+                    Ok((i, st))
+                },
+                |(i, st)| Some((Self::create_rec(&p, name, i, st, t), Some(i.clone()))),
+            )
+        })
     }
 
     pub fn create(
@@ -946,58 +1006,60 @@ impl Core {
         uid: u32,
         gid: u32,
     ) -> R<(Arc<Inode>, Stat, u64)> {
-        let p = self.inode(parent)?;
-        if self.hidden(&p, name) {
-            return Err(errno(libc::EPERM));
-        }
-        let mut fl = flags & !libc::O_APPEND;
-        if fl & libc::O_ACCMODE == libc::O_WRONLY {
-            fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
-        }
-        let (i, st, fd) = self.ns_op(
-            &[&p],
-            || {
-                let fd = self
-                    .lower
-                    .create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
-                let (i, _) = self.created(&p, name)?;
-                self.own(&i, uid, gid);
-                let st = self.stat_of(&i)?;
-                Ok((i, st, fd))
-            },
-            |(i, st, _)| Some((Self::create_rec(&p, name, i, st, b""), Some(i.clone()))),
-            &[&p],
-        )?;
-        let fh = self.add_handle(i.clone(), fd, flags);
-        Ok((i, st, fh))
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            if self.hidden(&p, name) {
+                return Err(errno(libc::EPERM));
+            }
+            let mut fl = flags & !libc::O_APPEND;
+            if fl & libc::O_ACCMODE == libc::O_WRONLY {
+                fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
+            }
+            let (i, st, fd) = self.ns_op(
+                &[&p],
+                || {
+                    let fd = self
+                        .lower
+                        .create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
+                    let (i, _) = self.created(&p, name)?;
+                    self.own(&i, uid, gid);
+                    let st = self.stat_of(&i)?;
+                    Ok((i, st, fd))
+                },
+                |(i, st, _)| Some((Self::create_rec(&p, name, i, st, b""), Some(i.clone()))),
+            )?;
+            let fh = self.add_handle(i.clone(), fd, flags);
+            Ok((i, st, fh))
+        })
     }
 
     pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> R<()> {
-        let p = self.inode(parent)?;
-        if self.hidden(&p, name) {
-            return Err(errno(libc::ENOENT));
-        }
-        let victim = if self.logging().is_some() {
-            Some(self.object_at(&p, name)?)
-        } else {
-            None
-        };
-        self.ns_op(
-            &[&p],
-            || self.lower.unlink(p.node.as_raw_fd(), name, dir),
-            |_| {
-                Some((
-                    NsOp::Remove {
-                        parent: p.fid,
-                        name: name.as_bytes().to_vec(),
-                        dir,
-                        victim: victim.as_ref().map_or(0, |v| v.fid),
-                    },
-                    victim.clone(),
-                ))
-            },
-            &[&p],
-        )
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            if self.hidden(&p, name) {
+                return Err(errno(libc::ENOENT));
+            }
+            let victim = if self.logging().is_some() {
+                Some(self.object_at(&p, name)?)
+            } else {
+                None
+            };
+            self.ns_op(
+                &[&p],
+                || self.lower.unlink(p.node.as_raw_fd(), name, dir),
+                |_| {
+                    Some((
+                        NsOp::Remove {
+                            parent: p.fid,
+                            name: name.as_bytes().to_vec(),
+                            dir,
+                            victim: victim.as_ref().map_or(0, |v| v.fid),
+                        },
+                        victim.clone(),
+                    ))
+                },
+            )
+        })
     }
 
     /// The inode of `name` in `p` (the kernel has usually looked it up already; otherwise a
@@ -1033,82 +1095,84 @@ impl Core {
         newname: &OsStr,
         flags: u32,
     ) -> R<()> {
-        let p = self.inode(parent)?;
-        let np = self.inode(newparent)?;
-        if self.hidden(&p, name) || self.hidden(&np, newname) {
-            return Err(errno(libc::EPERM));
-        }
-        let src = if self.logging().is_some() {
-            Some(self.object_at(&p, name)?)
-        } else {
-            None
-        };
-        // The object at the destination: replaced by a plain rename (recovery removes it even
-        // if `src` is gone), or swapped in by RENAME_EXCHANGE.
-        let victim = match &src {
-            Some(_) => self.object_at(&np, newname).ok(),
-            None => None,
-        };
-        self.ns_op(
-            &[&p, &np]
-                .into_iter()
-                .chain(victim.as_ref())
-                .collect::<Vec<_>>(),
-            || {
-                self.lower.rename(
-                    p.node.as_raw_fd(),
-                    name,
-                    np.node.as_raw_fd(),
-                    newname,
-                    flags,
-                )
-            },
-            |_| {
-                Some((
-                    NsOp::Rename {
-                        parent: p.fid,
-                        name: name.as_bytes().to_vec(),
-                        newparent: np.fid,
-                        newname: newname.as_bytes().to_vec(),
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            let np = self.inode(newparent)?;
+            if self.hidden(&p, name) || self.hidden(&np, newname) {
+                return Err(errno(libc::EPERM));
+            }
+            let src = if self.logging().is_some() {
+                Some(self.object_at(&p, name)?)
+            } else {
+                None
+            };
+            // The object at the destination: replaced by a plain rename (recovery removes it even
+            // if `src` is gone), or swapped in by RENAME_EXCHANGE.
+            let victim = match &src {
+                Some(_) => self.object_at(&np, newname).ok(),
+                None => None,
+            };
+            self.ns_op(
+                &[&p, &np]
+                    .into_iter()
+                    .chain(victim.as_ref())
+                    .collect::<Vec<_>>(),
+                || {
+                    self.lower.rename(
+                        p.node.as_raw_fd(),
+                        name,
+                        np.node.as_raw_fd(),
+                        newname,
                         flags,
-                        src: src.as_ref().map_or(0, |s| s.fid),
-                        victim: victim.as_ref().map_or(0, |v| v.fid),
-                    },
-                    src.clone(),
-                ))
-            },
-            &[&p, &np],
-        )
+                    )
+                },
+                |_| {
+                    Some((
+                        NsOp::Rename {
+                            parent: p.fid,
+                            name: name.as_bytes().to_vec(),
+                            newparent: np.fid,
+                            newname: newname.as_bytes().to_vec(),
+                            flags,
+                            src: src.as_ref().map_or(0, |s| s.fid),
+                            victim: victim.as_ref().map_or(0, |v| v.fid),
+                        },
+                        src.clone(),
+                    ))
+                },
+            )
+        })
     }
 
     pub fn link(&self, ino: u64, newparent: u64, newname: &OsStr) -> R<(Arc<Inode>, Stat)> {
-        let i = self.inode(ino)?;
-        let np = self.inode(newparent)?;
-        if self.hidden(&np, newname) {
-            return Err(errno(libc::EPERM));
-        }
-        self.ns_op(
-            &[&i, &np],
-            || {
-                self.lower
-                    .link(i.node.as_raw_fd(), np.node.as_raw_fd(), newname)?;
-                i.nlookup.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            },
-            |_| {
-                Some((
-                    NsOp::Link {
-                        fid: i.fid,
-                        newparent: np.fid,
-                        newname: newname.as_bytes().to_vec(),
-                    },
-                    None,
-                ))
-            },
-            &[&np],
-        )?;
-        let st = self.stat_of(&i)?;
-        Ok((i, st))
+        self.settled(|| {
+            let i = self.inode(ino)?;
+            let np = self.inode(newparent)?;
+            if self.hidden(&np, newname) {
+                return Err(errno(libc::EPERM));
+            }
+            self.ns_op(
+                &[&i, &np],
+                || {
+                    self.lower
+                        .link(i.node.as_raw_fd(), np.node.as_raw_fd(), newname)?;
+                    i.nlookup.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                },
+                |_| {
+                    Some((
+                        NsOp::Link {
+                            fid: i.fid,
+                            newparent: np.fid,
+                            newname: newname.as_bytes().to_vec(),
+                        },
+                        None,
+                    ))
+                },
+            )?;
+            let st = self.stat_of(&i)?;
+            Ok((i, st))
+        })
     }
 
     pub fn readlink(&self, ino: u64) -> R<Vec<u8>> {
@@ -1234,6 +1298,10 @@ impl Core {
             if st.last_lsn < upto {
                 st.live_pages.clear();
                 st.live_attr = false;
+            }
+            if i.fid < upto {
+                // Every entry of an earlier fid predates this one's creation.
+                st.old_fids.clear();
             }
             if st.dirty_mark < upto {
                 st.dirty.clear();
