@@ -84,12 +84,60 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
+    /// Serve DIR to programs started with `pmstack run`: own the PM region (recovery first,
+    /// then write-back), let them attach. Runs until SIGTERM/SIGINT.
+    Serve(ServeArgs),
+    /// Run a program with syncs under ROOT absorbed by the PM log (LD_PRELOAD; no mount).
+    /// A `pmstack serve ROOT` must be running; without it the program runs natively.
+    Run(RunArgs),
     /// Write the man pages into a directory (packaging).
     #[command(hide = true)]
     Man {
         #[arg(long, default_value = "docs/man")]
         out: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+#[command(after_long_help = SERVE_HELP)]
+struct ServeArgs {
+    /// The lower directory programs work on.
+    dir: PathBuf,
+    /// PM region (default /dev/shm/pmstack-<id>.pm, emulated: survives a crash of pmstack,
+    /// NOT a power loss).
+    #[arg(long)]
+    pm: Option<PathBuf>,
+    /// Size of a region created now.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pm_size: u64,
+    /// Write-back period.
+    #[arg(long, default_value_t = 5000)]
+    flush_interval_ms: u64,
+    #[arg(long, default_value = "info")]
+    log_level: String,
+}
+
+const SERVE_HELP: &str = "\
+Programs started with `pmstack run --root DIR -- CMD` attach through a Unix socket in
+/run/pmstack and share a table in /dev/shm with the daemon. Absorbed: fsync/fdatasync and
+O_SYNC/O_DSYNC writes of regular files under DIR by dynamically linked programs. Real (the
+lower file system's fsync): the first sync of each file, files with a shared writable
+mapping, stdio streams, copy_file_range/sendfile/splice targets, io_uring users, syncs while
+another process has unsynced writes to the file, and everything once the daemon is gone.
+Namespace operations and directory fsync stay native. A second daemon for DIR, or a new one
+while programs attached to an old one still run, is refused.";
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The served directory.
+    #[arg(long)]
+    root: PathBuf,
+    /// The region the daemon should be serving (checked when given).
+    #[arg(long)]
+    pm: Option<PathBuf>,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    cmd: Vec<std::ffi::OsString>,
 }
 
 const MOUNT_HELP: &str = "\
@@ -378,7 +426,11 @@ pub fn main() -> Result<()> {
         init_logging(&m.s.log_level, m.s.log_target)?;
         return mount(m);
     }
-    init_logging("warn", LogTarget::Stderr)?;
+    if let Cmd::Serve(a) = &cmd {
+        init_logging(&a.log_level, LogTarget::Stderr)?;
+    } else {
+        init_logging("warn", LogTarget::Stderr)?;
+    }
     match cmd {
         Cmd::Mount(_) => unreachable!("handled above"),
         Cmd::Umount { mountpoint } => umount(&mountpoint),
@@ -393,6 +445,8 @@ pub fn main() -> Result<()> {
         Cmd::Stat { mountpoint, json } => stat(&mountpoint, json),
         Cmd::Demo { dir, ops, reps } => demo(&dir, ops, reps),
         Cmd::Man { out } => man_pages(&out),
+        Cmd::Serve(a) => serve_cmd(a),
+        Cmd::Run(a) => run_cmd(a),
     }
 }
 
@@ -431,13 +485,7 @@ fn man_pages(out: &Path) -> Result<()> {
     Ok(())
 }
 
-fn id_of(p: &Path) -> String {
-    format!(
-        "{:016x}",
-        crc32c::crc32c(p.as_os_str().as_encoded_bytes()) as u64
-            | (p.as_os_str().len() as u64) << 32
-    )
-}
+use pmstack::lower::id_of;
 
 fn state_path(mountpoint: &Path) -> PathBuf {
     Path::new(RUN_DIR).join(format!("{}.json", id_of(mountpoint)))
@@ -533,11 +581,23 @@ fn open_region(
     lower: &Path,
     real: &RealLower,
 ) -> Result<(Arc<Log>, fs::File, Option<RecoverySummary>)> {
+    open_region_areas(pm, size, lower, real, 16)
+}
+
+/// `open_region`, formatting a new region with `areas` append areas (`serve` leases one to
+/// every attached process).
+fn open_region_areas(
+    pm: &Path,
+    size: u64,
+    lower: &Path,
+    real: &RealLower,
+    areas: u32,
+) -> Result<(Arc<Log>, fs::File, Option<RecoverySummary>)> {
     let fresh = !pm.exists();
     if fresh {
         let id = lower_id(lower, true)?.expect("created");
         let region = MappedRegion::create(pm, size)?;
-        Log::format(Arc::new(region), id, 16)?;
+        Log::format(Arc::new(region), id, areas)?;
     }
     let lock = lock_region(pm)?;
     let region: Arc<dyn Pmem> = Arc::new(MappedRegion::open(pm, 0)?);
@@ -1141,7 +1201,13 @@ fn recover_cmd(pm: &Path, lower: &Path) -> Result<()> {
 fn stat(mp: &Path, json: bool) -> Result<()> {
     let mp = fs::canonicalize(mp)?;
     let s = fs::read_to_string(state_path(&mp).with_extension("stats"))
-        .map_err(|_| anyhow!("{} is not a pmstack mount (no stats found)", mp.display()))?;
+        .or_else(|_| fs::read_to_string(pmstack::front::paths(&mp).2))
+        .map_err(|_| {
+            anyhow!(
+                "{} is neither a pmstack mount nor a served directory (no stats found)",
+                mp.display()
+            )
+        })?;
     let v: serde_json::Value = serde_json::from_str(&s)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -1276,4 +1342,135 @@ fn tempfile_dir(parent: &Path) -> Result<PathBuf> {
     ));
     fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
     Ok(p)
+}
+
+// ---------------- serve / run ----------------
+
+fn serve_cmd(a: ServeArgs) -> Result<()> {
+    use pmstack::front::serve::{check_previous, Daemon, ServeOpts};
+    let root = check_lower(&a.dir)?;
+    let (sock, table, stats) = pmstack::front::paths(&root);
+    check_previous(&table)?;
+    let pm = a.pm.clone().unwrap_or_else(|| default_pm(&root));
+    let real = RealLower::open(&root)?;
+    let (log, _lock, sum) = open_region_areas(
+        &pm,
+        a.pm_size,
+        &root,
+        &real,
+        pmstack::engine::format::MAX_AREAS,
+    )?;
+    if log.pm().durability() != Durability::PowerFailSafe {
+        warn_user(&format!(
+            "PM region {} is emulated (not on a DAX device): it survives a crash of pmstack or of the programs, NOT a power loss",
+            pm.display()
+        ));
+    }
+    if let Some(s) = &sum {
+        tracing::info!(
+            file_ops = s.file_ops,
+            bytes = s.bytes_replayed,
+            ms = s.duration_ms,
+            "recovered the previous log"
+        );
+    }
+    let region_bytes = log.superblock().region_bytes;
+    let d = Daemon::new(
+        log,
+        real,
+        &table,
+        ServeOpts {
+            root: root.clone(),
+            region: fs::canonicalize(&pm)?,
+            flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
+            early_bytes: region_bytes / 4,
+        },
+    )?;
+    d.listen(&sock, &table)?;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    eprintln!(
+        "pmstack: serving {} (region {}); run programs with `pmstack run --root {} -- CMD`",
+        root.display(),
+        pm.display(),
+        root.display()
+    );
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    d.run(&stop, &stats);
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    let _ = fs::remove_file(&sock);
+    let clean = d.shutdown().context("final write-back")?;
+    let _ = fs::write(&stats, d.stats_json().to_string());
+    if clean {
+        eprintln!("pmstack: stopped; {} is complete", root.display());
+    } else {
+        eprintln!("pmstack: stopped; processes are still attached (they now use the lower file system's fsync); the region is left for recovery at the next start");
+    }
+    Ok(())
+}
+
+/// The preload library: $PMSTACK_PRELOAD, beside the binary, or in ../lib/pmstack.
+fn preload_lib() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("PMSTACK_PRELOAD") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = self_exe();
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    for c in [
+        dir.join("libpmstack_preload.so"),
+        dir.join("../lib/pmstack/libpmstack_preload.so"),
+    ] {
+        if c.exists() {
+            return Ok(fs::canonicalize(c)?);
+        }
+    }
+    bail!(
+        "libpmstack_preload.so not found beside {} (build it with `cargo build --release --workspace`, or set PMSTACK_PRELOAD)",
+        exe.display()
+    )
+}
+
+fn run_cmd(a: RunArgs) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let root = fs::canonicalize(&a.root).with_context(|| format!("--root {}", a.root.display()))?;
+    let lib = preload_lib()?;
+    let (sock, table, _) = pmstack::front::paths(&root);
+    let served = std::os::unix::net::UnixStream::connect(&sock).is_ok();
+    if !served {
+        warn_user(&format!(
+            "no pmstack daemon serves {}: the program runs natively (start `pmstack serve {}`)",
+            root.display(),
+            root.display()
+        ));
+    } else if let Some(pm) = &a.pm {
+        let t = pmstack::front::table::Table::open(&table)?;
+        let _ = t;
+        let want = fs::canonicalize(pm)?;
+        let info: serde_json::Value = fs::read_to_string(pmstack::front::paths(&root).2)
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok())
+            .unwrap_or_default();
+        if info["pm"].as_str().is_some_and(|p| Path::new(p) != want) {
+            bail!(
+                "{} is served with region {}, not {}",
+                root.display(),
+                info["pm"].as_str().unwrap_or("?"),
+                want.display()
+            );
+        }
+    }
+    let mut pre = lib.into_os_string();
+    if let Some(old) = std::env::var_os("LD_PRELOAD") {
+        pre.push(":");
+        pre.push(old);
+    }
+    let err = std::process::Command::new(&a.cmd[0])
+        .args(&a.cmd[1..])
+        .env("LD_PRELOAD", pre)
+        .env("PMSTACK_ROOT", &root)
+        .env("PMSTACK_SOCKET", &sock)
+        .exec();
+    bail!("cannot run {}: {err}", a.cmd[0].to_string_lossy())
 }

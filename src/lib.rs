@@ -7,6 +7,7 @@
 pub mod config;
 pub mod core;
 pub mod engine;
+pub mod front;
 pub mod fuse;
 pub mod lower;
 pub mod metrics;

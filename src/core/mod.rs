@@ -1385,7 +1385,7 @@ impl Core {
     }
 }
 
-fn add_range(m: &mut BTreeMap<u64, u64>, mut s: u64, mut e: u64) {
+pub(crate) fn add_range(m: &mut BTreeMap<u64, u64>, mut s: u64, mut e: u64) {
     if s >= e {
         return;
     }

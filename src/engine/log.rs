@@ -472,6 +472,53 @@ impl Log {
         self.free_count.store(0, Ordering::Relaxed);
     }
 
+    /// Every area's owner word: (area index, owner pid; 0 for a free area).
+    pub fn leases(&self) -> Vec<(u32, u64)> {
+        (0..self.sb.areas)
+            .map(|i| (i, self.pm.load_u64(area_word(i, AREA_OWNER))))
+            .collect()
+    }
+
+    /// Give back the areas and page chunks of process `pid`, which died. Only once the
+    /// checkpoint expired everything it appended (the caller noted the LSN counter after the
+    /// death and waited for a write-back past it): its log pages and data pages then hold
+    /// nothing live. Chunks first, then the area words, then the lease, so a process leasing
+    /// the area (and reusing its chunk tag) never meets a chunk of the dead one.
+    pub fn release_lease(&self, pid: u64) -> usize {
+        if pid == std::process::id() as u64 || pid == 0 {
+            return 0;
+        }
+        let mine: Vec<u32> = self
+            .leases()
+            .into_iter()
+            .filter(|&(_, o)| o == pid)
+            .map(|(i, _)| i)
+            .collect();
+        let Some(&first) = mine.iter().min() else {
+            return 0;
+        };
+        let tag = 1 + first as u64;
+        let (mut chunks, mut pages) = (0, 0);
+        for c in 0..self.sb.chunks() {
+            let w = self.sb.chunk_word(c);
+            if self.pm.load_u64(w) == tag && self.pm.compare_exchange_u64(w, tag, 0).is_ok() {
+                chunks += 1;
+                pages += self.sb.chunk_pages(c).len();
+            }
+        }
+        for &i in &mine {
+            // As `reset` does: an empty area has zero head and tail words.
+            self.pm.store_u64(area_word(i, AREA_HEAD), 0);
+            self.pm.store_u64(area_word(i, AREA_TAIL), 0);
+            self.pm.persist(area_word(i, 0), AREA_SLOT);
+            let _ = self
+                .pm
+                .compare_exchange_u64(area_word(i, AREA_OWNER), pid, 0);
+        }
+        self.unclaimed_pages.fetch_add(pages, Ordering::Relaxed);
+        chunks
+    }
+
     /// Bytes of PM in use by the log (log and live data pages).
     pub fn bytes_used(&self) -> u64 {
         (self.pages_total().saturating_sub(self.pages_free()) * PAGE) as u64

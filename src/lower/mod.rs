@@ -28,3 +28,12 @@ pub fn check_name(name: &[u8]) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// A short stable id of a path (names runtime files: sockets, tables, stats).
+pub fn id_of(p: &std::path::Path) -> String {
+    format!(
+        "{:016x}",
+        crc32c::crc32c(p.as_os_str().as_encoded_bytes()) as u64
+            | (p.as_os_str().len() as u64) << 32
+    )
+}

@@ -356,26 +356,7 @@ impl RealLower {
     /// The lower file system's persistent handle of an object (name_to_handle_at), prefixed
     /// with its 4-byte handle type.
     pub fn handle(&self, node: RawFd) -> io::Result<Vec<u8>> {
-        const MAX: usize = 128;
-        let mut buf = vec![0u8; 8 + MAX];
-        buf[0..4].copy_from_slice(&(MAX as u32).to_ne_bytes());
-        let mut mount_id: libc::c_int = 0;
-        let empty = c"";
-        // SAFETY: buf is a struct file_handle with MAX bytes of f_handle space.
-        cvt(unsafe {
-            libc::syscall(
-                libc::SYS_name_to_handle_at,
-                node,
-                empty.as_ptr(),
-                buf.as_mut_ptr(),
-                &mut mount_id,
-                libc::AT_EMPTY_PATH,
-            )
-        } as i32)?;
-        let n = u32::from_ne_bytes(buf[0..4].try_into().expect("4")) as usize;
-        let mut out = buf[4..8].to_vec(); // handle_type
-        out.extend_from_slice(&buf[8..8 + n]);
-        Ok(out)
+        handle_of(node)
     }
 
     /// Open an object by its handle as an O_PATH descriptor.
@@ -495,6 +476,31 @@ pub fn copy_file_range(
     cvt_sz(
         unsafe { libc::copy_file_range(fd_in, &mut oi, fd_out, &mut oo, len as usize, 0) } as isize,
     )
+}
+
+/// The persistent handle of an object (name_to_handle_at), prefixed with its 4-byte handle
+/// type.
+pub fn handle_of(node: RawFd) -> io::Result<Vec<u8>> {
+    const MAX: usize = 128;
+    let mut buf = vec![0u8; 8 + MAX];
+    buf[0..4].copy_from_slice(&(MAX as u32).to_ne_bytes());
+    let mut mount_id: libc::c_int = 0;
+    let empty = c"";
+    // SAFETY: buf is a struct file_handle with MAX bytes of f_handle space.
+    cvt(unsafe {
+        libc::syscall(
+            libc::SYS_name_to_handle_at,
+            node,
+            empty.as_ptr(),
+            buf.as_mut_ptr(),
+            &mut mount_id,
+            libc::AT_EMPTY_PATH,
+        )
+    } as i32)?;
+    let n = u32::from_ne_bytes(buf[0..4].try_into().expect("4")) as usize;
+    let mut out = buf[4..8].to_vec(); // handle_type
+    out.extend_from_slice(&buf[8..8 + n]);
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,0 +1,1174 @@
+//! `libpmstack_preload.so`: loaded into programs by `pmstack run`. It wraps the C library's
+//! file calls; for regular files under the served directory, `pmstack::front::client` does
+//! the work (absorbed fsync, logged O_SYNC writes, real syncs where something was not seen).
+//! Everything else goes straight to the kernel.
+//!
+//! Variadic C functions (`open`, `openat`, `fcntl`, `syscall`) are defined with their full
+//! argument lists: on x86_64 and aarch64 Linux, variadic integer arguments travel in the same
+//! registers as named ones, so reading the optional argument is well defined (its value is
+//! only used when the call has one).
+//!
+//! A thread-local flag keeps the library's own calls (the client's file and socket work) from
+//! coming back into it.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_long, c_uint, c_void, CStr};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use libc::{iovec, mode_t, off_t, size_t, ssize_t, FILE};
+use pmstack::front::client::{Client, Tracked};
+use pmstack::front::sys::{self, syscall6};
+use pmstack::front::table::{F_FALLBACK, F_MMAP, F_UNSEEN};
+
+thread_local! {
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+struct Inside;
+impl Inside {
+    fn enter() -> Option<Inside> {
+        INSIDE
+            .try_with(|c| {
+                if c.get() {
+                    None
+                } else {
+                    c.set(true);
+                    Some(Inside)
+                }
+            })
+            .ok()
+            .flatten()
+    }
+}
+impl Drop for Inside {
+    fn drop(&mut self) {
+        let _ = INSIDE.try_with(|c| c.set(false));
+    }
+}
+
+/// Forks seen (the child re-attaches: its own lease, its own registration).
+static FORKS: AtomicU64 = AtomicU64::new(0);
+/// The generation `CLIENT` belongs to (FORKS + 1), 0 while not attached.
+static CLIENT_GEN: AtomicU64 = AtomicU64::new(0);
+static CLIENT: AtomicPtr<Client> = AtomicPtr::new(std::ptr::null_mut());
+static ATTACHING: AtomicBool = AtomicBool::new(false);
+/// Attaching failed in this generation (no daemon): stay native.
+static FAILED_GEN: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn after_fork_child() {
+    FORKS.fetch_add(1, Ordering::SeqCst);
+}
+
+extern "C" fn init() {
+    // SAFETY: registering a plain function.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = init;
+
+/// The served root as `pmstack run` passed it (canonical), with a trailing slash.
+fn root() -> Option<&'static [u8]> {
+    static ROOT: std::sync::OnceLock<Option<Vec<u8>>> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        let mut r = std::env::var_os("PMSTACK_ROOT")?.into_encoded_bytes();
+        if !r.ends_with(b"/") {
+            r.push(b'/');
+        }
+        Some(r)
+    })
+    .as_deref()
+}
+
+fn under_root(path: &[u8]) -> bool {
+    root().is_some_and(|r| path.starts_with(r) || path == &r[..r.len() - 1])
+}
+
+/// The generation whose descriptors were scanned for files under the root.
+static SCANNED_GEN: AtomicU64 = AtomicU64::new(0);
+
+/// The client if this process has anything to do with the root: attached already, or it
+/// holds (inherited) descriptors under the root, found by one scan per generation. A process
+/// that never touches the root never attaches. Caller is `Inside`.
+fn client_if_needed() -> Option<&'static Client> {
+    let gen = FORKS.load(Ordering::Acquire) + 1;
+    if CLIENT_GEN.load(Ordering::Acquire) == gen {
+        // SAFETY: set from a leaked Box, never freed.
+        return unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
+    }
+    if SCANNED_GEN.swap(gen, Ordering::AcqRel) == gen {
+        return None;
+    }
+    let rd = std::fs::read_dir("/proc/self/fd").ok()?;
+    let any = rd.flatten().any(|e| {
+        e.file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+            .and_then(sys::fd_path)
+            .is_some_and(|p| under_root(&p))
+    });
+    if any {
+        client()
+    } else {
+        None
+    }
+}
+
+/// The attached client of this process (attaching on first use). Caller is `Inside`.
+fn client() -> Option<&'static Client> {
+    let gen = FORKS.load(Ordering::Acquire) + 1;
+    if CLIENT_GEN.load(Ordering::Acquire) == gen {
+        // SAFETY: set below from a leaked Box, never freed.
+        return unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
+    }
+    if FAILED_GEN.load(Ordering::Acquire) == gen {
+        return None;
+    }
+    let sock = std::env::var_os("PMSTACK_SOCKET")?;
+    if ATTACHING.swap(true, Ordering::AcqRel) {
+        return None; // another thread is attaching: this call stays native
+    }
+    // After a fork: what the parent tracked (its client is the old pointer).
+    // SAFETY: as above.
+    let parent = unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
+    let inherited = parent.map(|p| p.fds_snapshot());
+    let r = Client::connect(std::path::Path::new(&sock));
+    if std::env::var_os("PMSTACK_DEBUG").is_some() {
+        eprintln!(
+            "pmstack preload: attach gen {gen} forks {} -> {}",
+            FORKS.load(Ordering::Relaxed),
+            r.is_ok()
+        );
+    }
+    let out = match r {
+        Ok(c) => {
+            let c: &'static Client = Box::leak(Box::new(c));
+            match inherited {
+                Some(Some(fds)) => {
+                    for (fd, sync) in fds {
+                        c.track(fd, sync);
+                    }
+                }
+                // A fresh program (exec) or a parent whose table was busy at the fork: any
+                // descriptor under the root may have been opened O_SYNC: log all its writes.
+                _ => {
+                    if let Ok(rd) = std::fs::read_dir("/proc/self/fd") {
+                        let fds: Vec<i32> = rd
+                            .flatten()
+                            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                            .collect();
+                        for fd in fds {
+                            c.track(fd, true);
+                        }
+                    }
+                }
+            }
+            CLIENT.store(c as *const Client as *mut Client, Ordering::Release);
+            CLIENT_GEN.store(gen, Ordering::Release);
+            Some(c)
+        }
+        Err(e) => {
+            if std::env::var_os("PMSTACK_DEBUG").is_some() {
+                eprintln!(
+                    "pmstack preload: cannot attach to {}: {e}",
+                    sock.to_string_lossy()
+                );
+            }
+            FAILED_GEN.store(gen, Ordering::Release);
+            None
+        }
+    };
+    ATTACHING.store(false, Ordering::Release);
+    out
+}
+
+fn set_errno(e: i32) {
+    // SAFETY: errno is thread-local.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// A raw call's result as the C library returns it (-1 and errno on failure).
+fn ret(r: i64) -> i64 {
+    if (-4095..0).contains(&r) {
+        set_errno(-r as i32);
+        -1
+    } else {
+        r
+    }
+}
+
+fn io_ret(r: std::io::Result<usize>) -> ssize_t {
+    match r {
+        Ok(n) => n as ssize_t,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            -1
+        }
+    }
+}
+
+fn unit_ret(r: std::io::Result<()>) -> c_int {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            -1
+        }
+    }
+}
+
+/// The client and the tracked entry of `fd`, with the re-entry guard held.
+fn lookup(fd: c_int) -> Option<(Inside, &'static Client, Arc<Tracked>)> {
+    let g = Inside::enter()?;
+    let c = client_if_needed()?;
+    let t = c.tracked(fd)?;
+    Some((g, c, t))
+}
+
+unsafe fn raw(n: c_long, a: [i64; 6]) -> i64 {
+    // SAFETY: forwarded as the program passed it.
+    ret(unsafe { syscall6(n, a[0], a[1], a[2], a[3], a[4], a[5]) })
+}
+
+// ---------------- open ----------------
+
+unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+    let plain = |f: c_int| unsafe {
+        raw(
+            libc::SYS_openat,
+            [dirfd as i64, path as i64, f as i64, mode as i64, 0, 0],
+        ) as c_int
+    };
+    let Some(_g) = Inside::enter() else {
+        return plain(flags);
+    };
+    if flags & (libc::O_PATH | libc::O_DIRECTORY) != 0 || root().is_none() {
+        return plain(flags);
+    }
+    let sync = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+    let trunc = flags & libc::O_TRUNC != 0 && flags & libc::O_ACCMODE != libc::O_RDONLY;
+    let mut f = flags & !(libc::O_SYNC | libc::O_DSYNC);
+    if trunc {
+        f &= !libc::O_TRUNC;
+    }
+    let fd = plain(f);
+    if fd < 0 {
+        return fd;
+    }
+    let ours = sys::fd_path(fd).is_some_and(|p| under_root(&p));
+    let c = if ours { client() } else { client_if_needed() };
+    match c.and_then(|c| c.track(fd, sync).map(|t| (c, t))) {
+        Some((c, t)) => {
+            if trunc {
+                if let Err(e) = c.ftruncate(&t, fd, 0) {
+                    c.untrack(fd);
+                    sys::close(fd);
+                    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                    return -1;
+                }
+            }
+            fd
+        }
+        None if sync || trunc => {
+            // Not ours: open it again exactly as asked and put it in place.
+            let p = format!("/proc/self/fd/{fd}\0");
+            let again = flags & !(libc::O_CREAT | libc::O_EXCL);
+            match sys::openat(libc::AT_FDCWD, p.as_ptr() as *const c_char, again, 0) {
+                Ok(nfd) => {
+                    let cloexec = if flags & libc::O_CLOEXEC != 0 {
+                        libc::O_CLOEXEC
+                    } else {
+                        0
+                    };
+                    let r = sys::dup3(nfd, fd, cloexec);
+                    sys::close(nfd);
+                    if let Err(e) = r {
+                        sys::close(fd);
+                        set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                        return -1;
+                    }
+                    fd
+                }
+                Err(e) => {
+                    sys::close(fd);
+                    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                    -1
+                }
+            }
+        }
+        None => fd,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+    unsafe { do_open(libc::AT_FDCWD, path, flags, mode) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+    unsafe { do_open(libc::AT_FDCWD, path, flags, mode) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn __open_2(path: *const c_char, flags: c_int) -> c_int {
+    unsafe { do_open(libc::AT_FDCWD, path, flags, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn __open64_2(path: *const c_char, flags: c_int) -> c_int {
+    unsafe { do_open(libc::AT_FDCWD, path, flags, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn openat(
+    d: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    unsafe { do_open(d, path, flags, mode) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn openat64(
+    d: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    unsafe { do_open(d, path, flags, mode) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn __openat_2(d: c_int, path: *const c_char, flags: c_int) -> c_int {
+    unsafe { do_open(d, path, flags, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn __openat64_2(d: c_int, path: *const c_char, flags: c_int) -> c_int {
+    unsafe { do_open(d, path, flags, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn creat(path: *const c_char, mode: mode_t) -> c_int {
+    unsafe {
+        do_open(
+            libc::AT_FDCWD,
+            path,
+            libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC,
+            mode,
+        )
+    }
+}
+#[no_mangle]
+pub unsafe extern "C" fn creat64(path: *const c_char, mode: mode_t) -> c_int {
+    unsafe { creat(path, mode) }
+}
+
+// ---------------- writes ----------------
+
+unsafe fn slice<'a>(buf: *const c_void, n: size_t) -> &'a [u8] {
+    if n == 0 || buf.is_null() {
+        &[]
+    } else {
+        // SAFETY: the program passes a buffer of n bytes.
+        unsafe { std::slice::from_raw_parts(buf as *const u8, n) }
+    }
+}
+
+unsafe fn gather(iov: *const iovec, cnt: c_int) -> Option<Vec<u8>> {
+    if !(0..=1024).contains(&cnt) {
+        return None;
+    }
+    let mut v = Vec::new();
+    for k in 0..cnt as usize {
+        // SAFETY: the program passes cnt iovecs.
+        let io = unsafe { &*iov.add(k) };
+        v.extend_from_slice(unsafe { slice(io.iov_base, io.iov_len) });
+    }
+    Some(v)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    if let Some((_g, c, t)) = lookup(fd) {
+        return io_ret(c.write(&t, fd, unsafe { slice(buf, n) }, None, false));
+    }
+    unsafe { raw(libc::SYS_write, [fd as i64, buf as i64, n as i64, 0, 0, 0]) as ssize_t }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
+    if off >= 0 {
+        if let Some((_g, c, t)) = lookup(fd) {
+            return io_ret(c.write(&t, fd, unsafe { slice(buf, n) }, Some(off as u64), false));
+        }
+    }
+    unsafe {
+        raw(
+            libc::SYS_pwrite64,
+            [fd as i64, buf as i64, n as i64, off, 0, 0],
+        ) as ssize_t
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
+    unsafe { pwrite(fd, buf, n, off) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    if let Some((_g, c, t)) = lookup(fd) {
+        if let Some(v) = unsafe { gather(iov, cnt) } {
+            return io_ret(c.write(&t, fd, &v, None, false));
+        }
+    }
+    unsafe {
+        raw(
+            libc::SYS_writev,
+            [fd as i64, iov as i64, cnt as i64, 0, 0, 0],
+        ) as ssize_t
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwritev(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t) -> ssize_t {
+    unsafe { pwritev2(fd, iov, cnt, off, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn pwritev64(
+    fd: c_int,
+    iov: *const iovec,
+    cnt: c_int,
+    off: off_t,
+) -> ssize_t {
+    unsafe { pwritev2(fd, iov, cnt, off, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn pwritev64v2(
+    fd: c_int,
+    iov: *const iovec,
+    cnt: c_int,
+    off: off_t,
+    flags: c_int,
+) -> ssize_t {
+    unsafe { pwritev2(fd, iov, cnt, off, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pwritev2(
+    fd: c_int,
+    iov: *const iovec,
+    cnt: c_int,
+    off: off_t,
+    flags: c_int,
+) -> ssize_t {
+    let sync_flags = libc::RWF_DSYNC | libc::RWF_SYNC;
+    if let Some((_g, c, t)) = lookup(fd) {
+        if flags & !sync_flags == 0 {
+            if let Some(v) = unsafe { gather(iov, cnt) } {
+                let at = (off >= 0).then_some(off as u64);
+                return io_ret(c.write(&t, fd, &v, at, flags & sync_flags != 0));
+            }
+        }
+        // Flags the library does not model: the real call, and the next sync is real.
+        let r = unsafe {
+            raw(
+                libc::SYS_pwritev2,
+                [
+                    fd as i64,
+                    iov as i64,
+                    cnt as i64,
+                    off,
+                    off >> 32,
+                    flags as i64,
+                ],
+            )
+        };
+        c.flag(&t, F_FALLBACK);
+        return r as ssize_t;
+    }
+    unsafe {
+        raw(
+            libc::SYS_pwritev2,
+            [
+                fd as i64,
+                iov as i64,
+                cnt as i64,
+                off,
+                off >> 32,
+                flags as i64,
+            ],
+        ) as ssize_t
+    }
+}
+
+// ---------------- syncs ----------------
+
+#[no_mangle]
+pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
+    if let Some((_g, c, t)) = lookup(fd) {
+        return unit_ret(c.fsync(&t, fd));
+    }
+    unsafe { raw(libc::SYS_fsync, [fd as i64, 0, 0, 0, 0, 0]) as c_int }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
+    if let Some((_g, c, t)) = lookup(fd) {
+        return unit_ret(c.fsync(&t, fd));
+    }
+    unsafe { raw(libc::SYS_fdatasync, [fd as i64, 0, 0, 0, 0, 0]) as c_int }
+}
+
+// ---------------- descriptor table ----------------
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if let Some(_g) = Inside::enter() {
+        if let Some(c) = client_if_needed() {
+            c.untrack(fd);
+        }
+    }
+    unsafe { raw(libc::SYS_close, [fd as i64, 0, 0, 0, 0, 0]) as c_int }
+}
+
+fn untrack_range(first: c_uint, last: c_uint) {
+    if let Some(_g) = Inside::enter() {
+        if let Some(c) = client_if_needed() {
+            c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    if flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0 {
+        untrack_range(first, last);
+    }
+    unsafe {
+        raw(
+            libc::SYS_close_range,
+            [first as i64, last as i64, flags as i64, 0, 0, 0],
+        ) as c_int
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(first: c_int) {
+    untrack_range(first as c_uint, c_uint::MAX);
+    unsafe {
+        raw(
+            libc::SYS_close_range,
+            [first as i64, c_uint::MAX as i64, 0, 0, 0, 0],
+        )
+    };
+}
+
+fn dup_track(old: c_int, new: i64) {
+    if new < 0 {
+        return;
+    }
+    if let Some(_g) = Inside::enter() {
+        if let Some(c) = client_if_needed() {
+            c.dup(old, new as i32);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(old: c_int) -> c_int {
+    let r = unsafe { raw(libc::SYS_dup, [old as i64, 0, 0, 0, 0, 0]) };
+    dup_track(old, r);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    if old == new {
+        let r = unsafe {
+            raw(
+                libc::SYS_fcntl,
+                [old as i64, libc::F_GETFD as i64, 0, 0, 0, 0],
+            )
+        };
+        return if r < 0 { -1 } else { new };
+    }
+    let r = unsafe { raw(libc::SYS_dup3, [old as i64, new as i64, 0, 0, 0, 0]) };
+    dup_track(old, r);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    let r = unsafe {
+        raw(
+            libc::SYS_dup3,
+            [old as i64, new as i64, flags as i64, 0, 0, 0],
+        )
+    };
+    dup_track(old, r);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
+    let r = unsafe { raw(libc::SYS_fcntl, [fd as i64, cmd as i64, arg, 0, 0, 0]) };
+    if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
+        dup_track(fd, r);
+    }
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
+    unsafe { fcntl(fd, cmd, arg) }
+}
+
+// ---------------- size and attributes ----------------
+
+#[no_mangle]
+pub unsafe extern "C" fn ftruncate(fd: c_int, len: off_t) -> c_int {
+    if len >= 0 {
+        if let Some((_g, c, t)) = lookup(fd) {
+            return unit_ret(c.ftruncate(&t, fd, len as u64));
+        }
+    }
+    unsafe { raw(libc::SYS_ftruncate, [fd as i64, len, 0, 0, 0, 0]) as c_int }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ftruncate64(fd: c_int, len: off_t) -> c_int {
+    unsafe { ftruncate(fd, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fallocate(fd: c_int, mode: c_int, off: off_t, len: off_t) -> c_int {
+    if off >= 0 && len > 0 {
+        if let Some((_g, c, t)) = lookup(fd) {
+            return unit_ret(c.fallocate(&t, fd, mode, off as u64, len as u64));
+        }
+    }
+    unsafe {
+        raw(
+            libc::SYS_fallocate,
+            [fd as i64, mode as i64, off, len, 0, 0],
+        ) as c_int
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fallocate64(fd: c_int, mode: c_int, off: off_t, len: off_t) -> c_int {
+    unsafe { fallocate(fd, mode, off, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_fallocate(fd: c_int, off: off_t, len: off_t) -> c_int {
+    if off < 0 || len <= 0 {
+        return libc::EINVAL;
+    }
+    if let Some((_g, c, t)) = lookup(fd) {
+        return match c.fallocate(&t, fd, 0, off as u64, len as u64) {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        };
+    }
+    let r = unsafe { syscall6(libc::SYS_fallocate, fd as i64, 0, off, len, 0, 0) };
+    if r < 0 {
+        -r as c_int
+    } else {
+        0
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_fallocate64(fd: c_int, off: off_t, len: off_t) -> c_int {
+    unsafe { posix_fallocate(fd, off, len) }
+}
+
+/// After an attribute change through a descriptor: the next sync of the object is real.
+fn flag_fd(fd: c_int, f: u64) {
+    if let Some((_g, c, t)) = lookup(fd) {
+        c.flag(&t, f);
+    }
+}
+
+/// After a change by path: find the object and flag it.
+unsafe fn flag_path(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
+    let Some(_g) = Inside::enter() else { return };
+    let Some(c) = client_if_needed() else { return };
+    if path.is_null() {
+        return;
+    }
+    let fl = if nofollow {
+        libc::AT_SYMLINK_NOFOLLOW
+    } else {
+        0
+    };
+    if let Ok(st) = sys::fstatat(dirfd, path, fl) {
+        c.flag_object(&st, f);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchmod(fd: c_int, mode: mode_t) -> c_int {
+    let r = unsafe { raw(libc::SYS_fchmod, [fd as i64, mode as i64, 0, 0, 0, 0]) };
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchown(fd: c_int, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    let r = unsafe {
+        raw(
+            libc::SYS_fchown,
+            [fd as i64, uid as i64, gid as i64, 0, 0, 0],
+        )
+    };
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn futimens(fd: c_int, times: *const libc::timespec) -> c_int {
+    let r = unsafe { raw(libc::SYS_utimensat, [fd as i64, 0, times as i64, 0, 0, 0]) };
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn utimensat(
+    d: c_int,
+    path: *const c_char,
+    times: *const libc::timespec,
+    flags: c_int,
+) -> c_int {
+    let r = unsafe {
+        raw(
+            libc::SYS_utimensat,
+            [d as i64, path as i64, times as i64, flags as i64, 0, 0],
+        )
+    };
+    if path.is_null() {
+        flag_fd(d, F_FALLBACK);
+    } else {
+        unsafe { flag_path(d, path, flags & libc::AT_SYMLINK_NOFOLLOW != 0, F_FALLBACK) };
+    }
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn chmod(path: *const c_char, mode: mode_t) -> c_int {
+    unsafe { fchmodat(libc::AT_FDCWD, path, mode, 0) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchmodat(
+    d: c_int,
+    path: *const c_char,
+    mode: mode_t,
+    flags: c_int,
+) -> c_int {
+    let r = if flags == 0 {
+        unsafe {
+            raw(
+                libc::SYS_fchmodat,
+                [d as i64, path as i64, mode as i64, 0, 0, 0],
+            )
+        }
+    } else {
+        unsafe {
+            raw(
+                libc::SYS_fchmodat2,
+                [d as i64, path as i64, mode as i64, flags as i64, 0, 0],
+            )
+        }
+    };
+    unsafe { flag_path(d, path, flags & libc::AT_SYMLINK_NOFOLLOW != 0, F_FALLBACK) };
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn chown(path: *const c_char, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    unsafe { fchownat(libc::AT_FDCWD, path, uid, gid, 0) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lchown(path: *const c_char, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    unsafe { fchownat(libc::AT_FDCWD, path, uid, gid, libc::AT_SYMLINK_NOFOLLOW) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchownat(
+    d: c_int,
+    path: *const c_char,
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    flags: c_int,
+) -> c_int {
+    let r = unsafe {
+        raw(
+            libc::SYS_fchownat,
+            [
+                d as i64,
+                path as i64,
+                uid as i64,
+                gid as i64,
+                flags as i64,
+                0,
+            ],
+        )
+    };
+    unsafe { flag_path(d, path, flags & libc::AT_SYMLINK_NOFOLLOW != 0, F_FALLBACK) };
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn truncate(path: *const c_char, len: off_t) -> c_int {
+    let r = unsafe { raw(libc::SYS_truncate, [path as i64, len, 0, 0, 0, 0]) };
+    unsafe { flag_path(libc::AT_FDCWD, path, false, F_FALLBACK) };
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn truncate64(path: *const c_char, len: off_t) -> c_int {
+    unsafe { truncate(path, len) }
+}
+
+// ---------------- what the library cannot follow ----------------
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    if fd >= 0 && flags & libc::MAP_SHARED != 0 && prot & libc::PROT_WRITE != 0 {
+        // Stores through the mapping are invisible: syncs of this object stay real.
+        flag_fd(fd, F_MMAP);
+    }
+    let r = unsafe {
+        syscall6(
+            libc::SYS_mmap,
+            addr as i64,
+            len as i64,
+            prot as i64,
+            flags as i64,
+            fd as i64,
+            off,
+        )
+    };
+    if (-4095..0).contains(&r) {
+        set_errno(-r as i32);
+        libc::MAP_FAILED
+    } else {
+        r as *mut c_void
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    unsafe { mmap(addr, len, prot, flags, fd, off) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn copy_file_range(
+    fd_in: c_int,
+    off_in: *mut i64,
+    fd_out: c_int,
+    off_out: *mut i64,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    let r = unsafe {
+        raw(
+            libc::SYS_copy_file_range,
+            [
+                fd_in as i64,
+                off_in as i64,
+                fd_out as i64,
+                off_out as i64,
+                len as i64,
+                flags as i64,
+            ],
+        )
+    };
+    flag_fd(fd_out, F_FALLBACK);
+    r as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    let r = unsafe {
+        raw(
+            libc::SYS_sendfile,
+            [out as i64, inp as i64, off as i64, count as i64, 0, 0],
+        )
+    };
+    flag_fd(out, F_FALLBACK);
+    r as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    unsafe { sendfile(out, inp, off, count) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn splice(
+    fd_in: c_int,
+    off_in: *mut i64,
+    fd_out: c_int,
+    off_out: *mut i64,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    let r = unsafe {
+        raw(
+            libc::SYS_splice,
+            [
+                fd_in as i64,
+                off_in as i64,
+                fd_out as i64,
+                off_out as i64,
+                len as i64,
+                flags as i64,
+            ],
+        )
+    };
+    flag_fd(fd_out, F_FALLBACK);
+    r as ssize_t
+}
+
+// ---------------- stdio (its writes happen inside the C library) ----------------
+
+type FopenFn = unsafe extern "C" fn(*const c_char, *const c_char) -> *mut FILE;
+type FreopenFn = unsafe extern "C" fn(*const c_char, *const c_char, *mut FILE) -> *mut FILE;
+type FdopenFn = unsafe extern "C" fn(c_int, *const c_char) -> *mut FILE;
+type FcloseFn = unsafe extern "C" fn(*mut FILE) -> c_int;
+
+fn next<T>(name: &CStr) -> Option<T> {
+    // SAFETY: looking up the next definition of a C library function.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+    // SAFETY: the symbol has the C signature T describes.
+    (!p.is_null()).then(|| unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) })
+}
+
+/// A stream that may write: its writes are invisible to the library, so every sync of its
+/// object stays real.
+unsafe fn stream_opened(fp: *mut FILE, mode: *const c_char) {
+    if fp.is_null() || mode.is_null() {
+        return;
+    }
+    // SAFETY: fopen's mode is a C string.
+    let m = unsafe { CStr::from_ptr(mode) }.to_bytes();
+    if !m.iter().any(|b| matches!(b, b'w' | b'a' | b'+')) {
+        return;
+    }
+    let Some(_g) = Inside::enter() else { return };
+    // SAFETY: a valid stream.
+    let fd = unsafe { libc::fileno(fp) };
+    if !sys::fd_path(fd).is_some_and(|p| under_root(&p)) {
+        return;
+    }
+    let Some(c) = client() else { return };
+    if let Some(t) = c.track(fd, false) {
+        c.flag(&t, F_UNSEEN);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut FILE {
+    let Some(f) = next::<FopenFn>(c"fopen") else {
+        set_errno(libc::ENOSYS);
+        return std::ptr::null_mut();
+    };
+    let fp = unsafe { f(path, mode) };
+    unsafe { stream_opened(fp, mode) };
+    fp
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fopen64(path: *const c_char, mode: *const c_char) -> *mut FILE {
+    let Some(f) = next::<FopenFn>(c"fopen64") else {
+        set_errno(libc::ENOSYS);
+        return std::ptr::null_mut();
+    };
+    let fp = unsafe { f(path, mode) };
+    unsafe { stream_opened(fp, mode) };
+    fp
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut FILE {
+    let Some(f) = next::<FdopenFn>(c"fdopen") else {
+        set_errno(libc::ENOSYS);
+        return std::ptr::null_mut();
+    };
+    let fp = unsafe { f(fd, mode) };
+    unsafe { stream_opened(fp, mode) };
+    fp
+}
+
+unsafe fn untrack_stream(fp: *mut FILE) {
+    if fp.is_null() {
+        return;
+    }
+    if let Some(_g) = Inside::enter() {
+        if let Some(c) = client_if_needed() {
+            // SAFETY: a valid stream.
+            c.untrack(unsafe { libc::fileno(fp) });
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn freopen(
+    path: *const c_char,
+    mode: *const c_char,
+    fp: *mut FILE,
+) -> *mut FILE {
+    let Some(f) = next::<FreopenFn>(c"freopen") else {
+        set_errno(libc::ENOSYS);
+        return std::ptr::null_mut();
+    };
+    unsafe { untrack_stream(fp) };
+    let r = unsafe { f(path, mode, fp) };
+    unsafe { stream_opened(r, mode) };
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn freopen64(
+    path: *const c_char,
+    mode: *const c_char,
+    fp: *mut FILE,
+) -> *mut FILE {
+    unsafe { freopen(path, mode, fp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fclose(fp: *mut FILE) -> c_int {
+    let Some(f) = next::<FcloseFn>(c"fclose") else {
+        set_errno(libc::ENOSYS);
+        return libc::EOF;
+    };
+    unsafe { untrack_stream(fp) };
+    unsafe { f(fp) }
+}
+
+// ---------------- raw system calls through the C library ----------------
+
+#[no_mangle]
+pub unsafe extern "C" fn syscall(
+    n: c_long,
+    a1: c_long,
+    a2: c_long,
+    a3: c_long,
+    a4: c_long,
+    a5: c_long,
+    a6: c_long,
+) -> c_long {
+    let inside = INSIDE.try_with(|c| c.get()).unwrap_or(true);
+    if !inside {
+        match n {
+            libc::SYS_write => {
+                return unsafe { write(a1 as c_int, a2 as *const c_void, a3 as size_t) } as c_long
+            }
+            libc::SYS_pwrite64 => {
+                return unsafe { pwrite(a1 as c_int, a2 as *const c_void, a3 as size_t, a4) }
+                    as c_long
+            }
+            libc::SYS_writev => {
+                return unsafe { writev(a1 as c_int, a2 as *const iovec, a3 as c_int) } as c_long
+            }
+            libc::SYS_pwritev => {
+                return unsafe { pwritev(a1 as c_int, a2 as *const iovec, a3 as c_int, a4) }
+                    as c_long
+            }
+            libc::SYS_pwritev2 => {
+                return unsafe {
+                    pwritev2(
+                        a1 as c_int,
+                        a2 as *const iovec,
+                        a3 as c_int,
+                        a4,
+                        a6 as c_int,
+                    )
+                } as c_long
+            }
+            libc::SYS_fsync => return unsafe { fsync(a1 as c_int) } as c_long,
+            libc::SYS_fdatasync => return unsafe { fdatasync(a1 as c_int) } as c_long,
+            libc::SYS_close => return unsafe { close(a1 as c_int) } as c_long,
+            libc::SYS_close_range => {
+                return unsafe { close_range(a1 as c_uint, a2 as c_uint, a3 as c_int) } as c_long
+            }
+            libc::SYS_openat => {
+                return unsafe {
+                    do_open(a1 as c_int, a2 as *const c_char, a3 as c_int, a4 as c_uint)
+                } as c_long
+            }
+            libc::SYS_open => {
+                return unsafe {
+                    do_open(
+                        libc::AT_FDCWD,
+                        a1 as *const c_char,
+                        a2 as c_int,
+                        a3 as c_uint,
+                    )
+                } as c_long
+            }
+            libc::SYS_ftruncate => return unsafe { ftruncate(a1 as c_int, a2) } as c_long,
+            libc::SYS_fallocate => {
+                return unsafe { fallocate(a1 as c_int, a2 as c_int, a3, a4) } as c_long
+            }
+            libc::SYS_dup => return unsafe { dup(a1 as c_int) } as c_long,
+            libc::SYS_dup3 => {
+                return unsafe { dup3(a1 as c_int, a2 as c_int, a3 as c_int) } as c_long
+            }
+            libc::SYS_io_uring_setup => {
+                // Writes submitted through the ring are invisible: this process's syncs stay
+                // real, and so do everyone's syncs of the objects it has open.
+                if let Some(_g) = Inside::enter() {
+                    if let Some(c) = client_if_needed() {
+                        c.go_blind();
+                    }
+                }
+            }
+            libc::SYS_openat2 => {
+                let r = unsafe { raw(n, [a1, a2, a3, a4, a5, a6]) };
+                if r >= 0 {
+                    let ours = sys::fd_path(r as i32).is_some_and(|p| under_root(&p));
+                    if let Some(_g) = Inside::enter().filter(|_| ours) {
+                        if let Some(c) = client() {
+                            // The O_SYNC flag (if any) stayed on the descriptor: writes are
+                            // durable in the lower file system; logging keeps them ordered.
+                            c.track(r as i32, false);
+                        }
+                    }
+                }
+                return r as c_long;
+            }
+            _ => {}
+        }
+    }
+    unsafe { raw(n, [a1, a2, a3, a4, a5, a6]) as c_long }
+}

@@ -1,0 +1,562 @@
+//! An attached process's side of the zero-round-trip front end (`pmstack run`): which
+//! descriptors refer to regular files under the served directory, and what a write, a sync
+//! or a truncate of them does. The preload library calls in here from its wrappers; the
+//! logic is plain Rust so it is tested in-process too.
+//!
+//! Rules (`docs/preload.md` has the whole story):
+//! - Writes go to the lower file's page cache as usual. A write to an object with live log
+//!   entries, or through an O_SYNC/O_DSYNC descriptor, is logged at once, under the object's
+//!   slot lock, after the real write (so write-back's "LSN, then syncfs" always finds the data
+//!   in the page cache, and two processes' writes to one page are logged in page-cache order).
+//!   Other writes are recorded as this process's dirty ranges and as a lazy writer in the slot.
+//! - fsync/fdatasync log this process's dirty ranges (read back from the page cache) and
+//!   return. They are the lower file system's own fsync instead when anything about the object
+//!   was not seen: its first sync (earlier writes may predate the daemon), another process's
+//!   unlogged writes, a shared writable mapping, a stdio stream, a copy the kernel did, a
+//!   daemon that is gone, a full region. After such a real sync, a write-back record expires
+//!   the object's older entries so replay can never apply them over newer bytes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::sys;
+use super::table::*;
+use crate::core::add_range;
+use crate::engine::format::{MAX_PAYLOAD, PAGE};
+use crate::engine::{AttrOp, Log, Record};
+use crate::pmem::mapped::MappedRegion;
+use crate::pmem::Pmem;
+
+/// A daemon whose heartbeat is older than this is taken for dead.
+pub const DAEMON_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Default)]
+struct Private {
+    /// This process's unlogged writes: start -> end.
+    dirty: BTreeMap<u64, u64>,
+    /// The LSN counter after the latest of them.
+    mark: u64,
+    /// A read descriptor for reading dirty ranges back (the program's may be write-only).
+    rfd: Option<OwnedFd>,
+}
+
+pub struct Inode {
+    pub slot: usize,
+    gen: u64,
+    handle: Vec<u8>,
+    p: Mutex<Private>,
+}
+
+pub struct Tracked {
+    pub ino: Arc<Inode>,
+    /// The program asked for O_SYNC or O_DSYNC (kept away from the real descriptor).
+    pub sync: bool,
+}
+
+pub struct Client {
+    root: Vec<u8>,
+    root_dev: u64,
+    pub table: Table,
+    epoch: u64,
+    log: Log,
+    rec: usize,
+    pid: u64,
+    _sock: Option<UnixStream>,
+    fds: RwLock<HashMap<i32, Arc<Tracked>>>,
+    inodes: Mutex<HashMap<usize, Arc<Inode>>>,
+    last_gc_cp: std::sync::atomic::AtomicU64,
+    /// io_uring or another path the library cannot see was set up: every sync is real.
+    pub blind: std::sync::atomic::AtomicBool,
+}
+
+/// What the daemon tells an attaching process.
+#[derive(serde::Serialize, serde::Deserialize, Debug)]
+pub struct Hello {
+    pub root: PathBuf,
+    pub region: PathBuf,
+    pub table: PathBuf,
+    pub epoch: u64,
+}
+
+fn bad(msg: String) -> io::Error {
+    io::Error::other(msg)
+}
+
+impl Client {
+    /// Attach through the daemon's socket.
+    pub fn connect(sock: &Path) -> io::Result<Client> {
+        let mut s = UnixStream::connect(sock)?;
+        writeln!(s, "attach {}", my_pid())?;
+        let mut line = String::new();
+        BufReader::new(s.try_clone()?).read_line(&mut line)?;
+        let hello: Hello = serde_json::from_str(line.trim())
+            .map_err(|e| bad(format!("bad hello from daemon: {e}")))?;
+        let mut c = Self::attach(&hello)?;
+        c._sock = Some(s);
+        Ok(c)
+    }
+
+    /// Attach to a region and table directly (tests; `connect` after its handshake).
+    pub fn attach(h: &Hello) -> io::Result<Client> {
+        let table = Table::open(&h.table)?;
+        if table.epoch() != h.epoch || !table.daemon_alive(DAEMON_TIMEOUT.as_nanos() as u64) {
+            return Err(bad("the daemon is not running".into()));
+        }
+        let pm: Arc<dyn Pmem> =
+            Arc::new(MappedRegion::open(&h.region, 0).map_err(|e| bad(e.to_string()))?);
+        let log =
+            Log::attach(pm, 1).map_err(|e| bad(format!("cannot attach to the PM log: {e}")))?;
+        let pid = my_pid();
+        let rec = table
+            .register(pid)
+            .ok_or_else(|| bad("too many attached processes".into()))?;
+        let root = std::fs::canonicalize(&h.root)?;
+        let root_dev = std::fs::metadata(&root).map(|m| std::os::unix::fs::MetadataExt::dev(&m))?;
+        let mut rb = root.as_os_str().as_encoded_bytes().to_vec();
+        if !rb.ends_with(b"/") {
+            rb.push(b'/');
+        }
+        Ok(Client {
+            root: rb,
+            root_dev,
+            table,
+            epoch: h.epoch,
+            log,
+            rec,
+            pid,
+            _sock: None,
+            fds: RwLock::new(HashMap::new()),
+            inodes: Mutex::new(HashMap::new()),
+            last_gc_cp: 0.into(),
+            blind: false.into(),
+        })
+    }
+
+    pub fn pid(&self) -> u64 {
+        self.pid
+    }
+
+    fn count(&self, k: usize, n: u64) {
+        self.table
+            .proc_word(self.rec, k)
+            .fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The daemon that owns the region is alive and still the one we attached to.
+    pub fn serving(&self) -> bool {
+        self.table.epoch() == self.epoch
+            && self.table.daemon_alive(DAEMON_TIMEOUT.as_nanos() as u64)
+    }
+
+    pub fn tracked(&self, fd: i32) -> Option<Arc<Tracked>> {
+        let m = self.fds.read();
+        if m.is_empty() {
+            return None;
+        }
+        m.get(&fd).cloned()
+    }
+
+    pub fn untrack(&self, fd: i32) {
+        let mut m = self.fds.write();
+        if !m.is_empty() {
+            m.remove(&fd);
+        }
+    }
+
+    pub fn untrack_range(&self, first: i32, last: i32) {
+        let mut m = self.fds.write();
+        m.retain(|fd, _| *fd < first || *fd > last);
+    }
+
+    /// io_uring was set up: writes may bypass the library from now on. Every sync of this
+    /// process, and every sync of an object it tracks, is real.
+    pub fn go_blind(&self) {
+        self.blind.store(true, Ordering::Relaxed);
+        for t in self.fds.read().values() {
+            self.flag(t, F_UNSEEN);
+        }
+    }
+
+    /// `new` now refers to what `old` does (dup family).
+    pub fn dup(&self, old: i32, new: i32) {
+        let mut m = self.fds.write();
+        match m.get(&old).cloned() {
+            Some(t) => {
+                m.insert(new, t);
+            }
+            None => {
+                m.remove(&new);
+            }
+        }
+    }
+
+    /// Whether `path` (as the kernel reports it) lies under the served directory.
+    fn under_root(&self, path: &[u8]) -> bool {
+        path.starts_with(&self.root) || path == &self.root[..self.root.len() - 1]
+    }
+
+    /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
+    /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
+    pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
+        let st = sys::fstat(fd).ok()?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_dev != self.root_dev {
+            return None;
+        }
+        if !self.under_root(&sys::fd_path(fd)?) {
+            return None;
+        }
+        let handle = crate::lower::real::handle_of(fd).ok()?;
+        let gen = crc32c::crc32c(&handle) as u64 | 1 << 40;
+        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
+        let slot = self.table.slot(idx);
+        {
+            let _g = slot.lock();
+            if slot.w(S_GEN).load(Ordering::Relaxed) != gen {
+                // A new object behind a reused inode number (or a fresh slot): new identity.
+                for k in [S_FID, S_BIND_LSN, S_LAST_LSN, S_FLAGS] {
+                    slot.w(k).store(0, Ordering::Relaxed);
+                }
+                slot.clear_lazy(None);
+                slot.w(S_GEN).store(gen, Ordering::Release);
+            }
+            if self.blind.load(Ordering::Relaxed) {
+                slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
+            }
+        }
+        let ino = {
+            let mut m = self.inodes.lock();
+            match m.get(&idx) {
+                Some(i) if i.gen == gen => i.clone(),
+                _ => {
+                    let i = Arc::new(Inode {
+                        slot: idx,
+                        gen,
+                        handle,
+                        p: Mutex::new(Private::default()),
+                    });
+                    m.insert(idx, i.clone());
+                    i
+                }
+            }
+        };
+        let t = Arc::new(Tracked { ino, sync });
+        self.fds.write().insert(fd, t.clone());
+        Some(t)
+    }
+
+    /// Set flags on the slot of an object if it is tracked (found by identity).
+    pub fn flag_object(&self, st: &libc::stat, f: u64) {
+        if st.st_dev != self.root_dev || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return;
+        }
+        if let Some(idx) = self.table.find_or_insert(st.st_dev, st.st_ino) {
+            self.table
+                .slot(idx)
+                .w(S_FLAGS)
+                .fetch_or(f, Ordering::AcqRel);
+        }
+    }
+
+    pub fn flag(&self, t: &Tracked, f: u64) {
+        self.table
+            .slot(t.ino.slot)
+            .w(S_FLAGS)
+            .fetch_or(f, Ordering::AcqRel);
+    }
+
+    /// Append `data` at `off` of the object (and its binding if needed); the LSN of the last
+    /// entry. Entries appended before a failure are committed (their data reached the page
+    /// cache first), and the caller falls back.
+    fn log_data(&self, slot: &Slot<'_>, ino: &Inode, off: u64, data: &[u8]) -> Result<u64, ()> {
+        self.gc_if_checkpoint_moved();
+        let mut a = self.log.area();
+        let r = (|| {
+            let fid = self.bind(&mut a, slot, ino)?;
+            let mut lsn = 0;
+            let mut pos = 0usize;
+            while pos < data.len() {
+                let o = off + pos as u64;
+                let rest = data.len() - pos;
+                let n;
+                if o % PAGE as u64 == 0 && rest >= PAGE {
+                    lsn = a
+                        .append_page(fid, o, &data[pos..pos + PAGE])
+                        .map_err(|_| ())?;
+                    n = PAGE;
+                } else {
+                    let to_boundary = PAGE - (o % PAGE as u64) as usize;
+                    n = rest.min(to_boundary).min(MAX_PAYLOAD);
+                    lsn = a
+                        .append(
+                            &Record::Data {
+                                fid,
+                                off: o,
+                                bytes: data[pos..pos + n].to_vec(),
+                            },
+                            None,
+                        )
+                        .map_err(|_| ())?;
+                }
+                pos += n;
+            }
+            Ok(lsn)
+        })();
+        a.commit();
+        drop(a);
+        match r {
+            Ok(l) => {
+                slot.w(S_LAST_LSN).fetch_max(l, Ordering::AcqRel);
+                self.count(P_BYTES_LOGGED, data.len() as u64);
+            }
+            Err(()) => self.table.w(H_WAKE).store(1, Ordering::Relaxed),
+        }
+        r
+    }
+
+    fn log_attr(&self, slot: &Slot<'_>, ino: &Inode, op: AttrOp) -> Result<u64, ()> {
+        self.gc_if_checkpoint_moved();
+        let mut a = self.log.area();
+        let r = self
+            .bind(&mut a, slot, ino)
+            .and_then(|fid| a.append(&Record::Attr { fid, op }, None).map_err(|_| ()));
+        a.commit();
+        drop(a);
+        if let Ok(l) = r {
+            slot.w(S_LAST_LSN).fetch_max(l, Ordering::AcqRel);
+        }
+        r
+    }
+
+    /// The object's fid, appending a Bind record when it has none the checkpoint left alive.
+    fn bind(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        slot: &Slot<'_>,
+        ino: &Inode,
+    ) -> Result<u64, ()> {
+        let mut fid = slot.w(S_FID).load(Ordering::Acquire);
+        if fid == 0 {
+            fid = self.log.next_lsn();
+            slot.w(S_FID).store(fid, Ordering::Release);
+            slot.w(S_BIND_LSN).store(0, Ordering::Release);
+        }
+        let b = slot.w(S_BIND_LSN).load(Ordering::Acquire);
+        if b == 0 || b < self.log.checkpoint_lsn() {
+            let l = a
+                .append(
+                    &Record::Bind {
+                        fid,
+                        handle: ino.handle.clone(),
+                    },
+                    None,
+                )
+                .map_err(|_| ())?;
+            slot.w(S_BIND_LSN).store(l, Ordering::Release);
+        }
+        Ok(fid)
+    }
+
+    /// Free this process's log pages the daemon's latest checkpoint expired.
+    fn gc_if_checkpoint_moved(&self) {
+        let cp = self.log.checkpoint_lsn();
+        if self.last_gc_cp.swap(cp, Ordering::Relaxed) != cp {
+            self.log.gc();
+        }
+    }
+
+    /// The lower file system's own fsync of the object, then a write-back record expiring its
+    /// older entries (they must never be replayed over what this sync made durable). Caller
+    /// holds the slot lock.
+    fn real_sync(&self, slot: &Slot<'_>, t: &Tracked, fd: i32, p: &mut Private) -> io::Result<()> {
+        sys::fsync(fd, false)?;
+        let fid = slot.w(S_FID).load(Ordering::Acquire);
+        if fid != 0 && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn() {
+            let upto = self.log.lsn_now();
+            if self.log.write_back(fid, upto).is_err() {
+                // Not even the reserve has room: wait (bounded) for the daemon's write-back
+                // to pass `upto`, which expires the entries as well.
+                let t0 = Instant::now();
+                while self.log.checkpoint_lsn() < upto {
+                    if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
+                        return Err(io::Error::from_raw_os_error(libc::EIO));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        slot.w(S_LAST_LSN).store(0, Ordering::Release);
+        slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
+        slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
+        slot.clear_lazy(None);
+        p.dirty.clear();
+        let _ = t;
+        self.count(P_FALLBACKS, 1);
+        Ok(())
+    }
+
+    /// A write through a tracked descriptor: the real write, then logging or dirty tracking.
+    /// `off`: None for the descriptor's own position.
+    pub fn write(
+        &self,
+        t: &Tracked,
+        fd: i32,
+        buf: &[u8],
+        off: Option<u64>,
+        sync_flag: bool,
+    ) -> io::Result<usize> {
+        let sync = t.sync || sync_flag;
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        let n = match off {
+            Some(o) => sys::pwrite(fd, buf, o)?,
+            None => sys::write(fd, buf)?,
+        };
+        if n == 0 {
+            return Ok(0);
+        }
+        let start = match off {
+            Some(o) => o,
+            None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
+        };
+        let mut p = t.ino.p.lock();
+        if !self.serving() {
+            // Not absorbing any more: O_SYNC writes become the real thing.
+            if sync {
+                self.real_sync(&slot, t, fd, &mut p)?;
+            } else {
+                slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+            }
+            return Ok(n);
+        }
+        let cp = self.log.checkpoint_lsn();
+        let live = slot.w(S_FID).load(Ordering::Acquire) != 0
+            && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp;
+        if sync || live {
+            if self.log_data(&slot, &t.ino, start, &buf[..n]).is_err() {
+                self.real_sync(&slot, t, fd, &mut p)?;
+            } else if sync {
+                self.count(P_ABSORBED_OSYNC, 1);
+            } else {
+                self.count(P_EAGER_WRITES, 1);
+            }
+            return Ok(n);
+        }
+        add_range(&mut p.dirty, start, start + n as u64);
+        p.mark = self.log.lsn_now();
+        if !slot.add_lazy(self.pid, p.mark) {
+            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        }
+        Ok(n)
+    }
+
+    /// fsync/fdatasync of a tracked descriptor.
+    pub fn fsync(&self, t: &Tracked, fd: i32) -> io::Result<()> {
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        let mut p = t.ino.p.lock();
+        let cp = self.log.checkpoint_lsn();
+        let f = slot.flags();
+        if !self.serving()
+            || self.blind.load(Ordering::Relaxed)
+            || f & (F_FALLBACK | F_MMAP | F_UNSEEN) != 0
+            || f & F_BASELINE == 0
+            || slot.others_lazy(self.pid, cp)
+        {
+            return self.real_sync(&slot, t, fd, &mut p);
+        }
+        if !p.dirty.is_empty() && p.mark >= cp {
+            if p.rfd.is_none() {
+                let path = format!("/proc/self/fd/{fd}\0");
+                let r = sys::openat(
+                    libc::AT_FDCWD,
+                    path.as_ptr() as *const _,
+                    libc::O_RDONLY | libc::O_CLOEXEC,
+                    0,
+                )?;
+                // SAFETY: a fresh descriptor we own.
+                p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
+            }
+            let rfd = p.rfd.as_ref().expect("set").as_raw_fd();
+            let ranges: Vec<(u64, u64)> = p.dirty.iter().map(|(s, e)| (*s, *e)).collect();
+            for (s, e) in ranges {
+                let mut buf = vec![0u8; (e - s) as usize];
+                let n = sys::pread(rfd, &mut buf, s)?;
+                buf.truncate(n); // shrunk since: a truncate entry covers the rest
+                if !buf.is_empty() && self.log_data(&slot, &t.ino, s, &buf).is_err() {
+                    return self.real_sync(&slot, t, fd, &mut p);
+                }
+            }
+        }
+        p.dirty.clear();
+        slot.clear_lazy(Some(self.pid));
+        self.count(P_ABSORBED_FSYNC, 1);
+        Ok(())
+    }
+
+    /// ftruncate, then a truncate entry (durable and ordered with the writes on return).
+    pub fn ftruncate(&self, t: &Tracked, fd: i32, len: u64) -> io::Result<()> {
+        self.attr_op(
+            t,
+            fd,
+            || sys::ftruncate(fd, len),
+            AttrOp::Truncate(len),
+            Some(len),
+        )
+    }
+
+    pub fn fallocate(&self, t: &Tracked, fd: i32, mode: i32, off: u64, len: u64) -> io::Result<()> {
+        self.attr_op(
+            t,
+            fd,
+            || sys::fallocate(fd, mode, off, len),
+            AttrOp::Fallocate {
+                mode: mode as u32,
+                offset: off,
+                len,
+            },
+            None,
+        )
+    }
+
+    fn attr_op(
+        &self,
+        t: &Tracked,
+        fd: i32,
+        op: impl FnOnce() -> io::Result<()>,
+        rec: AttrOp,
+        trim: Option<u64>,
+    ) -> io::Result<()> {
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        op()?;
+        let mut p = t.ino.p.lock();
+        if let Some(len) = trim {
+            p.dirty = p
+                .dirty
+                .iter()
+                .filter(|(s, _)| **s < len)
+                .map(|(s, e)| (*s, (*e).min(len)))
+                .collect();
+        }
+        if !self.serving() || self.log_attr(&slot, &t.ino, rec).is_err() {
+            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        }
+        let _ = fd;
+        Ok(())
+    }
+
+    /// Drop everything about descriptors (after fork in the child, which re-attaches).
+    pub fn fds_snapshot(&self) -> Option<Vec<(i32, bool)>> {
+        self.fds
+            .try_read()
+            .map(|m| m.iter().map(|(fd, t)| (*fd, t.sync)).collect())
+    }
+}

@@ -1,0 +1,25 @@
+//! The zero-round-trip front end (issue 8): programs run under `pmstack run` with a preload
+//! library and work directly on the lower directory; `pmstack serve` owns the PM region.
+//!
+//! - [`table`]: the table shared by the daemon and every attached process.
+//! - [`client`]: what the library does for a write, a sync, a truncate.
+//! - [`serve`]: the daemon: recovery, the attach socket, write-back, reclaiming the areas of
+//!   processes that died.
+//! - [`sys`]: raw system calls that never come back into the library.
+
+pub mod client;
+pub mod serve;
+pub mod sys;
+pub mod table;
+
+use std::path::{Path, PathBuf};
+
+/// Where the daemon serving `root` listens and keeps its table (one per lower directory).
+pub fn paths(root: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let id = crate::lower::id_of(root);
+    (
+        PathBuf::from(format!("/run/pmstack/serve-{id}.sock")),
+        PathBuf::from(format!("/dev/shm/pmstack-serve-{id}.table")),
+        PathBuf::from(format!("/run/pmstack/serve-{id}.json")),
+    )
+}

@@ -1,0 +1,444 @@
+//! The table shared by the serve daemon and every attached process (a file in /dev/shm,
+//! mapped by all of them): the daemon's liveness, the attached processes and their counters,
+//! and one slot per tracked inode with its lock, its log identity (fid) and its sync state.
+//!
+//! Every field is an 8-byte atomic word. A slot's lock word holds the owner's pid, so a
+//! process killed while holding it is detected (its pid no longer exists) and the lock is
+//! taken over; the slot is then marked `F_FALLBACK`, since its owner may have died between a
+//! write and the matching log append.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
+pub const VERSION: u64 = 1;
+
+/// Header words.
+pub const H_MAGIC: usize = 0;
+pub const H_VERSION: usize = 1;
+pub const H_DAEMON_PID: usize = 2;
+/// Random per daemon start: a process attached to an older daemon sees the change.
+pub const H_EPOCH: usize = 3;
+/// CLOCK_MONOTONIC nanoseconds of the daemon's last heartbeat.
+pub const H_HEARTBEAT: usize = 4;
+/// 1 while the daemon serves; 0 once it stopped (cleanly or not).
+pub const H_RUNNING: usize = 5;
+pub const H_NSLOTS: usize = 6;
+/// Lock ordering namespace operations with their log appends (a pid, like slot locks).
+pub const H_NS_LOCK: usize = 7;
+/// Set by a process that found the region full: the daemon writes back at once.
+pub const H_WAKE: usize = 8;
+
+/// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
+pub const PROCS_AT: usize = 64;
+pub const MAX_PROCS: usize = 128;
+pub const PROC_WORDS: usize = 8;
+/// Process record words.
+pub const P_PID: usize = 0;
+pub const P_ABSORBED_FSYNC: usize = 1;
+pub const P_ABSORBED_OSYNC: usize = 2;
+pub const P_BYTES_LOGGED: usize = 3;
+pub const P_FALLBACKS: usize = 4;
+pub const P_EAGER_WRITES: usize = 5;
+pub const P_NS_OPS: usize = 6;
+
+/// Slots start at this word; each has `SLOT_WORDS` words.
+pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
+pub const SLOT_WORDS: usize = 16;
+/// Slot words.
+pub const S_LOCK: usize = 0;
+pub const S_DEV: usize = 1;
+/// Inode number + 1 (0: free slot).
+pub const S_INO: usize = 2;
+/// crc32c of the object's file handle: tells a new object reusing an inode number apart.
+pub const S_GEN: usize = 3;
+pub const S_FID: usize = 4;
+pub const S_BIND_LSN: usize = 5;
+/// LSN of the object's latest entry: while the checkpoint is below it, the object has live
+/// entries and every write to it is logged at write time (no rollback at replay).
+pub const S_LAST_LSN: usize = 6;
+pub const S_FLAGS: usize = 7;
+/// Processes with writes not yet logged: (pid, LSN counter at their last such write) pairs.
+pub const S_LAZY: usize = 8;
+pub const LAZY_MAX: usize = 4;
+
+/// Flags.
+/// Every write to the object since a durable point is known (created here, or really synced).
+pub const F_BASELINE: u64 = 1;
+/// The next sync must be the lower file system's own (something was not seen).
+pub const F_FALLBACK: u64 = 2;
+/// A shared writable mapping exists: syncs stay real while it may.
+pub const F_MMAP: u64 = 4;
+/// A writer the library cannot see (a stdio stream, io_uring): syncs stay real.
+pub const F_UNSEEN: u64 = 8;
+
+pub const DEFAULT_SLOTS: usize = 1 << 16;
+
+pub struct Table {
+    ptr: *mut AtomicU64,
+    words: usize,
+    _file: File,
+}
+
+// SAFETY: shared memory accessed only through atomics.
+unsafe impl Send for Table {}
+// SAFETY: as above.
+unsafe impl Sync for Table {}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.ptr as *mut _, self.words * 8) };
+    }
+}
+
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer (vDSO call, no system call).
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Whether process `pid` exists.
+pub fn alive(pid: u64) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks existence.
+    let r = unsafe { libc::kill(pid as i32, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+pub fn my_pid() -> u64 {
+    // SAFETY: getpid has no preconditions.
+    unsafe { libc::getpid() as u64 }
+}
+
+impl Table {
+    /// Create a fresh table (the daemon), replacing any file at `path` (a new inode: processes
+    /// still mapping the old one keep seeing it, with `H_RUNNING` 0).
+    pub fn create(path: &Path, nslots: usize) -> io::Result<Table> {
+        let tmp = path.with_extension("new");
+        let _ = std::fs::remove_file(&tmp);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        let words = SLOTS_AT + nslots * SLOT_WORDS;
+        f.set_len((words * 8) as u64)?;
+        let t = Self::map(f, words)?;
+        t.w(H_VERSION).store(VERSION, Ordering::Relaxed);
+        t.w(H_NSLOTS).store(nslots as u64, Ordering::Relaxed);
+        t.w(H_DAEMON_PID).store(my_pid(), Ordering::Relaxed);
+        t.w(H_EPOCH)
+            .store(rand::random::<u64>() | 1, Ordering::Relaxed);
+        t.w(H_HEARTBEAT).store(now_ns(), Ordering::Relaxed);
+        t.w(H_RUNNING).store(1, Ordering::Relaxed);
+        t.w(H_MAGIC).store(MAGIC, Ordering::Release);
+        std::fs::rename(&tmp, path)?;
+        Ok(t)
+    }
+
+    /// Map an existing table.
+    pub fn open(path: &Path) -> io::Result<Table> {
+        let f = OpenOptions::new().read(true).write(true).open(path)?;
+        let len = f.metadata()?.len() as usize;
+        if len < SLOTS_AT * 8 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "table too small",
+            ));
+        }
+        let t = Self::map(f, len / 8)?;
+        if t.w(H_MAGIC).load(Ordering::Acquire) != MAGIC
+            || t.w(H_VERSION).load(Ordering::Relaxed) != VERSION
+            || SLOTS_AT + t.nslots() * SLOT_WORDS > t.words
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a pmstack table (or another version)",
+            ));
+        }
+        Ok(t)
+    }
+
+    fn map(f: File, words: usize) -> io::Result<Table> {
+        // SAFETY: mapping a file we hold open, length checked by the callers.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                words * 8,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Table {
+            ptr: p as *mut AtomicU64,
+            words,
+            _file: f,
+        })
+    }
+
+    pub fn w(&self, i: usize) -> &AtomicU64 {
+        assert!(i < self.words);
+        // SAFETY: in bounds of the mapping; AtomicU64 has the layout of u64.
+        unsafe { &*self.ptr.add(i) }
+    }
+
+    pub fn nslots(&self) -> usize {
+        self.w(H_NSLOTS).load(Ordering::Relaxed) as usize
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.w(H_EPOCH).load(Ordering::Relaxed)
+    }
+
+    /// The daemon is running and its heartbeat is recent.
+    pub fn daemon_alive(&self, max_age_ns: u64) -> bool {
+        self.w(H_RUNNING).load(Ordering::Acquire) == 1
+            && now_ns().saturating_sub(self.w(H_HEARTBEAT).load(Ordering::Relaxed)) < max_age_ns
+    }
+
+    pub fn slot(&self, idx: usize) -> Slot<'_> {
+        assert!(idx < self.nslots());
+        Slot {
+            t: self,
+            base: SLOTS_AT + idx * SLOT_WORDS,
+            idx,
+        }
+    }
+
+    /// Find the slot of (dev, ino), claiming a free one; None if the table is full.
+    pub fn find_or_insert(&self, dev: u64, ino: u64) -> Option<usize> {
+        let n = self.nslots();
+        let h = (dev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ino.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+            as usize;
+        for k in 0..n.min(256) {
+            let idx = (h + k) % n;
+            let s = self.slot(idx);
+            let cur = s.w(S_INO).load(Ordering::Acquire);
+            if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
+                return Some(idx);
+            }
+            if cur == 0 {
+                let g = s.lock();
+                let cur = s.w(S_INO).load(Ordering::Acquire);
+                if cur == 0 {
+                    s.w(S_DEV).store(dev, Ordering::Release);
+                    s.w(S_INO).store(ino + 1, Ordering::Release);
+                    drop(g);
+                    return Some(idx);
+                }
+                if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
+                    return Some(idx);
+                }
+            }
+        }
+        None
+    }
+
+    /// Register this process in the process list; its record index.
+    pub fn register(&self, pid: u64) -> Option<usize> {
+        for i in 0..MAX_PROCS {
+            let w = self.w(PROCS_AT + i * PROC_WORDS + P_PID);
+            let cur = w.load(Ordering::Acquire);
+            if cur == pid {
+                return Some(i);
+            }
+            if (cur == 0 || !alive(cur))
+                && w.compare_exchange(cur, pid, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                for k in 1..PROC_WORDS {
+                    self.w(PROCS_AT + i * PROC_WORDS + k)
+                        .store(0, Ordering::Relaxed);
+                }
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    pub fn proc_word(&self, rec: usize, k: usize) -> &AtomicU64 {
+        self.w(PROCS_AT + rec * PROC_WORDS + k)
+    }
+
+    /// Attached processes that are still alive: (pid, counters).
+    pub fn procs(&self) -> Vec<(u64, [u64; PROC_WORDS])> {
+        (0..MAX_PROCS)
+            .filter_map(|i| {
+                let pid = self.proc_word(i, P_PID).load(Ordering::Acquire);
+                (pid != 0 && alive(pid)).then(|| {
+                    let mut c = [0u64; PROC_WORDS];
+                    for (k, v) in c.iter_mut().enumerate() {
+                        *v = self.proc_word(i, k).load(Ordering::Relaxed);
+                    }
+                    (pid, c)
+                })
+            })
+            .collect()
+    }
+
+    /// The namespace lock (a pid lock like a slot's).
+    pub fn ns_lock(&self) -> PidLock<'_> {
+        PidLock::acquire(self.w(H_NS_LOCK)).0
+    }
+}
+
+pub struct Slot<'a> {
+    t: &'a Table,
+    base: usize,
+    pub idx: usize,
+}
+
+impl<'a> Slot<'a> {
+    pub fn w(&self, k: usize) -> &'a AtomicU64 {
+        self.t.w(self.base + k)
+    }
+
+    /// Lock the slot. A lock whose owner died is taken over and the slot marked fallback.
+    pub fn lock(&self) -> PidLock<'a> {
+        let (g, stolen) = PidLock::acquire(self.w(S_LOCK));
+        if stolen {
+            self.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        }
+        g
+    }
+
+    pub fn flags(&self) -> u64 {
+        self.w(S_FLAGS).load(Ordering::Acquire)
+    }
+
+    /// Record that `pid` wrote without logging, at LSN counter `mark`.
+    /// False if there is no room (the caller marks the slot fallback).
+    pub fn add_lazy(&self, pid: u64, mark: u64) -> bool {
+        let mut free = None;
+        for k in 0..LAZY_MAX {
+            let p = self.w(S_LAZY + 2 * k);
+            match p.load(Ordering::Relaxed) {
+                x if x == pid => {
+                    self.w(S_LAZY + 2 * k + 1).store(mark, Ordering::Relaxed);
+                    return true;
+                }
+                0 if free.is_none() => free = Some(k),
+                _ => {}
+            }
+        }
+        let Some(k) = free else { return false };
+        self.w(S_LAZY + 2 * k + 1).store(mark, Ordering::Relaxed);
+        self.w(S_LAZY + 2 * k).store(pid, Ordering::Relaxed);
+        true
+    }
+
+    /// Other processes' unlogged writes that the checkpoint `cp` has not made durable.
+    pub fn others_lazy(&self, pid: u64, cp: u64) -> bool {
+        (0..LAZY_MAX).any(|k| {
+            let p = self.w(S_LAZY + 2 * k).load(Ordering::Relaxed);
+            p != 0 && p != pid && self.w(S_LAZY + 2 * k + 1).load(Ordering::Relaxed) >= cp
+        })
+    }
+
+    /// Forget lazy writers: all (`only` None) or one pid.
+    pub fn clear_lazy(&self, only: Option<u64>) {
+        for k in 0..LAZY_MAX {
+            let p = self.w(S_LAZY + 2 * k);
+            if only.is_none_or(|o| p.load(Ordering::Relaxed) == o) {
+                p.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// A lock word holding its owner's pid.
+pub struct PidLock<'a> {
+    w: &'a AtomicU64,
+}
+
+impl<'a> PidLock<'a> {
+    /// Spin, then yield; every so often check whether the owner still exists and take the
+    /// lock over if not. Returns whether it was taken over.
+    fn acquire(w: &'a AtomicU64) -> (PidLock<'a>, bool) {
+        let me = my_pid();
+        let mut spins = 0u64;
+        loop {
+            let cur = w.load(Ordering::Relaxed);
+            if cur == 0 {
+                if w.compare_exchange_weak(0, me, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return (PidLock { w }, false);
+                }
+                continue;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+                continue;
+            }
+            if spins % 1024 == 0
+                && cur != me
+                && !alive(cur)
+                && w.compare_exchange(cur, me, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return (PidLock { w }, true);
+            }
+            // SAFETY: no preconditions.
+            unsafe { libc::sched_yield() };
+        }
+    }
+}
+
+impl Drop for PidLock<'_> {
+    fn drop(&mut self) {
+        self.w.store(0, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_found_again_and_a_dead_owners_lock_is_taken_over() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t");
+        let t = Table::create(&p, 64).unwrap();
+        let a = t.find_or_insert(1, 100).unwrap();
+        let b = t.find_or_insert(1, 101).unwrap();
+        assert_ne!(a, b);
+        let t2 = Table::open(&p).unwrap();
+        assert_eq!(t2.find_or_insert(1, 100), Some(a));
+        // A lock held by a pid that does not exist.
+        let s = t.slot(a);
+        s.w(S_LOCK).store(i32::MAX as u64 - 7, Ordering::Relaxed);
+        assert!(!alive(i32::MAX as u64 - 7));
+        drop(s.lock());
+        assert!(s.flags() & F_FALLBACK != 0);
+        // Lazy writers: others seen until the checkpoint passes their mark.
+        assert!(s.add_lazy(10, 50));
+        assert!(s.others_lazy(11, 50));
+        assert!(!s.others_lazy(11, 51));
+        assert!(!s.others_lazy(10, 0));
+        s.clear_lazy(Some(10));
+        assert!(!s.others_lazy(11, 0));
+        // A full table says so.
+        let full = Table::create(&d.path().join("f"), 2).unwrap();
+        assert!(full.find_or_insert(1, 1).is_some() && full.find_or_insert(1, 2).is_some());
+        assert!(full.find_or_insert(1, 3).is_none());
+    }
+}
