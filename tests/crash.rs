@@ -14,12 +14,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{power_cut, snapshot, LoopFs};
 use rand::{Rng, SeedableRng};
 
 const REC: u64 = 8192;
@@ -32,112 +33,6 @@ fn pattern(t: usize, i: u64, len: usize) -> Vec<u8> {
 
 fn rec_len(t: usize, i: u64) -> usize {
     1 + ((t as u64 * 7919 + i * 104729) % 6000) as usize
-}
-
-/// An ext4 file system on a loop-mounted image, as the issue asks for the lower.
-struct LoopFs {
-    img: PathBuf,
-    dir: PathBuf,
-}
-
-impl LoopFs {
-    fn new(base: &Path) -> Option<LoopFs> {
-        let img = base.join("lower.img");
-        let dir = base.join("ext4");
-        fs::create_dir_all(&dir).ok()?;
-        let f = fs::File::create(&img).ok()?;
-        f.set_len(2 << 30).ok()?;
-        let ok = Command::new("mkfs.ext4")
-            .args(["-q", "-F"])
-            .arg(&img)
-            .status()
-            .ok()?
-            .success()
-            && Command::new("mount")
-                .args(["-o", "loop"])
-                .arg(&img)
-                .arg(&dir)
-                .status()
-                .ok()?
-                .success();
-        if !ok {
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("CI: cannot create a loop-mounted ext4 lower (mkfs.ext4 / mount -o loop failed)");
-            }
-            eprintln!("note: no loop-mounted ext4 here; using a plain directory as the lower");
-            return None;
-        }
-        Some(LoopFs { img, dir })
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
-        let _ = fs::remove_file(&self.img);
-    }
-}
-
-/// Snapshot of the lower: relative path -> content (regular files only).
-fn snapshot(root: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut m = BTreeMap::new();
-    for e in fs::read_dir(root).unwrap().flatten() {
-        let n = e.file_name().to_string_lossy().to_string();
-        if n == ".pmstack-id" || n == "lost+found" {
-            continue;
-        }
-        if e.file_type().unwrap().is_file() {
-            m.insert(n, fs::read(e.path()).unwrap());
-        }
-    }
-    m
-}
-
-/// Rewind the lower to a state a power cut could leave, given that nothing was made durable
-/// since `old` was taken.
-fn power_cut(root: &Path, old: &BTreeMap<String, Vec<u8>>, rng: &mut impl Rng) {
-    let now = snapshot(root);
-    for (name, cur) in &now {
-        let p = root.join(name);
-        match old.get(name) {
-            None => {
-                if rng.gen_bool(0.4) {
-                    fs::remove_file(&p).unwrap(); // its creation never reached the disk
-                    continue;
-                }
-                // Unsynced page writes of a new file may be lost: holes/zeros, size rewound.
-                let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
-                for pg in 0..cur.len().div_ceil(4096) {
-                    if rng.gen_bool(0.3) {
-                        let end = ((pg + 1) * 4096).min(cur.len());
-                        f.write_all_at(&vec![0; end - pg * 4096], (pg * 4096) as u64)
-                            .unwrap();
-                    }
-                }
-                if rng.gen_bool(0.3) {
-                    f.set_len(rng.gen_range(0..=cur.len() as u64) / 4096 * 4096)
-                        .unwrap();
-                }
-            }
-            Some(prev) => {
-                let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
-                for pg in 0..cur.len().max(prev.len()).div_ceil(4096) {
-                    if rng.gen_bool(0.5) {
-                        let s = pg * 4096;
-                        let e = ((pg + 1) * 4096).min(prev.len());
-                        if s < e {
-                            f.write_all_at(&prev[s..e], s as u64).unwrap();
-                        }
-                    }
-                }
-                if rng.gen_bool(0.5) {
-                    f.set_len(prev.len() as u64).unwrap();
-                }
-            }
-        }
-    }
-    // Sync our own rewinding so the remount sees it (this is the test harness, not pmstack).
-    Command::new("sync").status().unwrap();
 }
 
 /// `rewind`: apply the power-loss model to the lower (write-back disabled during the run);

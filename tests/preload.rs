@@ -1,0 +1,686 @@
+//! The zero-round-trip front end against real programs: `pmstack serve` owning the region,
+//! programs under `pmstack run` (LD_PRELOAD) working directly on the lower directory.
+//!
+//! - kill -9 of the programs and of the daemon under a multi-threaded, multi-process fsync
+//!   load, a power-loss model applied to the lower (nothing the lower made durable since the
+//!   programs' first syncs survives except by chance), then recovery: every acknowledged
+//!   record and overwrite is present, nothing is garbage;
+//! - the daemon dying under load: programs fall back to the real fsync and finish;
+//! - every fallback case (shared writable mapping, copy_file_range, sendfile, a stdio stream,
+//!   another process's unsynced writes) is a real sync, and replay never rolls it back;
+//! - real programs (SQLite with both journal modes, cp/mv/tar, fio, db_bench) give the same
+//!   results as without the library.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use common::{power_cut, snapshot, LoopFs};
+use rand::{Rng, SeedableRng};
+
+fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Build the preload library beside the pmstack binary (`cargo test` builds binaries, not
+/// the workspace's cdylib).
+fn preload_built() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let bin = Path::new(common::bin());
+        let release = bin.parent().is_some_and(|p| p.ends_with("release"));
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut c = Command::new(cargo);
+        c.args(["build", "-p", "pmstack-preload"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if release {
+            c.arg("--release");
+        }
+        let st = c.status().expect("running cargo build");
+        assert!(st.success(), "building libpmstack_preload.so failed");
+        assert!(bin.with_file_name("libpmstack_preload.so").exists());
+    });
+}
+
+fn have(tool: &str) -> bool {
+    let ok = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok && ci() {
+        panic!("CI: {tool} is required by tests/preload.rs (installed by .ci/run)");
+    }
+    ok
+}
+
+struct Serve {
+    child: Option<Child>,
+    dir: PathBuf,
+    pm: PathBuf,
+}
+
+impl Serve {
+    fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Serve {
+        preload_built();
+        let dir = fs::canonicalize(dir).unwrap();
+        let child = Command::new(common::bin())
+            .arg("serve")
+            .arg(&dir)
+            .arg("--pm")
+            .arg(pm)
+            .args(extra)
+            .args(["--log-level", "warn"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let sock = pmstack::front::paths(&dir).0;
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "serve did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Serve {
+            child: Some(child),
+            dir,
+            pm: pm.to_owned(),
+        }
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: the final write-back leaves the lower complete.
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let st = c.wait().unwrap();
+            assert!(st.success(), "serve exited with {st}");
+        }
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        let s = fs::read_to_string(pmstack::front::paths(&self.dir).2).unwrap_or_default();
+        serde_json::from_str(&s).unwrap_or_default()
+    }
+
+    /// Wait until the daemon's stats show `f` true (they are written every 500 ms).
+    fn wait_stats(&self, what: &str, f: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let t0 = Instant::now();
+        loop {
+            let s = self.stats();
+            if f(&s) {
+                return s;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "{what}: stats {s}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn run(&self) -> Command {
+        let mut c = Command::new(common::bin());
+        c.arg("run").arg("--root").arg(&self.dir).arg("--");
+        c
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        self.kill9();
+        let _ = fs::remove_file(&self.pm);
+    }
+}
+
+fn base(t: u64) -> Vec<u8> {
+    (0..8192 + 256)
+        .map(|k| ((t * 131 + k * 7) % 251) as u8 + 1)
+        .collect()
+}
+
+fn rec_len(t: u64, i: u64) -> usize {
+    1 + ((t * 7919 + i * 104729) % 6000) as usize
+}
+
+const REC: u64 = 8192;
+const THREADS: u64 = 3;
+
+/// Acknowledgements: (tag, thread) -> last record; tag -> last overwrite.
+#[derive(Default, Debug)]
+struct Acks {
+    rec: BTreeMap<(String, u64), i64>,
+    ov: BTreeMap<String, i64>,
+    ready: usize,
+    done: usize,
+}
+
+fn spawn_load(s: &Serve, tag: &str, maxrec: u64, pace: f64, acks: &Arc<Mutex<Acks>>) -> Child {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/preload/load.py");
+    let mut c = s
+        .run()
+        .arg("python3")
+        .arg(script)
+        .arg(&s.dir)
+        .arg(tag)
+        .arg(THREADS.to_string())
+        .arg(maxrec.to_string())
+        .arg(pace.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = c.stdout.take().unwrap();
+    let acks = acks.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            let w: Vec<&str> = line.split_whitespace().collect();
+            let mut a = acks.lock().unwrap();
+            match w.as_slice() {
+                ["ready"] => a.ready += 1,
+                ["done"] => a.done += 1,
+                ["ack", tag, t, i] => {
+                    a.rec
+                        .insert((tag.to_string(), t.parse().unwrap()), i.parse().unwrap());
+                }
+                ["ov", tag, i] => {
+                    a.ov.insert(tag.to_string(), i.parse().unwrap());
+                }
+                _ => {}
+            }
+        }
+    });
+    c
+}
+
+/// The contract after recovery, read from the lower directly.
+fn verify(dir: &Path, acks: &Acks, tags: &[&str], seed: u64) {
+    for tag in tags {
+        for t in 0..THREADS {
+            let acked = acks.rec.get(&(tag.to_string(), t)).copied().unwrap_or(-1);
+            let data = fs::read(dir.join(format!("f-{tag}-{t}"))).unwrap_or_default();
+            let b = base(t);
+            let mut i = 0u64;
+            while i * REC < data.len() as u64 || (i as i64) <= acked {
+                let n = rec_len(t, i);
+                let want = &b[(i % 256) as usize..(i % 256) as usize + n];
+                let s = (i * REC) as usize;
+                let got = data.get(s..(s + n).min(data.len())).unwrap_or(&[]);
+                if (i as i64) <= acked {
+                    assert!(
+                        got == want,
+                        "seed {seed}: {tag} thread {t} record {i} acknowledged (up to {acked}) but not intact"
+                    );
+                } else {
+                    for (k, x) in got.iter().enumerate() {
+                        assert!(
+                            *x == 0 || *x == want[k],
+                            "seed {seed}: {tag} thread {t} record {i} byte {k} is garbage"
+                        );
+                    }
+                }
+                i += 1;
+            }
+        }
+        // The last acknowledged overwrite is present (at most one more was in flight, at a
+        // different offset of the rotation only if it could not overlap: check the bytes no
+        // later overwrite could have touched).
+        if let Some(&last) = acks.ov.get(*tag) {
+            let data = fs::read(dir.join(format!("pre-{tag}"))).unwrap();
+            let i = last as u64;
+            let off = ((i % 4) * 3000) as usize;
+            let b = base(7);
+            let want = &b[(i % 256) as usize..(i % 256) as usize + 5000];
+            let next = ((i + 3) % 4 * 3000) as usize;
+            for k in 0..5000 {
+                let p = off + k;
+                if p >= next && p < next + 5000 {
+                    continue; // the next overwrite (unacknowledged) may have landed here
+                }
+                assert_eq!(
+                    data[p], want[k],
+                    "seed {seed}: acknowledged overwrite {i} of pre-{tag} lost at byte {p}"
+                );
+            }
+        }
+    }
+}
+
+/// One round: load, kill -9 (programs and daemon, in a random order), power cut, recover.
+fn crash_round(base_dir: &Path, seed: u64) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let dir = base_dir.join(format!("r{seed}"));
+    fs::create_dir_all(&dir).unwrap();
+    let tags = ["A", "B"];
+    for t in &tags {
+        fs::write(dir.join(format!("pre-{t}")), vec![b'p'; 20000]).unwrap();
+    }
+    Command::new("sync").status().unwrap();
+    let pm = PathBuf::from(format!("/dev/shm/pmstack-test-preload-{seed}.pm"));
+    let _ = fs::remove_file(&pm);
+    // No write-back during the round: the lower is never made durable by pmstack after the
+    // programs' first syncs, so rewinding it to the snapshot below is a possible power cut.
+    let mut s = Serve::start(
+        &dir,
+        &pm,
+        &["--flush-interval-ms", "3600000", "--pm-size", "1G"],
+    );
+    let acks = Arc::new(Mutex::new(Acks::default()));
+    let mut kids: Vec<Child> = tags
+        .iter()
+        .map(|t| spawn_load(&s, t, 20000, 0.0, &acks))
+        .collect();
+    let t0 = Instant::now();
+    while acks.lock().unwrap().ready < tags.len() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "load never got ready"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Every file had its first (real) sync: this is the durable state a power cut may keep.
+    Command::new("sync").status().unwrap();
+    let old = snapshot(&dir);
+    for k in &mut kids {
+        writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(rng.gen_range(200..900)));
+    let daemon_first = rng.gen_bool(0.5);
+    if daemon_first {
+        s.kill9();
+        // Programs keep absorbing into the region for a moment (well under the heartbeat
+        // timeout, so none of their syncs turned real).
+        std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
+    }
+    for k in &mut kids {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+    s.kill9();
+    std::thread::sleep(Duration::from_millis(100)); // the ack readers drain the pipes
+    let acks = std::mem::take(&mut *acks.lock().unwrap());
+    assert!(
+        acks.rec.values().any(|&i| i > 10),
+        "seed {seed}: the load acknowledged almost nothing: {acks:?}"
+    );
+    power_cut(&dir, &old, &mut rng);
+    // Restart: recovery replays the log; then a clean stop leaves the lower complete.
+    let mut s2 = Serve::start(&dir, &pm, &[]);
+    s2.stop();
+    verify(&dir, &acks, &tags, seed);
+    let chk = Command::new(common::bin())
+        .args(["check", "--json", "--pm"])
+        .arg(&pm)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&chk.stdout).unwrap();
+    assert_eq!(v["live_entries"], 0, "{v}");
+    drop(s2);
+    drop(s);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kill9_of_programs_and_daemon_with_power_loss_keeps_every_acknowledged_write() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let base_dir = tempfile::Builder::new()
+        .prefix("pmstack-preload-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let lfs = LoopFs::new(base_dir.path());
+    let root = lfs
+        .as_ref()
+        .map_or(base_dir.path().to_owned(), |l| l.dir.clone());
+    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(6);
+    let seed0: u64 = rand::random::<u32>() as u64;
+    for r in 0..rounds {
+        crash_round(&root, seed0 + r);
+    }
+}
+
+#[test]
+fn daemon_death_makes_programs_fall_back_and_finish() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    fs::write(d.path().join("pre-A"), vec![b'p'; 20000]).unwrap();
+    let pm = d.path().join("region.pm");
+    let mut s = Serve::start(d.path(), &pm, &["--flush-interval-ms", "3600000"]);
+    let acks = Arc::new(Mutex::new(Acks::default()));
+    // Paced, so the program runs well past the daemon's death (2 s heartbeat timeout).
+    let mut k = spawn_load(&s, "A", 3000, 0.0015, &acks);
+    while acks.lock().unwrap().ready < 1 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = acks.lock().unwrap().rec.values().sum::<i64>();
+    s.kill9();
+    // The program notices (heartbeat), its syncs become the lower file system's, it finishes.
+    let t0 = Instant::now();
+    let st = loop {
+        if let Some(st) = k.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "program hung after the daemon died"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(st.success());
+    std::thread::sleep(Duration::from_millis(100));
+    let acks = std::mem::take(&mut *acks.lock().unwrap());
+    assert_eq!(acks.done, 1);
+    assert!(acks.rec.values().sum::<i64>() > before);
+    // Its syncs after the daemon died were the lower file system's own (counted in the
+    // shared table, which outlives the daemon): more than the first sync of each file.
+    let t = pmstack::front::table::Table::open(
+        &pmstack::front::paths(&fs::canonicalize(d.path()).unwrap()).1,
+    )
+    .unwrap();
+    let real = (0..pmstack::front::table::MAX_PROCS)
+        .find(|&i| {
+            t.proc_word(i, pmstack::front::table::P_PID)
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == k.id() as u64
+        })
+        .map(|i| {
+            t.proc_word(i, pmstack::front::table::P_FALLBACKS)
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .unwrap();
+    assert!(real > 100, "only {real} real syncs after the daemon died");
+    // The region still holds entries from before the death; a new daemon recovers them and
+    // must not roll back what the program synced for real afterwards.
+    let mut s2 = Serve::start(d.path(), &pm, &[]);
+    s2.stop();
+    verify(&fs::canonicalize(d.path()).unwrap(), &acks, &["A"], 0);
+    for t in 0..THREADS {
+        let len = fs::metadata(d.path().join(format!("f-A-{t}")))
+            .unwrap()
+            .len();
+        assert_eq!(len, 2999 * REC + rec_len(t, 2999) as u64, "thread {t} file");
+    }
+}
+
+/// Each case the library cannot follow: (name, prelude makes the file's entries live, code
+/// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs).
+const FALLBACK_CASES: &[(&str, bool, &str, u64)] = &[
+    (
+        "mmap",
+        true,
+        "import mmap\nm = mmap.mmap(fd, 8192, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)\nm[100:200] = NEW[:100]\nos.fsync(fd)",
+        2,
+    ),
+    (
+        "copy_file_range",
+        true,
+        "src = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\nos.copy_file_range(src, fd, 100, 0, 100)\nos.fsync(fd)",
+        2,
+    ),
+    (
+        "sendfile",
+        true,
+        "src = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\nos.lseek(fd, 100, 0)\nos.sendfile(fd, src, 0, 100)\nos.fsync(fd)",
+        2,
+    ),
+    (
+        "stdio",
+        true,
+        "import ctypes\nlc = ctypes.CDLL(None)\nlc.fopen.restype = ctypes.c_void_p\nfp = lc.fopen(os.path.join(d, 'f').encode(), b'r+')\nlc.fseek(ctypes.c_void_p(fp), 100, 0)\nlc.fwrite(NEW[:100], 1, 100, ctypes.c_void_p(fp))\nlc.fflush(ctypes.c_void_p(fp))\nos.fsync(fd)",
+        2,
+    ),
+    // Another process's writes not yet logged (the file has no live entries, so they are
+    // lazy): this process's fsync must cover them, as the kernel's would.
+    (
+        "other_process",
+        false,
+        "pid = os.fork()\nif pid == 0:\n    g = os.open(os.path.join(d, 'f'), os.O_RDWR)\n    os.pwrite(g, OLD, 0)\n    os.pwrite(g, NEW[:100], 100)\n    os._exit(0)\nos.waitpid(pid, 0)\nos.fsync(fd)",
+        0,
+    ),
+];
+
+#[test]
+fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    for (name, live, code, absorbed) in FALLBACK_CASES {
+        let d = tempfile::tempdir_in("/var/tmp").unwrap();
+        let pm = d.path().join("region.pm");
+        let root = fs::canonicalize(d.path()).unwrap();
+        let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+        let prelude = if *live {
+            "os.pwrite(fd, OLD, 0)\nos.fsync(fd)\nos.pwrite(fd, OLD[:10], 0)\nos.fsync(fd)\n"
+        } else {
+            ""
+        };
+        let script = format!(
+            "import os, sys, time\nd = sys.argv[1]\nOLD = b'o' * 8192\nNEW = b'n' * 8192\n\
+             fd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\n\
+             os.fsync(fd)\n{prelude}{code}\nprint('synced', flush=True)\ntime.sleep(30)\n"
+        );
+        let mut k = s
+            .run()
+            .arg("python3")
+            .arg("-c")
+            .arg(&script)
+            .arg(&root)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(k.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "synced", "{name}: the script failed");
+        let me = k.id() as u64;
+        let st = s.wait_stats(name, |v| {
+            v["attached"].as_array().is_some_and(|a| {
+                a.iter()
+                    .any(|p| p["pid"] == me && p["real_syncs"].as_u64() >= Some(2))
+            })
+        });
+        let p = st["attached"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["pid"] == me)
+            .unwrap()
+            .clone();
+        // Two real syncs: the file's first one, and the one after the unseen write.
+        assert_eq!(p["real_syncs"], 2, "{name}: {st}");
+        assert_eq!(p["absorbed_fsync"], *absorbed, "{name}: {st}");
+        // Kill everything; recovery replays the entries of the absorbed syncs, which are
+        // older than the unseen write: the real sync must have expired them.
+        let _ = k.kill();
+        let _ = k.wait();
+        s.kill9();
+        let mut s2 = Serve::start(&root, &pm, &[]);
+        s2.stop();
+        let got = fs::read(root.join("f")).unwrap();
+        assert_eq!(
+            &got[100..200],
+            &[b'n'; 100][..],
+            "{name}: rolled back by replay"
+        );
+        assert_eq!(&got[..100], &[b'o'; 100][..], "{name}");
+    }
+}
+
+fn sha(dir: &Path) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    for e in walk(dir) {
+        let rel = e.strip_prefix(dir).unwrap().to_string_lossy().to_string();
+        let md = fs::symlink_metadata(&e).unwrap();
+        let v = if md.is_file() {
+            format!("{:08x}", crc32c::crc32c(&fs::read(&e).unwrap()))
+        } else if md.is_dir() {
+            "dir".into()
+        } else {
+            format!("link {:?}", fs::read_link(&e).ok())
+        };
+        m.insert(rel, v);
+    }
+    m
+}
+
+fn walk(d: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for e in fs::read_dir(d).unwrap().flatten() {
+        let p = e.path();
+        if e.file_name().to_string_lossy().starts_with(".pmstack") {
+            continue;
+        }
+        if e.file_type().unwrap().is_dir() {
+            v.extend(walk(&p));
+        }
+        v.push(p);
+    }
+    v
+}
+
+/// The same commands natively in `plain` and under `pmstack run` in the served `root`; the
+/// trees and outputs must be identical.
+fn same_results(name: &str, sh: &str, exclude: &[&str]) {
+    let plain = tempfile::tempdir_in("/var/tmp").unwrap();
+    let served = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(served.path()).unwrap();
+    let pm = plain.path().with_extension("pm");
+    let mut s = Serve::start(&root, &pm, &[]);
+    let a = Command::new("sh")
+        .arg("-c")
+        .arg(sh)
+        .current_dir(plain.path())
+        .output()
+        .unwrap();
+    assert!(
+        a.status.success(),
+        "{name} natively: {}",
+        String::from_utf8_lossy(&a.stderr)
+    );
+    let b = s
+        .run()
+        .arg("sh")
+        .arg("-c")
+        .arg(sh)
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(
+        b.status.success(),
+        "{name} under pmstack run: {}",
+        String::from_utf8_lossy(&b.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&a.stdout),
+        String::from_utf8_lossy(&b.stdout),
+        "{name}: outputs differ"
+    );
+    let st = s.wait_stats(name, |v| v["attaches"].as_u64().is_some_and(|n| n > 0));
+    s.stop();
+    let keep = |m: BTreeMap<String, String>| -> BTreeMap<String, String> {
+        m.into_iter()
+            .filter(|(k, _)| {
+                !exclude
+                    .iter()
+                    .any(|x| k == x || k.starts_with(&format!("{x}/")))
+            })
+            .collect()
+    };
+    assert_eq!(
+        keep(sha(plain.path())),
+        keep(sha(&root)),
+        "{name}: trees differ ({st})"
+    );
+    let _ = fs::remove_file(&pm);
+}
+
+#[test]
+fn sqlite_gives_the_same_results_under_pmstack_run() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    for mode in ["DELETE", "WAL"] {
+        same_results(
+            &format!("sqlite {mode}"),
+            &format!(
+                "python3 -c \"
+import sqlite3
+c = sqlite3.connect('t.db', isolation_level=None)
+c.execute('PRAGMA journal_mode={mode}'); c.execute('PRAGMA synchronous=FULL')
+c.execute('create table t(k integer primary key, v text)')
+for i in range(300):
+    c.execute('begin'); c.execute('insert into t values(?, ?)', (i, 'v%d' % i * 20)); c.execute('commit')
+for i in range(0, 300, 7):
+    c.execute('update t set v = ? where k = ?', ('u%d' % i, i))
+c.execute('delete from t where k % 5 = 0')
+print(c.execute('select count(*), sum(length(v)) from t').fetchone())
+c.execute('PRAGMA wal_checkpoint(TRUNCATE)') if '{mode}' == 'WAL' else None
+c.close()
+\""
+            ),
+            &[],
+        );
+    }
+}
+
+#[test]
+fn shell_tools_give_the_same_results_under_pmstack_run() {
+    if !common::can_mount() {
+        return;
+    }
+    same_results(
+        "cp mv tar",
+        "set -e; mkdir -p src/sub; for i in $(seq 1 40); do \
+         printf 'line %s\\n' $(seq 1 $i) > src/f$i; done; printf x > src/sub/y; ln -s f1 src/l; \
+         cp -a src copy; mv copy/f2 copy/sub/f2; tar -cf a.tar src; mkdir out; tar -xf a.tar -C out; \
+         cat src/f40 >> out/src/f1; sync; ls -R | wc -l",
+        &[],
+    );
+}
+
+#[test]
+fn fio_and_db_bench_give_the_same_results_under_pmstack_run() {
+    if !common::can_mount() || !have("fio") {
+        return;
+    }
+    // fio with fsync=1 writes blocks with verify headers (which hold timestamps, so the
+    // files are not compared) and reads every one back checking its checksum.
+    same_results(
+        "fio",
+        "fio --name=w --directory=. --rw=randwrite --bs=4k --size=8m --fsync=1 --ioengine=psync \
+         --randseed=7 --verify=crc32c --do_verify=1 --verify_fatal=1 --output=/dev/null && echo fio-ok",
+        &["w.0.0"],
+    );
+    if have("db_bench") && have("ldb") {
+        // The database's files hold timestamps and ids; its content is compared instead.
+        same_results(
+            "db_bench",
+            "db_bench --benchmarks=fillrandom,overwrite --sync=1 --num=2000 --db=db --seed=7 \
+             --compression_type=none --threads=1 > /dev/null && ldb --db=db scan | cksum",
+            &["db"],
+        );
+    }
+}

@@ -1,0 +1,68 @@
+"""Workload for tests/preload.rs, run under `pmstack run`: threads appending records to their
+own files with fdatasync (or through O_SYNC descriptors), and one thread overwriting a file
+that existed before, in place. Prints "ready" after the first (real) sync of every file, waits
+for a line on stdin, then prints "ack TAG T I" after each acknowledged record and
+"ov TAG I" after each acknowledged overwrite. An optional fifth argument paces the records
+(seconds of sleep after each)."""
+import os
+import sys
+import threading
+
+d, tag, nthreads, maxrec = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+pace = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+import time
+REC = 8192
+out_lock = threading.Lock()
+
+
+def say(s):
+    with out_lock:
+        os.write(1, (s + "\n").encode())
+
+
+def base(t):
+    return bytes(((t * 131 + k * 7) % 251) + 1 for k in range(8192 + 256))
+
+
+def rec_len(t, i):
+    return 1 + (t * 7919 + i * 104729) % 6000
+
+
+files = []
+for t in range(nthreads):
+    fl = os.O_RDWR | os.O_CREAT
+    if t == 2:
+        fl |= os.O_SYNC
+    fd = os.open(os.path.join(d, f"f-{tag}-{t}"), fl, 0o644)
+    os.fsync(fd)
+    files.append(fd)
+ov = os.open(os.path.join(d, f"pre-{tag}"), os.O_RDWR)
+os.fsync(ov)
+say("ready")
+sys.stdin.readline()
+
+
+def run(t):
+    b = base(t)
+    fd = files[t]
+    for i in range(maxrec):
+        n = rec_len(t, i)
+        os.pwrite(fd, b[i % 256 : i % 256 + n], i * REC)
+        if t != 2:
+            os.fdatasync(fd)
+        say(f"ack {tag} {t} {i}")
+        if pace:
+            time.sleep(pace)
+        if t == 0 and i % 3 == 0:
+            ob = base(7)
+            os.pwrite(ov, ob[i % 256 : i % 256 + 5000], (i % 4) * 3000)
+            os.fsync(ov)
+            say(f"ov {tag} {i}")
+
+
+ts = [threading.Thread(target=run, args=(t,)) for t in range(nthreads)]
+for x in ts:
+    x.start()
+for x in ts:
+    x.join()
+say("done")
