@@ -127,7 +127,26 @@ another process has unsynced writes to the file, and everything once the daemon 
 Namespace operations and directory fsync stay native. A second daemon for DIR, or a new one
 while programs attached to an old one still run, is refused.";
 
+const RUN_HELP: &str = "\
+Sets LD_PRELOAD (libpmstack_preload.so, found beside pmstack, in ../lib/pmstack, or at
+$PMSTACK_PRELOAD) and execs the program; children and exec'd programs inherit it.
+
+Absorbed (dynamically linked programs calling the C library): fsync/fdatasync of regular
+files under ROOT become an append to the PM log; O_SYNC/O_DSYNC writes are logged as they
+happen. Not absorbed, and made durable by the lower file system's own fsync instead: static
+binaries and Go programs (they bypass the C library: nothing is intercepted at all), the
+first sync of each file, files written through a shared writable mmap, a stdio stream,
+copy_file_range/sendfile/splice or io_uring, a sync while another process has unsynced
+writes to the file, and every sync once the daemon is gone. Namespace operations and
+directory fsync are native. A writer that is not under `pmstack run` is not detected: run
+every program that writes files under ROOT through `pmstack run`.
+
+Example:
+  pmstack serve /srv/db &
+  pmstack run --root /srv/db -- sqlite3 /srv/db/app.db 'insert into t values (1)'";
+
 #[derive(clap::Args)]
+#[command(after_long_help = RUN_HELP)]
 struct RunArgs {
     /// The served directory.
     #[arg(long)]
@@ -1413,7 +1432,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
 
 /// The preload library: $PMSTACK_PRELOAD, beside the binary, or in ../lib/pmstack.
 fn preload_lib() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("PMSTACK_PRELOAD") {
+    if let Some(p) = std::env::var_os("PMSTACK_PRELOAD").filter(|p| !p.is_empty()) {
         return Ok(PathBuf::from(p));
     }
     let exe = self_exe();
