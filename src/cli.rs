@@ -154,6 +154,9 @@ struct RunArgs {
     /// The region the daemon should be serving (checked when given).
     #[arg(long)]
     pm: Option<PathBuf>,
+    /// Fail instead of running the program natively when no daemon serves ROOT.
+    #[arg(long)]
+    require_daemon: bool,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
     cmd: Vec<std::ffi::OsString>,
@@ -1457,6 +1460,13 @@ fn run_cmd(a: RunArgs) -> Result<()> {
     let lib = preload_lib()?;
     let (sock, table, _) = pmstack::front::paths(&root);
     let served = std::os::unix::net::UnixStream::connect(&sock).is_ok();
+    if !served && a.require_daemon {
+        bail!(
+            "no pmstack daemon serves {} (start `pmstack serve {}`)",
+            root.display(),
+            root.display()
+        );
+    }
     if !served {
         warn_user(&format!(
             "no pmstack daemon serves {}: the program runs natively (start `pmstack serve {}`)",

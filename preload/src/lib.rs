@@ -59,6 +59,7 @@ static ATTACHING: AtomicBool = AtomicBool::new(false);
 static FAILED_GEN: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn after_fork_child() {
+    pmstack::front::table::forget_pid();
     FORKS.fetch_add(1, Ordering::SeqCst);
 }
 
@@ -246,7 +247,13 @@ unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
     let Some(_g) = Inside::enter() else {
         return plain(flags);
     };
-    if flags & (libc::O_PATH | libc::O_DIRECTORY) != 0 || root().is_none() {
+    // Read-only descriptors are not tracked: they cannot write, and a sync through one is
+    // the lower file system's own (correct: it never makes an unlogged write durable behind
+    // the log's back, since writes to objects with live entries are always logged).
+    if flags & (libc::O_PATH | libc::O_DIRECTORY) != 0
+        || flags & libc::O_ACCMODE == libc::O_RDONLY
+        || root().is_none()
+    {
         return plain(flags);
     }
     let sync = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
@@ -259,11 +266,24 @@ unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
     if fd < 0 {
         return fd;
     }
-    let ours = sys::fd_path(fd).is_some_and(|p| under_root(&p));
-    let c = if ours { client() } else { client_if_needed() };
-    match c.and_then(|c| c.track(fd, sync).map(|t| (c, t))) {
+    // An absolute path that names the root as its prefix (without "..") is under it as far
+    // as the log is concerned (a symlink inside leading elsewhere on the same file system is
+    // still a file the log can replay by handle; other file systems are refused by device);
+    // anything else is resolved by the kernel.
+    // SAFETY: the program passes a C string.
+    let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+    let path =
+        if dirfd == libc::AT_FDCWD && under_root(given) && !given.windows(2).any(|w| w == b"..") {
+            Some(given.to_vec())
+        } else {
+            sys::fd_path(fd)
+        };
+    let ours = path.as_deref().is_some_and(under_root);
+    let c = if ours { client() } else { None };
+    match c.and_then(|c| c.track_path(fd, sync, path.as_deref()).map(|t| (c, t))) {
         Some((c, t)) => {
-            if trunc {
+            // (An empty file needs no truncation: a new file, typically.)
+            if trunc && sys::fstat(fd).is_ok_and(|st| st.st_size > 0) {
                 if let Err(e) = c.ftruncate(&t, fd, 0) {
                     c.untrack(fd);
                     sys::close(fd);

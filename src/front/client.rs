@@ -206,11 +206,20 @@ impl Client {
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
+        self.track_path(fd, sync, None)
+    }
+
+    /// `track`, with the descriptor's path when the caller already read it.
+    pub fn track_path(&self, fd: i32, sync: bool, path: Option<&[u8]>) -> Option<Arc<Tracked>> {
         let st = sys::fstat(fd).ok()?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_dev != self.root_dev {
             return None;
         }
-        if !self.under_root(&sys::fd_path(fd)?) {
+        let under = match path {
+            Some(p) => self.under_root(p),
+            None => self.under_root(&sys::fd_path(fd)?),
+        };
+        if !under {
             return None;
         }
         let handle = crate::lower::real::handle_of(fd).ok()?;
@@ -501,7 +510,8 @@ impl Client {
         Ok(())
     }
 
-    /// ftruncate, then a truncate entry (durable and ordered with the writes on return).
+    /// ftruncate, then a truncate entry if the object has live entries (ordered with them at
+    /// replay); otherwise the next sync is real.
     pub fn ftruncate(&self, t: &Tracked, fd: i32, len: u64) -> io::Result<()> {
         self.attr_op(
             t,
@@ -546,7 +556,12 @@ impl Client {
                 .map(|(s, e)| (*s, (*e).min(len)))
                 .collect();
         }
-        if !self.serving() || self.log_attr(&slot, &t.ino, rec).is_err() {
+        // An object with live entries gets a record (replay must apply the change in order
+        // with them); otherwise the next sync of the object is real, which makes the change
+        // durable without putting files nobody syncs into the log.
+        let live = slot.w(S_FID).load(Ordering::Acquire) != 0
+            && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn();
+        if !live || !self.serving() || self.log_attr(&slot, &t.ino, rec).is_err() {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
         }
         let _ = fd;

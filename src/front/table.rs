@@ -116,9 +116,25 @@ pub fn alive(pid: u64) -> bool {
     r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
+static PID: AtomicU64 = AtomicU64::new(0);
+
+/// This process's pid, cached (getpid is a system call, and slot locks take it on every
+/// write). A forked child must call [`forget_pid`] first (the preload library does, from its
+/// `pthread_atfork` child handler).
 pub fn my_pid() -> u64 {
+    let p = PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
     // SAFETY: getpid has no preconditions.
-    unsafe { libc::getpid() as u64 }
+    let p = unsafe { libc::getpid() as u64 };
+    PID.store(p, Ordering::Relaxed);
+    p
+}
+
+/// After fork, in the child.
+pub fn forget_pid() {
+    PID.store(0, Ordering::Relaxed);
 }
 
 impl Table {
