@@ -168,7 +168,15 @@ struct Acks {
     done: usize,
 }
 
-fn spawn_load(s: &Serve, tag: &str, maxrec: u64, pace: f64, acks: &Arc<Mutex<Acks>>) -> Child {
+/// Start the load; the reader thread ends when the program's stdout closes (join it before
+/// reading the acknowledgements: a line still in the pipe is an acknowledgement too).
+fn spawn_load(
+    s: &Serve,
+    tag: &str,
+    maxrec: u64,
+    pace: f64,
+    acks: &Arc<Mutex<Acks>>,
+) -> (Child, std::thread::JoinHandle<()>) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/preload/load.py");
     let mut c = s
         .run()
@@ -185,7 +193,7 @@ fn spawn_load(s: &Serve, tag: &str, maxrec: u64, pace: f64, acks: &Arc<Mutex<Ack
         .unwrap();
     let out = c.stdout.take().unwrap();
     let acks = acks.clone();
-    std::thread::spawn(move || {
+    let reader = std::thread::spawn(move || {
         for line in BufReader::new(out).lines() {
             let Ok(line) = line else { break };
             let w: Vec<&str> = line.split_whitespace().collect();
@@ -204,7 +212,7 @@ fn spawn_load(s: &Serve, tag: &str, maxrec: u64, pace: f64, acks: &Arc<Mutex<Ack
             }
         }
     });
-    c
+    (c, reader)
 }
 
 /// The contract after recovery, read from the lower directly.
@@ -246,15 +254,28 @@ fn verify(dir: &Path, acks: &Acks, tags: &[&str], seed: u64) {
             let b = base(7);
             let want = &b[(i % 256) as usize..(i % 256) as usize + 5000];
             let next = ((i + 3) % 4 * 3000) as usize;
-            for k in 0..5000 {
+            for (k, w) in want.iter().enumerate() {
                 let p = off + k;
                 if p >= next && p < next + 5000 {
                     continue; // the next overwrite (unacknowledged) may have landed here
                 }
-                assert_eq!(
-                    data[p], want[k],
-                    "seed {seed}: acknowledged overwrite {i} of pre-{tag} lost at byte {p}"
-                );
+                if data[p] != *w {
+                    // Which overwrite's bytes are there instead?
+                    let who: Vec<u64> = (0..=i + 3)
+                        .filter(|j| {
+                            j % 3 == 0
+                                && (j % 4) * 3000 <= p as u64
+                                && p as u64 - (j % 4) * 3000 < 5000
+                        })
+                        .filter(|j| {
+                            data[p] == b[((j % 256) as usize) + p - ((j % 4) * 3000) as usize]
+                        })
+                        .collect();
+                    panic!(
+                        "seed {seed}: acknowledged overwrite {i} of pre-{tag} lost at byte {p} (found {}, matching overwrites {who:?})",
+                        data[p]
+                    );
+                }
             }
         }
     }
@@ -277,13 +298,13 @@ fn crash_round(base_dir: &Path, seed: u64) {
     let mut s = Serve::start(
         &dir,
         &pm,
-        &["--flush-interval-ms", "3600000", "--pm-size", "1G"],
+        &["--flush-interval-ms", "3600000", "--pm-size", "4G"],
     );
     let acks = Arc::new(Mutex::new(Acks::default()));
-    let mut kids: Vec<Child> = tags
+    let (mut kids, readers): (Vec<Child>, Vec<_>) = tags
         .iter()
         .map(|t| spawn_load(&s, t, 20000, 0.0, &acks))
-        .collect();
+        .unzip();
     let t0 = Instant::now();
     while acks.lock().unwrap().ready < tags.len() {
         assert!(
@@ -311,7 +332,9 @@ fn crash_round(base_dir: &Path, seed: u64) {
         let _ = k.wait();
     }
     s.kill9();
-    std::thread::sleep(Duration::from_millis(100)); // the ack readers drain the pipes
+    for r in readers {
+        r.join().unwrap();
+    }
     let acks = std::mem::take(&mut *acks.lock().unwrap());
     assert!(
         acks.rec.values().any(|&i| i > 10),
@@ -368,7 +391,7 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
     let mut s = Serve::start(d.path(), &pm, &["--flush-interval-ms", "3600000"]);
     let acks = Arc::new(Mutex::new(Acks::default()));
     // Paced, so the program runs well past the daemon's death (2 s heartbeat timeout).
-    let mut k = spawn_load(&s, "A", 3000, 0.0015, &acks);
+    let (mut k, reader) = spawn_load(&s, "A", 3000, 0.0015, &acks);
     while acks.lock().unwrap().ready < 1 {
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -389,7 +412,7 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(st.success());
-    std::thread::sleep(Duration::from_millis(100));
+    reader.join().unwrap();
     let acks = std::mem::take(&mut *acks.lock().unwrap());
     assert_eq!(acks.done, 1);
     assert!(acks.rec.values().sum::<i64>() > before);

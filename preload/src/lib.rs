@@ -587,11 +587,13 @@ fn dup_track(old: c_int, new: i64) {
     if new < 0 {
         return;
     }
-    if let Some(_g) = Inside::enter() {
-        if let Some(c) = client_if_needed() {
-            c.dup(old, new as i32);
+    keep_errno(|| {
+        if let Some(_g) = Inside::enter() {
+            if let Some(c) = client_if_needed() {
+                c.dup(old, new as i32);
+            }
         }
-    }
+    })
 }
 
 #[no_mangle]
@@ -704,15 +706,29 @@ pub unsafe extern "C" fn posix_fallocate64(fd: c_int, off: off_t, len: off_t) ->
     unsafe { posix_fallocate(fd, off, len) }
 }
 
+/// Run `f` without letting it change errno (the caller's call already set it).
+fn keep_errno(f: impl FnOnce()) {
+    // SAFETY: errno is thread-local.
+    let e = unsafe { *libc::__errno_location() };
+    f();
+    set_errno(e);
+}
+
 /// After an attribute change through a descriptor: the next sync of the object is real.
 fn flag_fd(fd: c_int, f: u64) {
-    if let Some((_g, c, t)) = lookup(fd) {
-        c.flag(&t, f);
-    }
+    keep_errno(|| {
+        if let Some((_g, c, t)) = lookup(fd) {
+            c.flag(&t, f);
+        }
+    })
 }
 
 /// After a change by path: find the object and flag it.
 unsafe fn flag_path(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
+    keep_errno(|| unsafe { flag_path_inner(dirfd, path, nofollow, f) })
+}
+
+unsafe fn flag_path_inner(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
     let Some(_g) = Inside::enter() else { return };
     let Some(c) = client_if_needed() else { return };
     if path.is_null() {
