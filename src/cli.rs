@@ -1370,6 +1370,11 @@ fn tempfile_dir(parent: &Path) -> Result<PathBuf> {
 
 fn serve_cmd(a: ServeArgs) -> Result<()> {
     use pmstack::front::serve::{check_previous, Daemon, ServeOpts};
+    // Signals first: a SIGTERM at any point from here on is a clean stop, not a kill.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
     let root = check_lower(&a.dir)?;
     let (sock, table, stats) = pmstack::front::paths(&root);
     check_previous(&table)?;
@@ -1409,10 +1414,6 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         },
     )?;
     d.listen(&sock, &table)?;
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())?;
-    }
     eprintln!(
         "pmstack: serving {} (region {}); run programs with `pmstack run --root {} -- CMD`",
         root.display(),
