@@ -60,7 +60,35 @@ static FAILED_GEN: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn after_fork_child() {
     pmstack::front::table::forget_pid();
+    // Another thread of the parent may have been attaching: that thread does not exist here.
+    ATTACHING.store(false, Ordering::SeqCst);
     FORKS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// This process could not attach (no free area, too many processes, a daemon refusing): its
+/// writes to files under the root are invisible to everyone else's absorbed syncs. Mark those
+/// objects in the shared table so that every sync of them stays real. Caller is `Inside`.
+fn mark_unseen(fds: &[i32]) {
+    use std::os::unix::ffi::OsStrExt;
+    let Some(r) = root() else { return };
+    let root = std::path::Path::new(std::ffi::OsStr::from_bytes(&r[..r.len() - 1]));
+    let Ok(t) = pmstack::front::table::Table::open(&pmstack::front::paths(root).1) else {
+        return;
+    };
+    for &fd in fds {
+        pmstack::front::client::mark_unseen(&t, fd);
+    }
+}
+
+/// The descriptors of this process under the root.
+fn fds_under_root() -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc/self/fd") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&fd| sys::fd_path(fd).is_some_and(|p| under_root(&p)))
+        .collect()
 }
 
 extern "C" fn init() {
@@ -104,18 +132,10 @@ fn client_if_needed() -> Option<&'static Client> {
     if SCANNED_GEN.swap(gen, Ordering::AcqRel) == gen {
         return None;
     }
-    let rd = std::fs::read_dir("/proc/self/fd").ok()?;
-    let any = rd.flatten().any(|e| {
-        e.file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-            .and_then(sys::fd_path)
-            .is_some_and(|p| under_root(&p))
-    });
-    if any {
-        client()
-    } else {
+    if fds_under_root().is_empty() {
         None
+    } else {
+        client()
     }
 }
 
@@ -180,6 +200,7 @@ fn client() -> Option<&'static Client> {
                 );
             }
             FAILED_GEN.store(gen, Ordering::Release);
+            mark_unseen(&fds_under_root());
             None
         }
     };
@@ -280,6 +301,9 @@ unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
         };
     let ours = path.as_deref().is_some_and(under_root);
     let c = if ours { client() } else { None };
+    if ours && c.is_none() && flags & libc::O_ACCMODE != libc::O_RDONLY {
+        mark_unseen(&[fd]);
+    }
     match c.and_then(|c| c.track_path(fd, sync, path.as_deref()).map(|t| (c, t))) {
         Some((c, t)) => {
             // (An empty file needs no truncation: a new file, typically.)

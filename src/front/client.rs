@@ -222,20 +222,12 @@ impl Client {
         if !under {
             return None;
         }
-        let handle = crate::lower::real::handle_of(fd).ok()?;
-        let gen = crc32c::crc32c(&handle) as u64 | 1 << 40;
+        let (handle, gen) = object_gen(fd)?;
         let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
         let slot = self.table.slot(idx);
         {
             let _g = slot.lock();
-            if slot.w(S_GEN).load(Ordering::Relaxed) != gen {
-                // A new object behind a reused inode number (or a fresh slot): new identity.
-                for k in [S_FID, S_BIND_LSN, S_LAST_LSN, S_FLAGS] {
-                    slot.w(k).store(0, Ordering::Relaxed);
-                }
-                slot.clear_lazy(None);
-                slot.w(S_GEN).store(gen, Ordering::Release);
-            }
+            ensure_gen(&slot, gen);
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
@@ -573,5 +565,52 @@ impl Client {
         self.fds
             .try_read()
             .map(|m| m.iter().map(|(fd, t)| (*fd, t.sync)).collect())
+    }
+}
+
+/// The identity of an object for its slot: a checksum of its file handle (never 0).
+fn object_gen(fd: i32) -> Option<(Vec<u8>, u64)> {
+    let handle = crate::lower::real::handle_of(fd).ok()?;
+    let gen = crc32c::crc32c(&handle) as u64 | 1 << 40;
+    Some((handle, gen))
+}
+
+/// Make the slot describe the object `gen`: a new object behind a reused inode number (or a
+/// fresh slot) starts with no log identity and no flags. A slot flagged before anyone knew
+/// the object's handle (gen 0: flagged by identity only) keeps its flags: they may be about
+/// this object. Caller holds the slot lock.
+fn ensure_gen(slot: &Slot<'_>, gen: u64) {
+    let old = slot.w(S_GEN).load(Ordering::Relaxed);
+    if old == gen {
+        return;
+    }
+    let keep = if old == 0 {
+        slot.flags() & (F_FALLBACK | F_UNSEEN | F_MMAP)
+    } else {
+        0
+    };
+    for k in [S_FID, S_BIND_LSN, S_LAST_LSN] {
+        slot.w(k).store(0, Ordering::Relaxed);
+    }
+    slot.w(S_FLAGS).store(keep, Ordering::Release);
+    slot.clear_lazy(None);
+    slot.w(S_GEN).store(gen, Ordering::Release);
+}
+
+/// Mark the object of `fd` in `table` as written by someone the library cannot follow (a
+/// process that could not attach): every sync of it stays real.
+pub fn mark_unseen(table: &Table, fd: i32) {
+    let Ok(st) = sys::fstat(fd) else { return };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return;
+    }
+    let Some((_, gen)) = object_gen(fd) else {
+        return;
+    };
+    if let Some(i) = table.find_or_insert(st.st_dev, st.st_ino) {
+        let slot = table.slot(i);
+        let _g = slot.lock();
+        ensure_gen(&slot, gen);
+        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
     }
 }
