@@ -939,6 +939,29 @@ pub unsafe extern "C" fn mmap64(
     unsafe { mmap(addr, len, prot, flags, fd, off) }
 }
 
+/// copy_file_range and splice: the kernel copies into `fd_out`, unseen; its next sync is real.
+unsafe fn kernel_copy(
+    n: c_long,
+    fd_in: c_int,
+    off_in: *mut i64,
+    fd_out: c_int,
+    off_out: *mut i64,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    let args = [
+        fd_in as i64,
+        off_in as i64,
+        fd_out as i64,
+        off_out as i64,
+        len as i64,
+        flags as i64,
+    ];
+    let r = unsafe { raw(n, args) };
+    flag_fd(fd_out, F_FALLBACK);
+    r as ssize_t
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn copy_file_range(
     fd_in: c_int,
@@ -948,21 +971,17 @@ pub unsafe extern "C" fn copy_file_range(
     len: size_t,
     flags: c_uint,
 ) -> ssize_t {
-    let r = unsafe {
-        raw(
+    unsafe {
+        kernel_copy(
             libc::SYS_copy_file_range,
-            [
-                fd_in as i64,
-                off_in as i64,
-                fd_out as i64,
-                off_out as i64,
-                len as i64,
-                flags as i64,
-            ],
+            fd_in,
+            off_in,
+            fd_out,
+            off_out,
+            len,
+            flags,
         )
-    };
-    flag_fd(fd_out, F_FALLBACK);
-    r as ssize_t
+    }
 }
 
 #[no_mangle]
@@ -1001,21 +1020,7 @@ pub unsafe extern "C" fn splice(
     len: size_t,
     flags: c_uint,
 ) -> ssize_t {
-    let r = unsafe {
-        raw(
-            libc::SYS_splice,
-            [
-                fd_in as i64,
-                off_in as i64,
-                fd_out as i64,
-                off_out as i64,
-                len as i64,
-                flags as i64,
-            ],
-        )
-    };
-    flag_fd(fd_out, F_FALLBACK);
-    r as ssize_t
+    unsafe { kernel_copy(libc::SYS_splice, fd_in, off_in, fd_out, off_out, len, flags) }
 }
 
 // ---------------- stdio (its writes happen inside the C library) ----------------
@@ -1055,9 +1060,9 @@ unsafe fn stream_opened(fp: *mut FILE, mode: *const c_char) {
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut FILE {
-    let Some(f) = next::<FopenFn>(c"fopen") else {
+/// fopen and fopen64: the C library's, then the stream is checked.
+unsafe fn open_stream(name: &CStr, path: *const c_char, mode: *const c_char) -> *mut FILE {
+    let Some(f) = next::<FopenFn>(name) else {
         set_errno(libc::ENOSYS);
         return std::ptr::null_mut();
     };
@@ -1067,14 +1072,13 @@ pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut FILE {
+    unsafe { open_stream(c"fopen", path, mode) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn fopen64(path: *const c_char, mode: *const c_char) -> *mut FILE {
-    let Some(f) = next::<FopenFn>(c"fopen64") else {
-        set_errno(libc::ENOSYS);
-        return std::ptr::null_mut();
-    };
-    let fp = unsafe { f(path, mode) };
-    unsafe { stream_opened(fp, mode) };
-    fp
+    unsafe { open_stream(c"fopen64", path, mode) }
 }
 
 #[no_mangle]
