@@ -593,7 +593,9 @@ impl AreaGuard<'_> {
         })?;
         let at = page as usize * PAGE;
         self.log.pm.write_nt(at, data);
-        self.a.pending.push((at, PAGE));
+        if !self.log.pm.nt_durable_after_fence() {
+            self.a.pending.push((at, PAGE));
+        }
         let crc = crc32c::crc32c(data);
         let lsn = self.append(
             &Record::DataPage {

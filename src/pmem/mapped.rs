@@ -183,6 +183,11 @@ impl Pmem for MappedRegion {
         // SAFETY: in range (checked); writers use disjoint ranges (engine invariant).
         unsafe { copy_nt(self.ptr.add(off), data) }
     }
+    fn nt_durable_after_fence(&self) -> bool {
+        // copy_nt streams the bulk past the cache and flushes the cached edges on x86_64;
+        // elsewhere it is a plain copy that still needs the flush.
+        cfg!(target_arch = "x86_64")
+    }
     fn store_u64(&self, off: usize, v: u64) {
         self.check(off, 8);
         assert!(off % 8 == 0);

@@ -41,6 +41,12 @@ pub trait Pmem: Send + Sync {
     fn write_nt(&self, off: usize, data: &[u8]) {
         self.write(off, data)
     }
+    /// Whether `write_nt` data is durable after the next `fence` without a `flush` (true
+    /// non-temporal stores, edges flushed by `write_nt` itself). Then callers skip flushing
+    /// those ranges: a flush of lines that are not in the cache still costs tens of ns each.
+    fn nt_durable_after_fence(&self) -> bool {
+        false
+    }
     /// 8-byte failure-atomic store; `off` must be 8-byte aligned.
     fn store_u64(&self, off: usize, v: u64);
     /// Atomic fetch-and-add on an 8-byte word shared by every process mapping the region.
