@@ -710,3 +710,102 @@ fn fio_and_db_bench_give_the_same_results_under_pmstack_run() {
         );
     }
 }
+
+/// A process that cannot attach (here: every append area is leased) still runs, natively; the
+/// files it writes are marked in the shared table, so an attached process's fsync of them is
+/// the lower file system's own, which covers the unattached writes.
+#[test]
+fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = root.join("region.pm");
+    // `pmstack format` makes 16 areas; the daemon keeps 8: room for 8 attached processes.
+    let st = Command::new(common::bin())
+        .args(["format", "--size", "64M", "--pm"])
+        .arg(&pm)
+        .arg("--lower")
+        .arg(&root)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    // Holder 0 opens f, makes its first (real) sync, then waits; holders 1..7 take the rest
+    // of the areas.
+    let holder = "import os, sys\nd, k = sys.argv[1], sys.argv[2]\n\
+                  fd = os.open(os.path.join(d, 'f' if k == '0' else 'h' + k), os.O_RDWR | os.O_CREAT, 0o644)\n\
+                  os.pwrite(fd, b'o' * 100, 0)\nos.fsync(fd)\nprint('ready', flush=True)\n\
+                  sys.stdin.readline()\nos.fsync(fd)\nprint('synced', flush=True)\nsys.stdin.readline()\n";
+    let mut holders: Vec<(Child, BufReader<std::process::ChildStdout>)> = (0..8)
+        .map(|k| {
+            let mut c = s
+                .run()
+                .args(["python3", "-c", holder])
+                .arg(&root)
+                .arg(k.to_string())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut out = BufReader::new(c.stdout.take().unwrap());
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), "ready", "holder {k}");
+            (c, out)
+        })
+        .collect();
+    s.wait_stats("eight attached", |v| {
+        v["attached"].as_array().is_some_and(|a| a.len() == 8)
+    });
+    // The ninth process finds no free area: it writes f natively.
+    let st = s
+        .run()
+        .args([
+            "python3",
+            "-c",
+            "import os, sys\nfd = os.open(os.path.join(sys.argv[1], 'f'), os.O_RDWR)\nos.pwrite(fd, b'n' * 100, 0)\n",
+        ])
+        .arg(&root)
+        .env("PMSTACK_DEBUG", "1")
+        .output()
+        .unwrap();
+    assert!(st.status.success());
+    assert!(
+        String::from_utf8_lossy(&st.stderr).contains("cannot attach"),
+        "the ninth process attached after all: {}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    // Holder 0 syncs f: it must be real (its first sync was real too: 2).
+    let (c0, out0) = &mut holders[0];
+    writeln!(c0.stdin.as_mut().unwrap(), "go").unwrap();
+    let mut line = String::new();
+    out0.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "synced");
+    let me = c0.id() as u64;
+    let v = s.wait_stats("holder 0 synced", |v| {
+        v["attached"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|p| p["pid"] == me && p["real_syncs"].as_u64() >= Some(2))
+        })
+    });
+    let p = v["attached"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == me)
+        .unwrap()
+        .clone();
+    assert_eq!(p["absorbed_fsync"], 0, "{v}");
+    for (mut c, _) in holders {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    s.stop();
+    assert_eq!(fs::read(root.join("f")).unwrap(), vec![b'n'; 100]);
+}
