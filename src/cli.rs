@@ -1437,7 +1437,14 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
 /// The preload library: $PMSTACK_PRELOAD, beside the binary, or in ../lib/pmstack.
 fn preload_lib() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("PMSTACK_PRELOAD").filter(|p| !p.is_empty()) {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!(
+                "PMSTACK_PRELOAD={}: no such library (unset it to use the one beside pmstack)",
+                p.display()
+            );
+        }
+        return Ok(p);
     }
     let exe = self_exe();
     let dir = exe.parent().unwrap_or(Path::new("/"));
