@@ -1427,6 +1427,8 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
     let clean = d.shutdown().context("final write-back")?;
     let _ = fs::write(&stats, d.stats_json().to_string());
     if clean {
+        // Nobody maps the table any more (processes still attached would keep it).
+        let _ = fs::remove_file(&table);
         eprintln!("pmstack: stopped; {} is complete", root.display());
     } else {
         eprintln!("pmstack: stopped; processes are still attached (they now use the lower file system's fsync); the region is left for recovery at the next start");
