@@ -1468,7 +1468,7 @@ fn run_cmd(a: RunArgs) -> Result<()> {
     use std::os::unix::process::CommandExt;
     let root = fs::canonicalize(&a.root).with_context(|| format!("--root {}", a.root.display()))?;
     let lib = preload_lib()?;
-    let (sock, table, _) = pmstack::front::paths(&root);
+    let (sock, _, stats) = pmstack::front::paths(&root);
     let served = std::os::unix::net::UnixStream::connect(&sock).is_ok();
     if !served && a.require_daemon {
         bail!(
@@ -1484,10 +1484,8 @@ fn run_cmd(a: RunArgs) -> Result<()> {
             root.display()
         ));
     } else if let Some(pm) = &a.pm {
-        let t = pmstack::front::table::Table::open(&table)?;
-        let _ = t;
         let want = fs::canonicalize(pm)?;
-        let info: serde_json::Value = fs::read_to_string(pmstack::front::paths(&root).2)
+        let info: serde_json::Value = fs::read_to_string(&stats)
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok())
             .unwrap_or_default();

@@ -132,6 +132,24 @@ impl Serve {
         }
     }
 
+    /// The stats of attached process `pid`, once its real syncs reach `min_real`.
+    fn wait_real_syncs(
+        &self,
+        what: &str,
+        pid: u64,
+        min_real: u64,
+    ) -> (serde_json::Value, serde_json::Value) {
+        let proc_of = |v: &serde_json::Value| {
+            v["attached"]
+                .as_array()
+                .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
+        };
+        let st = self.wait_stats(what, |v| {
+            proc_of(v).is_some_and(|p| p["real_syncs"].as_u64() >= Some(min_real))
+        });
+        (proc_of(&st).expect("found above"), st)
+    }
+
     fn run(&self) -> Command {
         let mut c = Command::new(common::bin());
         c.arg("run").arg("--root").arg(&self.dir).arg("--");
@@ -518,20 +536,7 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
             .read_line(&mut line)
             .unwrap();
         assert_eq!(line.trim(), "synced", "{name}: the script failed");
-        let me = k.id() as u64;
-        let st = s.wait_stats(name, |v| {
-            v["attached"].as_array().is_some_and(|a| {
-                a.iter()
-                    .any(|p| p["pid"] == me && p["real_syncs"].as_u64() >= Some(2))
-            })
-        });
-        let p = st["attached"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["pid"] == me)
-            .unwrap()
-            .clone();
+        let (p, st) = s.wait_real_syncs(name, k.id() as u64, 2);
         // Two real syncs: the file's first one, and the one after the unseen write.
         assert_eq!(p["real_syncs"], 2, "{name}: {st}");
         assert_eq!(p["absorbed_fsync"], *absorbed, "{name}: {st}");
@@ -787,20 +792,7 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     let mut line = String::new();
     out0.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "synced");
-    let me = c0.id() as u64;
-    let v = s.wait_stats("holder 0 synced", |v| {
-        v["attached"].as_array().is_some_and(|a| {
-            a.iter()
-                .any(|p| p["pid"] == me && p["real_syncs"].as_u64() >= Some(2))
-        })
-    });
-    let p = v["attached"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["pid"] == me)
-        .unwrap()
-        .clone();
+    let (p, v) = s.wait_real_syncs("holder 0 synced", c0.id() as u64, 2);
     assert_eq!(p["absorbed_fsync"], 0, "{v}");
     for (mut c, _) in holders {
         let _ = c.kill();

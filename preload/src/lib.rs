@@ -117,6 +117,15 @@ fn under_root(path: &[u8]) -> bool {
     root().is_some_and(|r| path.starts_with(r) || path == &r[..r.len() - 1])
 }
 
+/// The client attached in generation `gen` (this process since its last fork), if any.
+fn attached(gen: u64) -> Option<&'static Client> {
+    if CLIENT_GEN.load(Ordering::Acquire) != gen {
+        return None;
+    }
+    // SAFETY: set by `client` from a leaked Box, never freed.
+    unsafe { CLIENT.load(Ordering::Acquire).as_ref() }
+}
+
 /// The generation whose descriptors were scanned for files under the root.
 static SCANNED_GEN: AtomicU64 = AtomicU64::new(0);
 
@@ -125,9 +134,8 @@ static SCANNED_GEN: AtomicU64 = AtomicU64::new(0);
 /// that never touches the root never attaches. Caller is `Inside`.
 fn client_if_needed() -> Option<&'static Client> {
     let gen = FORKS.load(Ordering::Acquire) + 1;
-    if CLIENT_GEN.load(Ordering::Acquire) == gen {
-        // SAFETY: set from a leaked Box, never freed.
-        return unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
+    if let Some(c) = attached(gen) {
+        return Some(c);
     }
     if SCANNED_GEN.swap(gen, Ordering::AcqRel) == gen {
         return None;
@@ -142,9 +150,8 @@ fn client_if_needed() -> Option<&'static Client> {
 /// The attached client of this process (attaching on first use). Caller is `Inside`.
 fn client() -> Option<&'static Client> {
     let gen = FORKS.load(Ordering::Acquire) + 1;
-    if CLIENT_GEN.load(Ordering::Acquire) == gen {
-        // SAFETY: set below from a leaked Box, never freed.
-        return unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
+    if let Some(c) = attached(gen) {
+        return Some(c);
     }
     if FAILED_GEN.load(Ordering::Acquire) == gen {
         return None;

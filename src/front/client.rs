@@ -376,7 +376,7 @@ impl Client {
     /// The lower file system's own fsync of the object, then a write-back record expiring its
     /// older entries (they must never be replayed over what this sync made durable). Caller
     /// holds the slot lock.
-    fn real_sync(&self, slot: &Slot<'_>, t: &Tracked, fd: i32, p: &mut Private) -> io::Result<()> {
+    fn real_sync(&self, slot: &Slot<'_>, fd: i32, p: &mut Private) -> io::Result<()> {
         sys::fsync(fd, false)?;
         let fid = slot.w(S_FID).load(Ordering::Acquire);
         if fid != 0 && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn() {
@@ -398,7 +398,6 @@ impl Client {
         slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
         slot.clear_lazy(None);
         p.dirty.clear();
-        let _ = t;
         self.count(P_FALLBACKS, 1);
         Ok(())
     }
@@ -431,7 +430,7 @@ impl Client {
         if !self.serving() {
             // Not absorbing any more: O_SYNC writes become the real thing.
             if sync {
-                self.real_sync(&slot, t, fd, &mut p)?;
+                self.real_sync(&slot, fd, &mut p)?;
             } else {
                 slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
             }
@@ -442,7 +441,7 @@ impl Client {
             && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp;
         if sync || live {
             if self.log_data(&slot, &t.ino, start, &buf[..n]).is_err() {
-                self.real_sync(&slot, t, fd, &mut p)?;
+                self.real_sync(&slot, fd, &mut p)?;
             } else if sync {
                 self.count(P_ABSORBED_OSYNC, 1);
             } else {
@@ -471,7 +470,7 @@ impl Client {
             || f & F_BASELINE == 0
             || slot.others_lazy(self.pid, cp)
         {
-            return self.real_sync(&slot, t, fd, &mut p);
+            return self.real_sync(&slot, fd, &mut p);
         }
         if !p.dirty.is_empty() && p.mark >= cp {
             if p.rfd.is_none() {
@@ -492,7 +491,7 @@ impl Client {
                 let n = sys::pread(rfd, &mut buf, s)?;
                 buf.truncate(n); // shrunk since: a truncate entry covers the rest
                 if !buf.is_empty() && self.log_data(&slot, &t.ino, s, &buf).is_err() {
-                    return self.real_sync(&slot, t, fd, &mut p);
+                    return self.real_sync(&slot, fd, &mut p);
                 }
             }
         }
@@ -507,7 +506,6 @@ impl Client {
     pub fn ftruncate(&self, t: &Tracked, fd: i32, len: u64) -> io::Result<()> {
         self.attr_op(
             t,
-            fd,
             || sys::ftruncate(fd, len),
             AttrOp::Truncate(len),
             Some(len),
@@ -517,7 +515,6 @@ impl Client {
     pub fn fallocate(&self, t: &Tracked, fd: i32, mode: i32, off: u64, len: u64) -> io::Result<()> {
         self.attr_op(
             t,
-            fd,
             || sys::fallocate(fd, mode, off, len),
             AttrOp::Fallocate {
                 mode: mode as u32,
@@ -531,7 +528,6 @@ impl Client {
     fn attr_op(
         &self,
         t: &Tracked,
-        fd: i32,
         op: impl FnOnce() -> io::Result<()>,
         rec: AttrOp,
         trim: Option<u64>,
@@ -556,11 +552,11 @@ impl Client {
         if !live || !self.serving() || self.log_attr(&slot, &t.ino, rec).is_err() {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
         }
-        let _ = fd;
         Ok(())
     }
 
-    /// Drop everything about descriptors (after fork in the child, which re-attaches).
+    /// The tracked descriptors and their O_SYNC flags, unless the table is locked (after a
+    /// fork, a lock held by another thread of the parent stays held in the child).
     pub fn fds_snapshot(&self) -> Option<Vec<(i32, bool)>> {
         self.fds
             .try_read()

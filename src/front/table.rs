@@ -28,9 +28,8 @@ pub const H_HEARTBEAT: usize = 4;
 /// 1 while the daemon serves; 0 once it stopped (cleanly or not).
 pub const H_RUNNING: usize = 5;
 pub const H_NSLOTS: usize = 6;
-/// Lock ordering namespace operations with their log appends (a pid, like slot locks).
-pub const H_NS_LOCK: usize = 7;
-/// Set by a process that found the region full: the daemon writes back at once.
+/// Set by a process that found the region full: the daemon writes back at once. (Word 7 is
+/// unused.)
 pub const H_WAKE: usize = 8;
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
@@ -308,11 +307,6 @@ impl Table {
                 })
             })
             .collect()
-    }
-
-    /// The namespace lock (a pid lock like a slot's).
-    pub fn ns_lock(&self) -> PidLock<'_> {
-        PidLock::acquire(self.w(H_NS_LOCK)).0
     }
 }
 
