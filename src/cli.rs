@@ -507,7 +507,7 @@ fn man_pages(out: &Path) -> Result<()> {
     Ok(())
 }
 
-use pmstack::lower::id_of;
+use pmstack::lower::{id_of, write_atomic};
 
 fn state_path(mountpoint: &Path) -> PathBuf {
     Path::new(RUN_DIR).join(format!("{}.json", id_of(mountpoint)))
@@ -907,11 +907,11 @@ fn serve(
         "pid": std::process::id(), "lower": lower, "mountpoint": mp, "mode": format!("{:?}", a.mode).to_lowercase(),
         "pm": log.as_ref().map(|_| a.pm.clone().unwrap_or_else(|| default_pm(&lower))),
     });
-    fs::write(&state, info.to_string())?;
+    write_atomic(&state, &info.to_string())?;
     // Counters exist before the mount is reported live, so `pmstack stat` works at once.
-    fs::write(
-        state.with_extension("stats"),
-        stats_json(&core, &summary).to_string(),
+    write_atomic(
+        &state.with_extension("stats"),
+        &stats_json(&core, &summary).to_string(),
     )?;
     if let Some(mut p) = ready.take() {
         let _ = p.write_all(b"ok");
@@ -986,7 +986,7 @@ fn serve(
         std::thread::Builder::new()
             .name("pmstack-stats".into())
             .spawn(move || loop {
-                let _ = fs::write(&statf, stats_json(&c, &sum).to_string());
+                let _ = write_atomic(&statf, &stats_json(&c, &sum).to_string());
                 std::thread::sleep(Duration::from_millis(500));
             })?;
     }
@@ -998,7 +998,7 @@ fn serve(
     let mut last = stats_json(&core, &summary);
     last["drained_bytes"] = drained.into();
     last["drain_ms"] = (t0.elapsed().as_millis() as u64).into();
-    let _ = fs::write(state.with_extension("stats"), last.to_string());
+    let _ = write_atomic(&state.with_extension("stats"), &last.to_string());
     let _ = flusher.join();
     let _ = fs::remove_file(&state);
     r.with_context(|| format!("draining the log into {} at unmount", lower.display()))?;
@@ -1425,7 +1425,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let _ = fs::remove_file(&sock);
     let clean = d.shutdown().context("final write-back")?;
-    let _ = fs::write(&stats, d.stats_json().to_string());
+    let _ = write_atomic(&stats, &d.stats_json().to_string());
     if clean {
         // Nobody maps the table any more (processes still attached would keep it).
         let _ = fs::remove_file(&table);

@@ -204,7 +204,7 @@ impl Daemon {
                 last_wb = Instant::now();
             }
             if last_stats.elapsed() >= Duration::from_millis(500) {
-                let _ = std::fs::write(stats_path, self.stats_json().to_string());
+                let _ = crate::lower::write_atomic(stats_path, &self.stats_json().to_string());
                 last_stats = Instant::now();
             }
             std::thread::sleep(Duration::from_millis(5));

@@ -37,3 +37,14 @@ pub fn id_of(p: &std::path::Path) -> String {
             | (p.as_os_str().len() as u64) << 32
     )
 }
+
+/// Replace a runtime file (stats, state) atomically: readers such as `pmstack stat` see the
+/// old or the new content, never a truncated file.
+pub fn write_atomic(path: &std::path::Path, contents: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    std::fs::write(&tmp, contents)?;
+    std::fs::rename(&tmp, path)
+}
