@@ -113,6 +113,10 @@ struct ServeArgs {
     /// Write-back period.
     #[arg(long, default_value_t = 5000)]
     flush_interval_ms: u64,
+    /// Do not watch for writers outside `pmstack run` (fanotify, needs root): you promise
+    /// that every process writing DIR runs under `pmstack run`.
+    #[arg(long)]
+    all_writers_attached: bool,
     #[arg(long, default_value = "info")]
     log_level: String,
 }
@@ -124,6 +128,9 @@ O_SYNC/O_DSYNC writes of regular files under DIR by dynamically linked programs.
 lower file system's fsync): the first sync of each file, files with a shared writable
 mapping, stdio streams, copy_file_range/sendfile/splice targets, io_uring users, syncs while
 another process has unsynced writes to the file, and everything once the daemon is gone.
+Writers outside `pmstack run` are watched with fanotify (needs root): every open of a tracked
+file is checked, and a file a foreign process writes is synced for real until that process
+is done with it (--all-writers-attached turns the watch off).
 Namespace operations and directory fsync stay native. A second daemon for DIR, or a new one
 while programs attached to an old one still run, is refused.";
 
@@ -138,8 +145,8 @@ binaries and Go programs (they bypass the C library: nothing is intercepted at a
 first sync of each file, files written through a shared writable mmap, a stdio stream,
 copy_file_range/sendfile/splice or io_uring, a sync while another process has unsynced
 writes to the file, and every sync once the daemon is gone. Namespace operations and
-directory fsync are native. A writer that is not under `pmstack run` is not detected: run
-every program that writes files under ROOT through `pmstack run`.
+directory fsync are native. A file that a process outside `pmstack run` opens for writing
+is seen by the daemon's watch, and is synced for real until that process is done with it.
 
 Example:
   pmstack serve /srv/db &
@@ -1408,12 +1415,33 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         &table,
         ServeOpts {
             root: root.clone(),
+            watch: !a.all_writers_attached,
+            sock: sock.clone(),
             region: fs::canonicalize(&pm)?,
             flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
             early_bytes: region_bytes / 4,
         },
     )?;
-    d.listen(&sock, &table)?;
+    let watch_stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| -> Result<()> {
+        // Answers opens of watched files until after the last write-back.
+        sc.spawn(|| d.watch_opens(&watch_stop));
+        let r = serve_loop(&d, &root, &pm, &sock, &table, &stats, &stop);
+        watch_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    })
+}
+
+fn serve_loop(
+    d: &pmstack::front::serve::Daemon,
+    root: &Path,
+    pm: &Path,
+    sock: &Path,
+    table: &Path,
+    stats: &Path,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<()> {
+    d.listen(sock, table)?;
     eprintln!(
         "pmstack: serving {} (region {}); run programs with `pmstack run --root {} -- CMD`",
         root.display(),
@@ -1421,14 +1449,14 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         root.display()
     );
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
-    d.run(&stop, &stats);
+    d.run(stop, stats);
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    let _ = fs::remove_file(&sock);
+    let _ = fs::remove_file(sock);
     let clean = d.shutdown().context("final write-back")?;
-    let _ = write_atomic(&stats, &d.stats_json().to_string());
+    let _ = write_atomic(stats, &d.stats_json().to_string());
     if clean {
         // Nobody maps the table any more (processes still attached would keep it).
-        let _ = fs::remove_file(&table);
+        let _ = fs::remove_file(table);
         eprintln!("pmstack: stopped; {} is complete", root.display());
     } else {
         eprintln!("pmstack: stopped; processes are still attached (they now use the lower file system's fsync); the region is left for recovery at the next start");

@@ -153,6 +153,7 @@ impl Serve {
     fn run(&self) -> Command {
         let mut c = Command::new(common::bin());
         c.arg("run").arg("--root").arg(&self.dir).arg("--");
+        c.env("PMSTACK_TEST_STATS", pmstack::front::paths(&self.dir).2);
         c
     }
 }
@@ -194,6 +195,7 @@ fn spawn_load(
     maxrec: u64,
     pace: f64,
     acks: &Arc<Mutex<Acks>>,
+    vetted: usize,
 ) -> (Child, std::thread::JoinHandle<()>) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/preload/load.py");
     let mut c = s
@@ -205,6 +207,7 @@ fn spawn_load(
         .arg(THREADS.to_string())
         .arg(maxrec.to_string())
         .arg(pace.to_string())
+        .env("PMSTACK_TEST_VETTED", vetted.to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -321,7 +324,16 @@ fn crash_round(base_dir: &Path, seed: u64) {
     let acks = Arc::new(Mutex::new(Acks::default()));
     let (mut kids, readers): (Vec<Child>, Vec<_>) = tags
         .iter()
-        .map(|t| spawn_load(&s, t, 20000, 0.0, &acks))
+        .map(|t| {
+            spawn_load(
+                &s,
+                t,
+                20000,
+                0.0,
+                &acks,
+                tags.len() * (THREADS as usize + 1),
+            )
+        })
         .unzip();
     let t0 = Instant::now();
     while acks.lock().unwrap().ready < tags.len() {
@@ -409,7 +421,7 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
     let mut s = Serve::start(d.path(), &pm, &["--flush-interval-ms", "3600000"]);
     let acks = Arc::new(Mutex::new(Acks::default()));
     // Paced, so the program runs well past the daemon's death (2 s heartbeat timeout).
-    let (mut k, reader) = spawn_load(&s, "A", 3000, 0.0015, &acks);
+    let (mut k, reader) = spawn_load(&s, "A", 3000, 0.0015, &acks, 0);
     while acks.lock().unwrap().ready < 1 {
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -465,19 +477,27 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
     }
 }
 
+/// Python: wait until the daemon vetted `n` files (looked for writers outside `pmstack run`
+/// that opened them earlier): the first sync after that is real, later ones are absorbed.
+const WAIT_VETTED: &str = "def wait_vetted(n):\n    import json, time\n    while True:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                if json.load(f).get('objects_vetted', 0) >= n:\n                    return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n";
+
 /// Each case the library cannot follow: (name, prelude makes the file's entries live, code
-/// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs).
-const FALLBACK_CASES: &[(&str, bool, &str, u64)] = &[
+/// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs,
+/// real syncs: the file's first, one when a writer the library cannot see appears while
+/// the file has live entries (mmap, stdio), and the sync after the unseen write).
+const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
     (
         "mmap",
         true,
         "import mmap\nm = mmap.mmap(fd, 8192, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)\nm[100:200] = NEW[:100]\nos.fsync(fd)",
         2,
+        3,
     ),
     (
         "copy_file_range",
         true,
         "src = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\nos.copy_file_range(src, fd, 100, 0, 100)\nos.fsync(fd)",
+        2,
         2,
     ),
     (
@@ -485,12 +505,14 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64)] = &[
         true,
         "src = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\nos.lseek(fd, 100, 0)\nos.sendfile(fd, src, 0, 100)\nos.fsync(fd)",
         2,
+        2,
     ),
     (
         "stdio",
         true,
         "import ctypes\nlc = ctypes.CDLL(None)\nlc.fopen.restype = ctypes.c_void_p\nfp = lc.fopen(os.path.join(d, 'f').encode(), b'r+')\nlc.fseek(ctypes.c_void_p(fp), 100, 0)\nlc.fwrite(NEW[:100], 1, 100, ctypes.c_void_p(fp))\nlc.fflush(ctypes.c_void_p(fp))\nos.fsync(fd)",
         2,
+        3,
     ),
     // Another process's writes not yet logged (the file has no live entries, so they are
     // lazy): this process's fsync must cover them, as the kernel's would.
@@ -499,6 +521,7 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64)] = &[
         false,
         "pid = os.fork()\nif pid == 0:\n    g = os.open(os.path.join(d, 'f'), os.O_RDWR)\n    os.pwrite(g, OLD, 0)\n    os.pwrite(g, NEW[:100], 100)\n    os._exit(0)\nos.waitpid(pid, 0)\nos.fsync(fd)",
         0,
+        2,
     ),
 ];
 
@@ -507,7 +530,7 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
     if !common::can_mount() || !have("python3") {
         return;
     }
-    for (name, live, code, absorbed) in FALLBACK_CASES {
+    for (name, live, code, absorbed, real) in FALLBACK_CASES {
         let d = tempfile::tempdir_in("/var/tmp").unwrap();
         let pm = d.path().join("region.pm");
         let root = fs::canonicalize(d.path()).unwrap();
@@ -518,9 +541,9 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
             ""
         };
         let script = format!(
-            "import os, sys, time\nd = sys.argv[1]\nOLD = b'o' * 8192\nNEW = b'n' * 8192\n\
+            "import os, sys, time\n{WAIT_VETTED}d = sys.argv[1]\nOLD = b'o' * 8192\nNEW = b'n' * 8192\n\
              fd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\n\
-             os.fsync(fd)\n{prelude}{code}\nprint('synced', flush=True)\ntime.sleep(30)\n"
+             wait_vetted(1)\nos.fsync(fd)\n{prelude}{code}\nprint('synced', flush=True)\ntime.sleep(30)\n"
         );
         let mut k = s
             .run()
@@ -536,9 +559,8 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
             .read_line(&mut line)
             .unwrap();
         assert_eq!(line.trim(), "synced", "{name}: the script failed");
-        let (p, st) = s.wait_real_syncs(name, k.id() as u64, 2);
-        // Two real syncs: the file's first one, and the one after the unseen write.
-        assert_eq!(p["real_syncs"], 2, "{name}: {st}");
+        let (p, st) = s.wait_real_syncs(name, k.id() as u64, *real);
+        assert_eq!(p["real_syncs"], *real, "{name}: {st}");
         assert_eq!(p["absorbed_fsync"], *absorbed, "{name}: {st}");
         // Kill everything; recovery replays the entries of the absorbed syncs, which are
         // older than the unseen write: the real sync must have expired them.
@@ -743,15 +765,17 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     // Holder 0 opens f, makes its first (real) sync, then waits; holders 1..7 take the rest
     // of the areas.
-    let holder = "import os, sys\nd, k = sys.argv[1], sys.argv[2]\n\
-                  fd = os.open(os.path.join(d, 'f' if k == '0' else 'h' + k), os.O_RDWR | os.O_CREAT, 0o644)\n\
-                  os.pwrite(fd, b'o' * 100, 0)\nos.fsync(fd)\nprint('ready', flush=True)\n\
-                  sys.stdin.readline()\nos.fsync(fd)\nprint('synced', flush=True)\nsys.stdin.readline()\n";
+    let holder = format!(
+        "import os, sys\n{WAIT_VETTED}d, k = sys.argv[1], sys.argv[2]\n\
+         fd = os.open(os.path.join(d, 'f' if k == '0' else 'h' + k), os.O_RDWR | os.O_CREAT, 0o644)\n\
+         wait_vetted(1)\nos.pwrite(fd, b'o' * 100, 0)\nos.fsync(fd)\nprint('ready', flush=True)\n\
+         sys.stdin.readline()\nos.fsync(fd)\nprint('synced', flush=True)\nsys.stdin.readline()\n"
+    );
     let mut holders: Vec<(Child, BufReader<std::process::ChildStdout>)> = (0..8)
         .map(|k| {
             let mut c = s
                 .run()
-                .args(["python3", "-c", holder])
+                .args(["python3", "-c", &holder])
                 .arg(&root)
                 .arg(k.to_string())
                 .stdin(Stdio::piped())
@@ -800,4 +824,144 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     }
     s.stop();
     assert_eq!(fs::read(root.join("f")).unwrap(), vec![b'n'; 100]);
+}
+
+/// A python process driven line by line: each `exec` runs code in one shared namespace.
+struct Py {
+    c: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Py {
+    fn spawn(mut cmd: Command, root: &Path) -> Py {
+        let driver = format!(
+            "import os, sys, json\n{WAIT_VETTED}d = sys.argv[1]\nfor line in sys.stdin:\n    exec(json.loads(line))\n    print('ok', flush=True)\n"
+        );
+        let mut c = cmd
+            .args(["python3", "-c", &driver])
+            .arg(root)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(c.stdout.take().unwrap());
+        Py { c, out }
+    }
+
+    fn exec(&mut self, code: &str) {
+        let line = serde_json::to_string(code).unwrap();
+        writeln!(self.c.stdin.as_mut().unwrap(), "{line}").unwrap();
+        let mut r = String::new();
+        self.out.read_line(&mut r).unwrap();
+        assert_eq!(r.trim(), "ok", "python failed on: {code}");
+    }
+
+    fn pid(&self) -> u64 {
+        self.c.id() as u64
+    }
+}
+
+impl Drop for Py {
+    fn drop(&mut self) {
+        let _ = self.c.kill();
+        let _ = self.c.wait();
+    }
+}
+
+#[test]
+fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = root.join("region.pm");
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let plain = || Command::new("env");
+    let counts = |s: &Serve, pid: u64| -> (u64, u64) {
+        let v = s.stats();
+        let p = v["attached"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
+            .unwrap_or_default();
+        (
+            p["absorbed_fsync"].as_u64().unwrap_or(0),
+            p["real_syncs"].as_u64().unwrap_or(0),
+        )
+    };
+    let wait_counts = |s: &Serve, pid: u64, want: (u64, u64)| {
+        let t0 = Instant::now();
+        while counts(s, pid) != want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "pid {pid}: (absorbed, real) {:?}, want {want:?}; {}",
+                counts(s, pid),
+                s.stats()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+
+    // 1. A write open after the file is watched. The attached process leaves a live entry
+    // over bytes 100..200; a process outside `pmstack run` then overwrites them and syncs
+    // natively.
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec("fd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\nwait_vetted(1)");
+    a.exec(
+        "os.pwrite(fd, b'o' * 8192, 0)\nos.fsync(fd)\nos.pwrite(fd, b'a' * 100, 100)\nos.fsync(fd)",
+    );
+    wait_counts(&s, a.pid(), (1, 1));
+    // A reader outside is no writer.
+    let st = plain().arg("cat").arg(root.join("f")).output().unwrap();
+    assert!(st.status.success());
+    let mut f = Py::spawn(plain(), &root);
+    f.exec(
+        "g = os.open(os.path.join(d, 'f'), os.O_RDWR)\nos.pwrite(g, b'n' * 100, 100)\nos.fsync(g)",
+    );
+    let v = s.wait_stats("the foreign writer is seen", |v| {
+        v["foreign_writers"].as_u64() >= Some(1)
+    });
+    assert_eq!(
+        v["foreign_writers"], 1,
+        "the reader was taken for a writer: {v}"
+    );
+    // While it may write, the attached process's syncs are real.
+    a.exec("os.pwrite(fd, b'b' * 50, 300)\nos.fsync(fd)");
+    wait_counts(&s, a.pid(), (1, 2));
+    // Kill everything: recovery must not apply the entry of bytes 100..200 over the foreign
+    // writer's durable bytes.
+    drop(a);
+    drop(f);
+    s.kill9();
+    let mut s2 = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let got = fs::read(root.join("f")).unwrap();
+    assert_eq!(&got[100..200], &[b'n'; 100][..], "rolled back by replay");
+    assert_eq!(&got[300..350], &[b'b'; 50][..]);
+
+    // 2. A writer that opened the file before any attached process tracked it (no open
+    // event): the daemon's scan finds it; syncs stay real until it is gone, then one more
+    // real sync covers what it left, and absorption resumes.
+    let mut f = Py::spawn(plain(), &root);
+    f.exec("g = os.open(os.path.join(d, 'g'), os.O_RDWR | os.O_CREAT, 0o644)");
+    let mut a = Py::spawn(s2.run(), &root);
+    a.exec("fd = os.open(os.path.join(d, 'g'), os.O_RDWR)\nwait_vetted(1)\nos.fsync(fd)");
+    assert!(
+        s2.stats()["foreign_writers"].as_u64() >= Some(1),
+        "{}",
+        s2.stats()
+    );
+    f.exec("os.pwrite(g, b'z' * 10, 0)");
+    a.exec("os.fsync(fd)");
+    wait_counts(&s2, a.pid(), (0, 2));
+    drop(f);
+    // Within a second the daemon finds the writer gone.
+    std::thread::sleep(Duration::from_millis(1500));
+    a.exec("os.pwrite(fd, b'y' * 10, 20)\nos.fsync(fd)");
+    a.exec("os.pwrite(fd, b'x' * 10, 40)\nos.fsync(fd)");
+    wait_counts(&s2, a.pid(), (1, 3));
+    drop(a);
+    s2.stop();
+    let got = fs::read(root.join("g")).unwrap();
+    assert_eq!(&got[..10], b"zzzzzzzzzz");
+    assert_eq!(&got[40..50], b"xxxxxxxxxx");
 }

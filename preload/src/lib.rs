@@ -534,7 +534,7 @@ pub unsafe extern "C" fn pwritev2(
                 ],
             )
         };
-        c.flag(&t, F_FALLBACK);
+        c.flag(&t, fd, F_FALLBACK);
         return r as ssize_t;
     }
     unsafe {
@@ -749,7 +749,7 @@ fn keep_errno(f: impl FnOnce()) {
 fn flag_fd(fd: c_int, f: u64) {
     keep_errno(|| {
         if let Some((_g, c, t)) = lookup(fd) {
-            c.flag(&t, f);
+            c.flag(&t, fd, f);
         }
     })
 }
@@ -1063,7 +1063,7 @@ unsafe fn stream_opened(fp: *mut FILE, mode: *const c_char) {
     }
     let Some(c) = client() else { return };
     if let Some(t) = c.track(fd, false) {
-        c.flag(&t, F_UNSEEN);
+        c.flag(&t, fd, F_UNSEEN);
     }
 }
 

@@ -17,7 +17,7 @@
 //!   the object's older entries so replay can never apply them over newer bytes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -70,6 +70,10 @@ pub struct Client {
     rec: usize,
     pid: u64,
     _sock: Option<UnixStream>,
+    /// The daemon's fanotify group (`watch`): objects this process tracks are marked in it.
+    group: Option<OwnedFd>,
+    /// The daemon watches for writers that are not attached: absorb only vetted objects.
+    watching: bool,
     fds: RwLock<HashMap<i32, Arc<Tracked>>>,
     inodes: Mutex<HashMap<usize, Arc<Inode>>>,
     last_gc_cp: std::sync::atomic::AtomicU64,
@@ -84,6 +88,9 @@ pub struct Hello {
     pub region: PathBuf,
     pub table: PathBuf,
     pub epoch: u64,
+    /// The daemon's fanotify group descriptor follows the hello (SCM_RIGHTS).
+    #[serde(default)]
+    pub watch: bool,
 }
 
 fn bad(msg: String) -> io::Error {
@@ -95,12 +102,12 @@ impl Client {
     pub fn connect(sock: &Path) -> io::Result<Client> {
         let mut s = UnixStream::connect(sock)?;
         writeln!(s, "attach {}", my_pid())?;
-        let mut line = String::new();
-        BufReader::new(s.try_clone()?).read_line(&mut line)?;
+        let (line, group) = recv_hello(&s)?;
         let hello: Hello = serde_json::from_str(line.trim())
             .map_err(|e| bad(format!("bad hello from daemon: {e}")))?;
         let mut c = Self::attach(&hello)?;
         c._sock = Some(s);
+        c.group = group;
         Ok(c)
     }
 
@@ -118,6 +125,13 @@ impl Client {
         let rec = table
             .register(pid)
             .ok_or_else(|| bad("too many attached processes".into()))?;
+        table
+            .proc_word(rec, P_START)
+            .store(super::watch::start_time(pid), Ordering::Relaxed);
+        table
+            .proc_word(rec, P_EXE)
+            .store(super::watch::exe_ident(pid), Ordering::Release);
+        let watching = table.w(H_WATCH).load(Ordering::Relaxed) == 1;
         let root = std::fs::canonicalize(&h.root)?;
         let root_dev = std::fs::metadata(&root).map(|m| std::os::unix::fs::MetadataExt::dev(&m))?;
         let mut rb = root.as_os_str().as_encoded_bytes().to_vec();
@@ -133,6 +147,8 @@ impl Client {
             rec,
             pid,
             _sock: None,
+            group: None,
+            watching,
             fds: RwLock::new(HashMap::new()),
             inodes: Mutex::new(HashMap::new()),
             last_gc_cp: 0.into(),
@@ -180,8 +196,14 @@ impl Client {
     /// process, and every sync of an object it tracks, is real.
     pub fn go_blind(&self) {
         self.blind.store(true, Ordering::Relaxed);
-        for t in self.fds.read().values() {
-            self.flag(t, F_UNSEEN);
+        let fds: Vec<(i32, Arc<Tracked>)> = self
+            .fds
+            .read()
+            .iter()
+            .map(|(f, t)| (*f, t.clone()))
+            .collect();
+        for (fd, t) in fds {
+            self.flag(&t, fd, F_UNSEEN);
         }
     }
 
@@ -231,6 +253,7 @@ impl Client {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
+            self.mark_for_watch(&slot, fd);
         }
         let ino = {
             let mut m = self.inodes.lock();
@@ -266,11 +289,55 @@ impl Client {
         }
     }
 
-    pub fn flag(&self, t: &Tracked, f: u64) {
-        self.table
-            .slot(t.ino.slot)
-            .w(S_FLAGS)
-            .fetch_or(f, Ordering::AcqRel);
+    /// Set flags on the slot of a tracked descriptor. A writer the library will not see
+    /// (`F_NOT_SEEN`) first gets the object's live entries expired by a real sync: its writes
+    /// are not logged, and replay must never apply older entries over them.
+    pub fn flag(&self, t: &Tracked, fd: i32, f: u64) {
+        let slot = self.table.slot(t.ino.slot);
+        if f & F_NOT_SEEN == 0 {
+            slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
+            return;
+        }
+        let _g = slot.lock();
+        slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
+        if self.live(&slot) {
+            let mut p = t.ino.p.lock();
+            let _ = self.real_sync(&slot, fd, &mut p);
+        }
+    }
+
+    /// The object has entries the checkpoint has not expired.
+    fn live(&self, slot: &Slot<'_>) -> bool {
+        slot.w(S_FID).load(Ordering::Acquire) != 0
+            && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn()
+    }
+
+    /// Have the daemon report opens of this object (see `watch`), once per object. Caller
+    /// holds the slot lock.
+    fn mark_for_watch(&self, slot: &Slot<'_>, fd: i32) {
+        if !self.watching || slot.flags() & F_MARKED != 0 {
+            return;
+        }
+        let Some(g) = &self.group else { return };
+        // Unmarked objects are never vetted: their syncs stay real.
+        if super::watch::mark(g.as_raw_fd(), fd).is_ok() {
+            slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
+            self.table.note_marked(slot.idx);
+        }
+    }
+
+    /// Every writer of the object is seen (as far as its flags and this process tell), so
+    /// its writes and attribute changes may be logged. Not while the daemon has not yet looked
+    /// for writers from before the object was watched.
+    fn loggable(&self, f: u64) -> bool {
+        f & F_NOT_SEEN == 0
+            && !self.blind.load(Ordering::Relaxed)
+            && (!self.watching || f & F_VETTED != 0)
+    }
+
+    /// Syncs of the object may be absorbed as far as its flags tell.
+    fn absorbable(&self, f: u64) -> bool {
+        self.loggable(f) && f & F_FALLBACK == 0 && f & F_BASELINE != 0
     }
 
     /// Append `data` at `off` of the object (and its binding if needed); the LSN of the last
@@ -377,6 +444,9 @@ impl Client {
     /// older entries (they must never be replayed over what this sync made durable). Caller
     /// holds the slot lock.
     fn real_sync(&self, slot: &Slot<'_>, fd: i32, p: &mut Private) -> io::Result<()> {
+        // A baseline needs a sync that began after the daemon looked for writers that
+        // opened the object before it was watched.
+        let vetted = !self.watching || slot.flags() & F_VETTED != 0;
         sys::fsync(fd, false)?;
         let fid = slot.w(S_FID).load(Ordering::Acquire);
         if fid != 0 && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn() {
@@ -394,7 +464,9 @@ impl Client {
             }
         }
         slot.w(S_LAST_LSN).store(0, Ordering::Release);
-        slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
+        if vetted {
+            slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
+        }
         slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
         slot.clear_lazy(None);
         p.dirty.clear();
@@ -436,9 +508,17 @@ impl Client {
             }
             return Ok(n);
         }
-        let cp = self.log.checkpoint_lsn();
-        let live = slot.w(S_FID).load(Ordering::Acquire) != 0
-            && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp;
+        if !self.loggable(slot.flags()) {
+            // Writers the library does not see (or may not see: the daemon has not yet looked
+            // for writers from before the object was watched): nothing about the object is
+            // logged, since their writes to the same pages would be rolled back by replay;
+            // O_SYNC is real.
+            if sync {
+                self.real_sync(&slot, fd, &mut p)?;
+            }
+            return Ok(n);
+        }
+        let live = self.live(&slot);
         if sync || live {
             if self.log_data(&slot, &t.ino, start, &buf[..n]).is_err() {
                 self.real_sync(&slot, fd, &mut p)?;
@@ -463,13 +543,7 @@ impl Client {
         let _g = slot.lock();
         let mut p = t.ino.p.lock();
         let cp = self.log.checkpoint_lsn();
-        let f = slot.flags();
-        if !self.serving()
-            || self.blind.load(Ordering::Relaxed)
-            || f & (F_FALLBACK | F_MMAP | F_UNSEEN) != 0
-            || f & F_BASELINE == 0
-            || slot.others_lazy(self.pid, cp)
-        {
+        if !self.serving() || !self.absorbable(slot.flags()) || slot.others_lazy(self.pid, cp) {
             return self.real_sync(&slot, fd, &mut p);
         }
         if !p.dirty.is_empty() && p.mark >= cp {
@@ -547,9 +621,11 @@ impl Client {
         // An object with live entries gets a record (replay must apply the change in order
         // with them); otherwise the next sync of the object is real, which makes the change
         // durable without putting files nobody syncs into the log.
-        let live = slot.w(S_FID).load(Ordering::Acquire) != 0
-            && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn();
-        if !live || !self.serving() || self.log_attr(&slot, &t.ino, rec).is_err() {
+        if !self.loggable(slot.flags())
+            || !self.live(&slot)
+            || !self.serving()
+            || self.log_attr(&slot, &t.ino, rec).is_err()
+        {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
         }
         Ok(())
@@ -562,6 +638,37 @@ impl Client {
             .try_read()
             .map(|m| m.iter().map(|(fd, t)| (*fd, t.sync)).collect())
     }
+}
+
+/// Read the daemon's hello line and, when it sends one, its fanotify group descriptor.
+fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    use std::mem::MaybeUninit;
+    let mut line = Vec::new();
+    let mut group = None;
+    while !line.ends_with(b"\n") {
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut anc = RecvAncillaryBuffer::new(&mut space);
+        let mut buf = [0u8; 1024];
+        let r = rustix::net::recvmsg(
+            s,
+            &mut [io::IoSliceMut::new(&mut buf)],
+            &mut anc,
+            RecvFlags::CMSG_CLOEXEC,
+        )?;
+        for m in anc.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = m {
+                for fd in fds {
+                    group.get_or_insert(fd);
+                }
+            }
+        }
+        if r.bytes == 0 {
+            return Err(bad("the daemon closed the connection".into()));
+        }
+        line.extend_from_slice(&buf[..r.bytes]);
+    }
+    Ok((String::from_utf8_lossy(&line).into_owned(), group))
 }
 
 /// The identity of an object for its slot: a checksum of its file handle (never 0).
@@ -581,7 +688,7 @@ fn ensure_gen(slot: &Slot<'_>, gen: u64) {
         return;
     }
     let keep = if old == 0 {
-        slot.flags() & (F_FALLBACK | F_UNSEEN | F_MMAP)
+        slot.flags() & (F_FALLBACK | F_NOT_SEEN)
     } else {
         0
     };

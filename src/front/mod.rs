@@ -11,6 +11,7 @@ pub mod client;
 pub mod serve;
 pub mod sys;
 pub mod table;
+pub mod watch;
 
 use std::path::{Path, PathBuf};
 

@@ -7,7 +7,8 @@
 //! checkpoint" expires only what syncfs made durable.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,11 +19,21 @@ use anyhow::{bail, Context, Result};
 
 use super::client::Hello;
 use super::table::*;
+use super::watch::{self, Group, OpenEvent};
 use crate::engine::Log;
 use crate::lower::RealLower;
+use parking_lot::Mutex;
+
+/// Vetting newly watched objects scans /proc: at most once per this period.
+const VET_EVERY: Duration = Duration::from_millis(10);
 
 pub struct ServeOpts {
     pub root: PathBuf,
+    /// Watch for writers that are not attached (`watch`); off only when the operator
+    /// promised that every writer of the directory runs under `pmstack run`.
+    pub watch: bool,
+    /// The attach socket (processes with the library pointed at it are attached).
+    pub sock: PathBuf,
     pub region: PathBuf,
     pub flush_interval: Duration,
     /// Write back early once this many bytes were logged since the last write-back.
@@ -36,6 +47,39 @@ pub struct ServeStats {
     pub writeback_us: AtomicU64,
     pub leases_reclaimed: AtomicU64,
     pub attaches: AtomicU64,
+    /// Opens of watched objects the daemon answered.
+    pub watched_opens: AtomicU64,
+    /// Write opens by processes that are not attached (at open, or found by a scan).
+    pub foreign_writers: AtomicU64,
+    /// Objects vetted (looked for writers from before they were watched).
+    pub vetted: AtomicU64,
+}
+
+/// Send the hello line, with the fanotify group's descriptor when the daemon watches.
+fn send_hello(
+    c: &std::os::unix::net::UnixStream,
+    hello: &str,
+    group: Option<&Group>,
+) -> std::io::Result<()> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::mem::MaybeUninit;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    let fds;
+    if let Some(g) = group {
+        fds = [g.fd()];
+        anc.push(SendAncillaryMessage::ScmRights(&fds));
+    }
+    let mut sent = rustix::net::sendmsg(
+        c,
+        &[std::io::IoSlice::new(hello.as_bytes())],
+        &mut anc,
+        SendFlags::NOSIGNAL,
+    )?;
+    while sent < hello.len() {
+        sent += rustix::net::send(c, &hello.as_bytes()[sent..], SendFlags::NOSIGNAL)?;
+    }
+    Ok(())
 }
 
 /// Refuse to start while an earlier daemon or processes attached to it are alive: they map
@@ -64,6 +108,14 @@ pub struct Daemon {
     pub table: Arc<Table>,
     pub opts: ServeOpts,
     pub stats: Arc<ServeStats>,
+    group: Option<Arc<Group>>,
+    /// One write-back at a time (the loop's, and one before a foreign writer's open).
+    wb: Mutex<()>,
+    /// Slots the daemon flagged foreign.
+    foreign: Mutex<HashSet<usize>>,
+    /// Processes that are not registered but run with the library for this daemon:
+    /// (pid, start time, program image) -> attached.
+    preloaded: Mutex<HashMap<(u64, u64, u64), bool>>,
 }
 
 impl Daemon {
@@ -73,16 +125,33 @@ impl Daemon {
         table_path: &Path,
         opts: ServeOpts,
     ) -> Result<Daemon> {
+        let group = if opts.watch {
+            Some(Arc::new(Group::new().map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot watch for writers outside `pmstack run` (fanotify: {e}); run `pmstack serve` as root (it needs CAP_SYS_ADMIN), or pass --all-writers-attached if every process that writes {} runs under `pmstack run`",
+                    opts.root.display()
+                )
+            })?))
+        } else {
+            None
+        };
         let table = Arc::new(
             Table::create(table_path, DEFAULT_SLOTS)
                 .with_context(|| format!("creating {}", table_path.display()))?,
         );
+        table
+            .w(H_WATCH)
+            .store(group.is_some() as u64, Ordering::Release);
         Ok(Daemon {
             log,
             lower,
             table,
             opts,
             stats: Default::default(),
+            group,
+            wb: Mutex::new(()),
+            foreign: Mutex::new(HashSet::new()),
+            preloaded: Mutex::new(HashMap::new()),
         })
     }
 
@@ -99,14 +168,17 @@ impl Daemon {
             region: self.opts.region.clone(),
             table: table_path.to_owned(),
             epoch: self.table.epoch(),
+            watch: self.group.is_some(),
         })?;
         let stats = self.stats.clone();
+        let group = self.group.clone();
         std::thread::Builder::new()
             .name("pmstack-attach".into())
             .spawn(move || {
                 for c in l.incoming().flatten() {
                     let hello = hello.clone();
                     let stats = stats.clone();
+                    let group = group.clone();
                     let _ = std::thread::Builder::new()
                         .name("pmstack-client".into())
                         .spawn(move || {
@@ -119,8 +191,7 @@ impl Daemon {
                                 return;
                             }
                             let pid = line[7..].trim().to_string();
-                            let mut w = &c;
-                            if writeln!(w, "{hello}").is_err() {
+                            if send_hello(&c, &format!("{hello}\n"), group.as_deref()).is_err() {
                                 return;
                             }
                             stats.attaches.fetch_add(1, Ordering::Relaxed);
@@ -136,6 +207,7 @@ impl Daemon {
 
     /// Make everything logged so far durable in the lower file system and expire it.
     pub fn write_back(&self) -> Result<u64> {
+        let _one = self.wb.lock();
         let t0 = Instant::now();
         // Bump the counter so every write noted before this point has a mark below `upto`.
         self.log.next_lsn();
@@ -151,6 +223,200 @@ impl Daemon {
             .writeback_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(upto)
+    }
+
+    /// Whether `pid` is attached to this daemon (or is the daemon): registered with the same
+    /// start time and program image, or running with the library pointed at this daemon (it
+    /// attaches before its first write under the root).
+    fn is_attached(&self, pid: u64) -> bool {
+        if pid == my_pid() {
+            return true;
+        }
+        let start = watch::start_time(pid);
+        let exe = watch::exe_ident(pid);
+        if start == 0 {
+            return false; // gone, or not ours to read: not attached
+        }
+        for i in 0..MAX_PROCS {
+            if self.table.proc_word(i, P_PID).load(Ordering::Acquire) == pid
+                && self.table.proc_word(i, P_START).load(Ordering::Relaxed) == start
+                && self.table.proc_word(i, P_EXE).load(Ordering::Acquire) == exe
+            {
+                return true;
+            }
+        }
+        let key = (pid, start, exe);
+        if let Some(&a) = self.preloaded.lock().get(&key) {
+            return a;
+        }
+        let a = watch::preloaded_for(pid, self.opts.sock.as_os_str().as_encoded_bytes());
+        let mut m = self.preloaded.lock();
+        if m.len() > 4096 {
+            m.clear();
+        }
+        m.insert(key, a);
+        a
+    }
+
+    /// Answer open permission events until `stop` (a thread of its own: every open of a
+    /// watched object waits for it). Opens by attached processes, and read opens by others,
+    /// are allowed at once; a write open by a process that is not attached is allowed once
+    /// its object is foreign and, if it had live entries, written back.
+    pub fn watch_opens(&self, stop: &AtomicBool) {
+        let Some(g) = &self.group else { return };
+        std::thread::scope(|sc| {
+            while !stop.load(Ordering::Relaxed) {
+                let evs = match g.next(100) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        tracing::error!("reading fanotify events failed ({e}); writers outside `pmstack run` are no longer seen, so absorption stops");
+                        self.table.w(H_RUNNING).store(0, Ordering::Release);
+                        return;
+                    }
+                };
+                for e in evs {
+                    self.stats.watched_opens.fetch_add(1, Ordering::Relaxed);
+                    if self.is_attached(e.pid) || !watch::open_is_write(e.pid) {
+                        g.allow(e);
+                        continue;
+                    }
+                    // The write-back may take a while: answer from a thread of its own so
+                    // other opens (attached processes holding slot locks among them) go on.
+                    sc.spawn(move || {
+                        self.foreign_open(&e);
+                        g.allow(e);
+                    });
+                }
+            }
+        });
+    }
+
+    /// A process that is not attached opens a watched object for writing.
+    fn foreign_open(&self, e: &OpenEvent) {
+        use std::os::fd::AsRawFd;
+        let Ok(st) = super::sys::fstat(e.file.as_raw_fd()) else {
+            return;
+        };
+        let Some(idx) = self.table.find(st.st_dev, st.st_ino) else {
+            return;
+        };
+        self.stats.foreign_writers.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            pid = e.pid,
+            ino = st.st_ino,
+            "a process outside `pmstack run` opens a watched file for writing: its syncs are real until it is done"
+        );
+        self.make_foreign(&[idx]);
+    }
+
+    /// Flag slots foreign; if any has live entries, write everything back so replay has
+    /// nothing older than the foreign writer's bytes to apply. The slot locks make sure no
+    /// append that missed the flag is still under way.
+    fn make_foreign(&self, idxs: &[usize]) {
+        let cp = self.log.checkpoint_lsn();
+        let mut live = false;
+        for &i in idxs {
+            let slot = self.table.slot(i);
+            let _g = slot.lock();
+            slot.w(S_FLAGS).fetch_or(F_FOREIGN, Ordering::AcqRel);
+            live |= slot.w(S_FID).load(Ordering::Acquire) != 0
+                && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp;
+            self.foreign.lock().insert(i);
+        }
+        if live {
+            // A failed write-back leaves entries that replay could apply over the foreign
+            // writer's bytes: retry until it succeeds (the open waits).
+            while self.write_back().is_err() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Vet newly marked slots: find writers that are not attached and opened the object
+    /// before it was watched (their opens raised no event). `all`: look at every slot, not
+    /// only at the ring of recent marks.
+    fn vet(&self, ring_from: u64, ring_to: u64, all: bool) {
+        let mut cand: Vec<usize> = Vec::new();
+        let pending = |i: usize| {
+            let f = self.table.slot(i).flags();
+            f & F_MARKED != 0 && f & F_VETTED == 0
+        };
+        if all || ring_to - ring_from > RING as u64 {
+            cand.extend((0..self.table.nslots()).filter(|&i| pending(i)));
+        } else {
+            for n in ring_from..ring_to {
+                let v = self
+                    .table
+                    .w(H_RING + n as usize % RING)
+                    .load(Ordering::Acquire);
+                if v != 0 && (v as usize - 1) < self.table.nslots() && pending(v as usize - 1) {
+                    cand.push(v as usize - 1);
+                }
+            }
+        }
+        if cand.is_empty() {
+            return;
+        }
+        let ids = |i: usize| {
+            let s = self.table.slot(i);
+            (
+                s.w(S_DEV).load(Ordering::Acquire),
+                s.w(S_INO).load(Ordering::Acquire).wrapping_sub(1),
+            )
+        };
+        let targets: HashSet<(u64, u64)> = cand.iter().map(|&i| ids(i)).collect();
+        let found = watch::foreign_writers(&targets, &mut |pid| self.is_attached(pid));
+        let hit: Vec<usize> = cand
+            .iter()
+            .copied()
+            .filter(|&i| found.contains(&ids(i)))
+            .collect();
+        if !hit.is_empty() {
+            self.stats
+                .foreign_writers
+                .fetch_add(hit.len() as u64, Ordering::Relaxed);
+            tracing::info!(
+                objects = hit.len(),
+                "processes outside `pmstack run` hold newly tracked files open for writing: their syncs are real until they are done"
+            );
+            self.make_foreign(&hit);
+        }
+        for i in cand {
+            self.table
+                .slot(i)
+                .w(S_FLAGS)
+                .fetch_or(F_VETTED, Ordering::AcqRel);
+            self.stats.vetted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Foreign objects no foreign writer holds any more: their next sync is real (it covers
+    /// what the writer left in the page cache), then absorption resumes.
+    fn recheck_foreign(&self) {
+        let idxs: Vec<usize> = self.foreign.lock().iter().copied().collect();
+        if idxs.is_empty() {
+            return;
+        }
+        let ids = |i: usize| {
+            let s = self.table.slot(i);
+            (
+                s.w(S_DEV).load(Ordering::Acquire),
+                s.w(S_INO).load(Ordering::Acquire).wrapping_sub(1),
+            )
+        };
+        let targets: HashSet<(u64, u64)> = idxs.iter().map(|&i| ids(i)).collect();
+        let found = watch::foreign_writers(&targets, &mut |pid| self.is_attached(pid));
+        let mut f = self.foreign.lock();
+        for i in idxs {
+            let slot = self.table.slot(i);
+            if slot.flags() & F_FOREIGN == 0 {
+                f.remove(&i); // a new object took the slot
+            } else if !found.contains(&ids(i)) {
+                slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+                slot.w(S_FLAGS).fetch_and(!F_FOREIGN, Ordering::AcqRel);
+                f.remove(&i);
+            }
+        }
     }
 
     fn logged_bytes(&self) -> u64 {
@@ -170,9 +436,28 @@ impl Daemon {
         let mut logged_at_wb = self.logged_bytes();
         let mut dead: HashMap<u64, u64> = HashMap::new(); // pid -> LSN counter when seen dead
         let mut last_stats = Instant::now() - Duration::from_secs(10);
+        let mut marks_seen = 0u64;
+        let mut last_full_vet = Instant::now();
+        let mut last_vet = Instant::now() - VET_EVERY;
         let me = my_pid();
         while !stop.load(Ordering::Relaxed) {
             self.table.w(H_HEARTBEAT).store(now_ns(), Ordering::Relaxed);
+            if self.group.is_some() {
+                let marks = self.table.w(H_NEW_MARKS).load(Ordering::Acquire);
+                // Every second, every slot: a ring entry may have been read before its
+                // writer stored it; foreign objects are looked at again too. A scan of
+                // /proc takes milliseconds: at most one per VET_EVERY.
+                let all = last_full_vet.elapsed() >= Duration::from_secs(1);
+                if marks != marks_seen && last_vet.elapsed() >= VET_EVERY || all {
+                    self.vet(marks_seen, marks, all);
+                    marks_seen = marks;
+                    last_vet = Instant::now();
+                }
+                if all {
+                    self.recheck_foreign();
+                    last_full_vet = Instant::now();
+                }
+            }
             for (_, owner) in self.log.leases() {
                 if owner != 0 && owner != me && !dead.contains_key(&owner) && !alive(owner) {
                     dead.insert(owner, self.log.lsn_now());
@@ -207,7 +492,22 @@ impl Daemon {
                 let _ = crate::lower::write_atomic(stats_path, &self.stats_json().to_string());
                 last_stats = Instant::now();
             }
-            std::thread::sleep(Duration::from_millis(5));
+            // Sleep, or until a process marks a new object.
+            if self.group.is_some()
+                && marks_seen == self.table.w(H_NEW_MARKS).load(Ordering::Acquire)
+            {
+                super::sys::futex_wait(
+                    self.table.w(H_NEW_MARKS),
+                    marks_seen,
+                    Duration::from_millis(5),
+                );
+            } else {
+                std::thread::sleep(Duration::from_millis(if self.group.is_some() {
+                    1
+                } else {
+                    5
+                }));
+            }
         }
     }
 
@@ -259,6 +559,10 @@ impl Daemon {
             "writeback_errors": s.writeback_errors.load(Ordering::Relaxed),
             "writeback_us": s.writeback_us.load(Ordering::Relaxed),
             "leases_reclaimed": s.leases_reclaimed.load(Ordering::Relaxed),
+            "watching": self.group.is_some(),
+            "watched_opens": s.watched_opens.load(Ordering::Relaxed),
+            "foreign_writers": s.foreign_writers.load(Ordering::Relaxed),
+            "objects_vetted": s.vetted.load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

@@ -240,3 +240,39 @@ pub fn fd_path(fd: i32) -> Option<Vec<u8>> {
     buf.truncate(n);
     Some(buf)
 }
+
+/// Wake one waiter on the shared word `w` (a futex shared between processes).
+pub fn futex_wake(w: &std::sync::atomic::AtomicU64) {
+    // SAFETY: the address of a live word; FUTEX_WAKE only reads its 32 low bits' address.
+    unsafe {
+        syscall6(
+            libc::SYS_futex,
+            w.as_ptr() as i64,
+            libc::FUTEX_WAKE as i64,
+            1,
+            0,
+            0,
+            0,
+        )
+    };
+}
+
+/// Wait until the shared word `w`'s low 32 bits differ from `seen`, a wake, or `timeout`.
+pub fn futex_wait(w: &std::sync::atomic::AtomicU64, seen: u64, timeout: std::time::Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as _,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    // SAFETY: the address of a live word (little-endian: its low half) and a valid timespec.
+    unsafe {
+        syscall6(
+            libc::SYS_futex,
+            w.as_ptr() as i64,
+            libc::FUTEX_WAIT as i64,
+            seen as u32 as i64,
+            &ts as *const _ as i64,
+            0,
+            0,
+        )
+    };
+}

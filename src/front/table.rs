@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 1;
+pub const VERSION: u64 = 2;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -28,14 +28,21 @@ pub const H_HEARTBEAT: usize = 4;
 /// 1 while the daemon serves; 0 once it stopped (cleanly or not).
 pub const H_RUNNING: usize = 5;
 pub const H_NSLOTS: usize = 6;
-/// Set by a process that found the region full: the daemon writes back at once. (Word 7 is
-/// unused.)
+/// 1 when the daemon watches for writers that are not attached (`watch`): a tracked object's
+/// syncs are absorbed only once the daemon vetted it (`F_VETTED`).
+pub const H_WATCH: usize = 7;
+/// Set by a process that found the region full: the daemon writes back at once.
 pub const H_WAKE: usize = 8;
+/// How many objects were marked for the daemon's watch so far; the latest `RING` of their
+/// slot indexes (+1) are in the ring at `H_RING`, for the daemon to vet.
+pub const H_NEW_MARKS: usize = 9;
+pub const H_RING: usize = 16;
+pub const RING: usize = 32;
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
 pub const PROCS_AT: usize = 64;
 pub const MAX_PROCS: usize = 128;
-pub const PROC_WORDS: usize = 8;
+pub const PROC_WORDS: usize = 16;
 /// Process record words.
 pub const P_PID: usize = 0;
 pub const P_ABSORBED_FSYNC: usize = 1;
@@ -43,7 +50,11 @@ pub const P_ABSORBED_OSYNC: usize = 2;
 pub const P_BYTES_LOGGED: usize = 3;
 pub const P_FALLBACKS: usize = 4;
 pub const P_EAGER_WRITES: usize = 5;
-pub const P_NS_OPS: usize = 6;
+/// When the process started, and the identity of its program image (`watch::start_time`,
+/// `watch::exe_ident`): a reused pid, or an exec into a program without the library, is not
+/// taken for the attached process.
+pub const P_START: usize = 6;
+pub const P_EXE: usize = 7;
 
 /// Slots start at this word; each has `SLOT_WORDS` words.
 pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
@@ -74,6 +85,16 @@ pub const F_FALLBACK: u64 = 2;
 pub const F_MMAP: u64 = 4;
 /// A writer the library cannot see (a stdio stream, io_uring): syncs stay real.
 pub const F_UNSEEN: u64 = 8;
+/// A process that is not attached may write the object: nothing about it is logged and its
+/// syncs are real until the daemon finds no such writer any more.
+pub const F_FOREIGN: u64 = 16;
+/// Opens of the object are reported to the daemon (an attached process marked it).
+pub const F_MARKED: u64 = 32;
+/// The daemon looked for writers that opened the object before it was marked.
+pub const F_VETTED: u64 = 64;
+/// Writers the library does not see: while any of these is set, nothing about the object is
+/// logged and its syncs are the lower file system's own.
+pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
 
 pub const DEFAULT_SLOTS: usize = 1 << 16;
 
@@ -241,8 +262,7 @@ impl Table {
     /// Find the slot of (dev, ino), claiming a free one; None if the table is full.
     pub fn find_or_insert(&self, dev: u64, ino: u64) -> Option<usize> {
         let n = self.nslots();
-        let h = (dev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ino.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
-            as usize;
+        let h = slot_hash(dev, ino);
         for k in 0..n.min(256) {
             let idx = (h + k) % n;
             let s = self.slot(idx);
@@ -265,6 +285,31 @@ impl Table {
             }
         }
         None
+    }
+
+    /// The slot of (dev, ino), if it has one.
+    pub fn find(&self, dev: u64, ino: u64) -> Option<usize> {
+        let n = self.nslots();
+        let h = slot_hash(dev, ino);
+        for k in 0..n.min(256) {
+            let s = self.slot((h + k) % n);
+            let cur = s.w(S_INO).load(Ordering::Acquire);
+            if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
+                return Some(s.idx);
+            }
+            if cur == 0 {
+                return None;
+            }
+        }
+        None
+    }
+
+    /// Tell the daemon that slot `idx` was marked for its watch.
+    pub fn note_marked(&self, idx: usize) {
+        let n = self.w(H_NEW_MARKS).fetch_add(1, Ordering::AcqRel) as usize;
+        self.w(H_RING + n % RING)
+            .store(idx as u64 + 1, Ordering::Release);
+        super::sys::futex_wake(self.w(H_NEW_MARKS));
     }
 
     /// Register this process in the process list; its record index.
@@ -308,6 +353,10 @@ impl Table {
             })
             .collect()
     }
+}
+
+fn slot_hash(dev: u64, ino: u64) -> usize {
+    (dev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ino.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)) as usize
 }
 
 pub struct Slot<'a> {

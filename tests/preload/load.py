@@ -7,10 +7,10 @@ for a line on stdin, then prints "ack TAG T I" after each acknowledged record an
 import os
 import sys
 import threading
+import time
 
 d, tag, nthreads, maxrec = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 pace = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
-import time
 REC = 8192
 out_lock = threading.Lock()
 
@@ -33,11 +33,24 @@ for t in range(nthreads):
     fl = os.O_RDWR | os.O_CREAT
     if t == 2:
         fl |= os.O_SYNC
-    fd = os.open(os.path.join(d, f"f-{tag}-{t}"), fl, 0o644)
-    os.fsync(fd)
-    files.append(fd)
+    files.append(os.open(os.path.join(d, f"f-{tag}-{t}"), fl, 0o644))
 ov = os.open(os.path.join(d, f"pre-{tag}"), os.O_RDWR)
-os.fsync(ov)
+# The daemon vets each newly tracked file (looks for writers outside `pmstack run` that
+# opened it earlier); the first sync after that is real and the later ones are absorbed.
+# PMSTACK_TEST_VETTED: how many files the daemon must have vetted first (its stats file is
+# PMSTACK_TEST_STATS).
+want = int(os.environ.get("PMSTACK_TEST_VETTED", "0"))
+while want:
+    try:
+        import json
+        with open(os.environ["PMSTACK_TEST_STATS"]) as f:
+            if json.load(f).get("objects_vetted", 0) >= want:
+                break
+    except (OSError, ValueError):
+        pass
+    time.sleep(0.05)
+for fd in files + [ov]:
+    os.fsync(fd)
 say("ready")
 sys.stdin.readline()
 

@@ -1,0 +1,436 @@
+//! Writers that are not attached (`docs/preload.md`, "Writers outside pmstack run").
+//!
+//! An absorbed fsync covers only the writes the library saw. A process that is not attached
+//! (started outside `pmstack run`, a static binary, a program that dropped LD_PRELOAD) writes
+//! behind the log's back: the kernel's fsync would have covered its writes, and its own native
+//! fsync makes bytes durable that replaying older entries would roll back. The daemon sees such
+//! writers through fanotify:
+//!
+//! - Every object an attached process tracks gets an inode mark for open permission events in
+//!   the daemon's group (the group's descriptor is handed to each process when it attaches; an
+//!   inode mark needs no privilege beyond read access). An open of that object by any process
+//!   now waits for the daemon's answer.
+//! - The daemon answers at once for attached processes. For others it reads what the opening
+//!   thread asked for (`/proc/PID/task/TID/syscall`; anything it cannot read counts as a
+//!   write). A write open marks the object foreign, and if the object has live entries, writes
+//!   everything back before the open is allowed, so replay has nothing older to apply.
+//! - Writers that opened the object before it was marked are found by a scan of `/proc` (open
+//!   descriptors with write access, shared writable mappings) when the daemon vets a newly
+//!   marked object. Until vetted, and once more right after, its syncs are real.
+//! - A foreign object's syncs and O_SYNC writes are real. Once no foreign writer holds it (the
+//!   same scan, every second), its next sync is real and absorption resumes.
+
+use std::collections::HashSet;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+/// fanotify through the C library's bindings: neither rustix nor nix's wrapper lets us answer
+/// a permission event from another thread than the reader, which the daemon needs (an answer
+/// may wait for a write-back while other opens are answered).
+pub struct Group {
+    fd: OwnedFd,
+}
+
+/// One open permission event: who opens, and a read-only descriptor of the object.
+pub struct OpenEvent {
+    pub pid: u64,
+    pub file: OwnedFd,
+}
+
+impl Group {
+    /// A group for permission events (needs CAP_SYS_ADMIN).
+    pub fn new() -> io::Result<Group> {
+        // SAFETY: plain system call.
+        let fd = unsafe {
+            libc::fanotify_init(
+                libc::FAN_CLASS_CONTENT
+                    | libc::FAN_CLOEXEC
+                    | libc::FAN_UNLIMITED_QUEUE
+                    | libc::FAN_UNLIMITED_MARKS,
+                (libc::O_RDONLY | libc::O_LARGEFILE | libc::O_CLOEXEC) as u32,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor we own.
+        Ok(Group {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
+    /// Wait up to `timeout_ms` for events; the open permission events read.
+    pub fn next(&self, timeout_ms: i32) -> io::Result<Vec<OpenEvent>> {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        if r <= 0 {
+            return Ok(Vec::new());
+        }
+        let mut buf = vec![0u8; 64 * 1024];
+        // SAFETY: reading into our buffer.
+        let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr() as *mut _, buf.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(Vec::new()),
+                _ => Err(e),
+            };
+        }
+        let mut out = Vec::new();
+        let mut off = 0usize;
+        let mlen = std::mem::size_of::<libc::fanotify_event_metadata>();
+        while off + mlen <= n as usize {
+            // SAFETY: the kernel wrote a whole metadata record here (unaligned read).
+            let m: libc::fanotify_event_metadata =
+                unsafe { std::ptr::read_unaligned(buf.as_ptr().add(off) as *const _) };
+            if m.event_len < mlen as u32 || m.vers != libc::FANOTIFY_METADATA_VERSION {
+                break;
+            }
+            if m.fd >= 0 {
+                // SAFETY: the event's descriptor is ours to close.
+                let file = unsafe { OwnedFd::from_raw_fd(m.fd) };
+                if m.mask & libc::FAN_OPEN_PERM != 0 {
+                    out.push(OpenEvent {
+                        pid: m.pid as u64,
+                        file,
+                    });
+                }
+            }
+            off += m.event_len as usize;
+        }
+        Ok(out)
+    }
+
+    /// Let the open of event `e` proceed (from any thread).
+    pub fn allow(&self, e: OpenEvent) {
+        let r = libc::fanotify_response {
+            fd: e.file.as_raw_fd(),
+            response: libc::FAN_ALLOW,
+        };
+        // SAFETY: writing one response struct to our group.
+        unsafe {
+            libc::write(
+                self.fd.as_raw_fd(),
+                &r as *const _ as *const _,
+                std::mem::size_of::<libc::fanotify_response>(),
+            )
+        };
+        drop(e.file);
+    }
+}
+
+/// Report opens of the object of `fd` to group `group` (an attached process, for each object
+/// it tracks).
+pub fn mark(group: RawFd, fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain system call; a null path marks the object of `fd`.
+    let r = unsafe {
+        libc::fanotify_mark(
+            group,
+            libc::FAN_MARK_ADD,
+            libc::FAN_OPEN_PERM,
+            fd,
+            std::ptr::null(),
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Whether the access mode of an open is a write (or truncates).
+fn writes(flags: u64) -> bool {
+    let f = flags as i32;
+    f & libc::O_ACCMODE != libc::O_RDONLY || f & libc::O_TRUNC != 0
+}
+
+/// What a thread blocked in an open asked for, from its `/proc/.../syscall` line: Some(true)
+/// for a write open, Some(false) for a read open or an exec, None if it is not in an open the
+/// line can tell about.
+fn thread_open(pid: u64, line: &str) -> Option<bool> {
+    let mut it = line.split_whitespace();
+    let nr: i64 = it.next()?.parse().ok()?;
+    let args: Vec<u64> = it
+        .take(6)
+        .filter_map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
+        .collect();
+    let arg = |i: usize| args.get(i).copied();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if nr == libc::SYS_open || nr == libc::SYS_creat {
+            return if nr == libc::SYS_creat {
+                Some(true)
+            } else {
+                Some(writes(arg(1)?))
+            };
+        }
+        if nr == libc::SYS_execve {
+            return Some(false);
+        }
+    }
+    if nr == libc::SYS_openat || nr == libc::SYS_open_by_handle_at {
+        return Some(writes(arg(2)?));
+    }
+    if nr == libc::SYS_execveat {
+        return Some(false);
+    }
+    if nr == libc::SYS_openat2 {
+        // struct open_how { u64 flags; u64 mode; u64 resolve }: read the flags.
+        let addr = arg(2)?;
+        let mut b = [0u8; 8];
+        let f = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, addr).ok()?;
+        return Some(writes(u64::from_ne_bytes(b)));
+    }
+    None
+}
+
+/// Whether process `pid`, blocked in an open that raised a permission event, opens for
+/// writing. Any thread in a write open, or no thread in an open we can read, counts as a write
+/// (safe: the object is then only synced for real for a while).
+pub fn open_is_write(pid: u64) -> bool {
+    let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    let mut seen_read = false;
+    for e in rd.flatten() {
+        let Ok(tid) = e.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        let Ok(line) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")) else {
+            continue;
+        };
+        match thread_open(pid, &line) {
+            Some(true) => return true,
+            Some(false) => seen_read = true,
+            None => {}
+        }
+    }
+    !seen_read
+}
+
+/// An identity of the program image of `pid` (0: none readable): device and inode of its
+/// executable. An exec changes it.
+pub fn exe_ident(pid: u64) -> u64 {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    let p = format!("/proc/{pid}/exe\0");
+    // SAFETY: a C string and an out-pointer.
+    if unsafe { libc::stat(p.as_ptr() as *const _, &mut st) } != 0 {
+        return 0;
+    }
+    (st.st_dev.rotate_left(40) ^ st.st_ino) | 1
+}
+
+/// When process `pid` started (clock ticks since boot; 0 if unreadable): with the pid, it
+/// names one process even after pids are reused.
+pub fn start_time(pid: u64) -> u64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // The command name (field 2) may hold spaces and parentheses: count after the last ')'.
+    let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else {
+        return 0;
+    };
+    rest.split_whitespace()
+        .nth(19)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether `pid` runs with the preload library loaded and pointed at socket `sock`: it
+/// attaches before it writes anything under the root (its first write open attaches, and a
+/// failed attach marks what it writes), so it is not a foreign writer.
+pub fn preloaded_for(pid: u64, sock: &[u8]) -> bool {
+    let Ok(maps) = std::fs::read(format!("/proc/{pid}/maps")) else {
+        return false;
+    };
+    if !maps
+        .windows(b"libpmstack_preload".len())
+        .any(|w| w == b"libpmstack_preload")
+    {
+        return false;
+    }
+    let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+        return false;
+    };
+    let mut want = b"PMSTACK_SOCKET=".to_vec();
+    want.extend_from_slice(sock);
+    env.split(|b| *b == 0).any(|v| v == want.as_slice())
+}
+
+/// Parse a `/proc/PID/maps` device field ("fd:01", hex major:minor).
+fn maps_dev(s: &str) -> Option<u64> {
+    let (ma, mi) = s.split_once(':')?;
+    let ma = u32::from_str_radix(ma, 16).ok()?;
+    let mi = u32::from_str_radix(mi, 16).ok()?;
+    Some(libc::makedev(ma, mi))
+}
+
+/// Which of the objects `targets` ((dev, ino)) some process for which `attached` is false holds
+/// open for writing or maps shared and writable.
+pub fn foreign_writers(
+    targets: &HashSet<(u64, u64)>,
+    attached: &mut dyn FnMut(u64) -> bool,
+) -> HashSet<(u64, u64)> {
+    let mut found = HashSet::new();
+    if targets.is_empty() {
+        return found;
+    }
+    let me = std::process::id() as u64;
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for e in rd.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        if pid == me || attached(pid) {
+            continue;
+        }
+        found.extend(held_for_write(pid, targets));
+    }
+    found
+}
+
+/// Which of `targets` process `pid` holds open for writing (or with unreadable flags) or maps
+/// shared and writable.
+fn held_for_write(pid: u64, targets: &HashSet<(u64, u64)>) -> HashSet<(u64, u64)> {
+    let mut found = HashSet::new();
+    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        for f in fds.flatten() {
+            let Ok(st) = std::fs::metadata(f.path()) else {
+                continue;
+            };
+            let id = (
+                std::os::unix::fs::MetadataExt::dev(&st),
+                std::os::unix::fs::MetadataExt::ino(&st),
+            );
+            if !targets.contains(&id) || found.contains(&id) {
+                continue;
+            }
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                f.file_name().to_string_lossy()
+            ))
+            .unwrap_or_default();
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 8).ok());
+            if flags.is_none_or(writes) {
+                found.insert(id);
+            }
+        }
+    }
+    if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+        for l in maps.lines() {
+            let mut it = l.split_whitespace();
+            let (_, Some(perms), _, Some(dev), Some(ino)) =
+                (it.next(), it.next(), it.next(), it.next(), it.next())
+            else {
+                continue;
+            };
+            let p = perms.as_bytes();
+            if p.len() < 4 || p[1] != b'w' || p[3] != b's' {
+                continue;
+            }
+            if let (Some(d), Ok(i)) = (maps_dev(dev), ino.parse::<u64>()) {
+                if targets.contains(&(d, i)) {
+                    found.insert((d, i));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_lines_are_read() {
+        let me = std::process::id() as u64;
+        #[cfg(target_arch = "x86_64")]
+        {
+            // openat(AT_FDCWD, path, O_WRONLY|O_CREAT|O_TRUNC, 0666)
+            assert_eq!(
+                thread_open(
+                    me,
+                    "257 0xffffff9c 0x7ffd1234 0x241 0x1b6 0x0 0x0 0x7ffd 0x7f00"
+                ),
+                Some(true)
+            );
+            // openat(AT_FDCWD, path, O_RDONLY|O_CLOEXEC)
+            assert_eq!(
+                thread_open(
+                    me,
+                    "257 0xffffff9c 0x7ffd1234 0x80000 0x0 0x0 0x0 0x7ffd 0x7f00"
+                ),
+                Some(false)
+            );
+            // open(path, O_RDWR)
+            assert_eq!(
+                thread_open(me, "2 0x7ffd1234 0x2 0x0 0x0 0x0 0x0 0x7ffd 0x7f00"),
+                Some(true)
+            );
+            // creat
+            assert_eq!(
+                thread_open(me, "85 0x7ffd1234 0x1a4 0x0 0x0 0x0 0x0 0x7ffd 0x7f00"),
+                Some(true)
+            );
+            // read(2): not an open
+            assert_eq!(thread_open(me, "0 0x3 0x7ffd 0x1000 0 0 0 0x1 0x2"), None);
+        }
+        assert_eq!(thread_open(me, "running"), None);
+        assert_eq!(thread_open(me, ""), None);
+    }
+
+    #[test]
+    fn writers_and_shared_writable_maps_are_found_and_readers_are_not() {
+        let d = std::env::temp_dir().join(format!("pmstack-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let (w, r, m) = (d.join("w"), d.join("r"), d.join("m"));
+        for p in [&w, &r, &m] {
+            std::fs::write(p, vec![1u8; 4096]).unwrap();
+        }
+        let _wf = std::fs::OpenOptions::new().write(true).open(&w).unwrap();
+        let _rf = std::fs::File::open(&r).unwrap();
+        let map = {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&m)
+                .unwrap();
+            // SAFETY: a shared writable mapping of our own file; its descriptor closes here.
+            unsafe { memmap2::MmapMut::map_mut(&f).unwrap() }
+        };
+        let id = |p: &std::path::Path| {
+            let m = std::fs::metadata(p).unwrap();
+            (
+                std::os::unix::fs::MetadataExt::dev(&m),
+                std::os::unix::fs::MetadataExt::ino(&m),
+            )
+        };
+        let targets: HashSet<_> = [id(&w), id(&r), id(&m)].into_iter().collect();
+        let me = std::process::id() as u64;
+        let want: HashSet<_> = [id(&w), id(&m)].into_iter().collect();
+        assert_eq!(held_for_write(me, &targets), want);
+        // The scan never reports the calling process, nor processes it is told are attached.
+        assert!(foreign_writers(&targets, &mut |_| false).is_empty());
+        drop(map);
+        assert!(exe_ident(me) != 0 && start_time(me) != 0);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
