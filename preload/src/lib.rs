@@ -290,7 +290,23 @@ unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
     if trunc {
         f &= !libc::O_TRUNC;
     }
-    let fd = plain(f);
+    // SAFETY: the program passes a C string.
+    let fd = if flags & libc::O_CREAT != 0 && flags & libc::O_TMPFILE != libc::O_TMPFILE {
+        // A creation under the root is logged (and the new file's syncs absorbed from the
+        // first).
+        match ns_targets(&[(dirfd, path)]) {
+            Some((c, ts)) => match c.create(&ts[0], f, mode) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                    return -1;
+                }
+            },
+            None => plain(f),
+        }
+    } else {
+        plain(f)
+    };
     if fd < 0 {
         return fd;
     }
@@ -559,7 +575,17 @@ pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
     if let Some((_g, c, t)) = lookup(fd) {
         return unit_ret(c.fsync(&t, fd));
     }
+    if let Some(r) = dir_sync(fd) {
+        return r;
+    }
     unsafe { raw(libc::SYS_fsync, [fd as i64, 0, 0, 0, 0, 0]) as c_int }
+}
+
+/// A sync of a directory under the root: absorbed when all its changes were logged.
+fn dir_sync(fd: c_int) -> Option<c_int> {
+    let _g = Inside::enter()?;
+    let c = client_if_needed()?;
+    c.fsync_dir(fd).map(unit_ret)
 }
 
 #[no_mangle]
@@ -567,7 +593,193 @@ pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
     if let Some((_g, c, t)) = lookup(fd) {
         return unit_ret(c.fsync(&t, fd));
     }
+    if let Some(r) = dir_sync(fd) {
+        return r;
+    }
     unsafe { raw(libc::SYS_fdatasync, [fd as i64, 0, 0, 0, 0, 0]) as c_int }
+}
+
+// ---------------- namespace ----------------
+
+/// The client and the targets of a namespace call if every path names an entry of a
+/// directory under the root (attaching if needed); None: run it natively (the directory then
+/// sees a change that was not logged, and its next sync or logged change writes everything
+/// back). Caller is `Inside`.
+fn ns_targets(
+    paths: &[(c_int, *const c_char)],
+) -> Option<(&'static Client, Vec<pmstack::front::ns::Target>)> {
+    let r = root()?;
+    let gen = FORKS.load(Ordering::Acquire) + 1;
+    let c = match attached(gen) {
+        Some(c) => c,
+        None => {
+            // Not attached yet: attach only if the first path's directory is under the root.
+            let (d, p) = paths[0];
+            if p.is_null() {
+                return None;
+            }
+            // SAFETY: the program passes a C string.
+            let given = unsafe { CStr::from_ptr(p) }.to_bytes();
+            let ours = if given.starts_with(b"/") {
+                given.starts_with(r)
+            } else {
+                let parent = match given.iter().rposition(|&b| b == b'/') {
+                    Some(i) => &given[..i.max(1)],
+                    None => b".",
+                };
+                let cp = std::ffi::CString::new(parent).ok()?;
+                let fd = sys::openat(d, cp.as_ptr(), libc::O_PATH | libc::O_CLOEXEC, 0).ok()?;
+                let under = sys::fd_path(fd).is_some_and(|p| under_root(&p));
+                sys::close(fd);
+                under
+            };
+            if !ours {
+                return None;
+            }
+            client()?
+        }
+    };
+    let mut ts = Vec::with_capacity(paths.len());
+    for &(d, p) in paths {
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: the program passes a C string.
+        ts.push(c.target(d, unsafe { CStr::from_ptr(p) }.to_bytes())?);
+    }
+    Some((c, ts))
+}
+
+/// A namespace call: through the client when ours, else `native`.
+fn ns_call(
+    paths: &[(c_int, *const c_char)],
+    native: impl FnOnce() -> c_int,
+    f: impl FnOnce(&Client, &[pmstack::front::ns::Target]) -> std::io::Result<()>,
+) -> c_int {
+    let Some(_g) = Inside::enter() else {
+        return native();
+    };
+    match ns_targets(paths) {
+        Some((c, ts)) => unit_ret(f(c, &ts)),
+        None => native(),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn unlinkat(d: c_int, path: *const c_char, flags: c_int) -> c_int {
+    let native = || unsafe {
+        raw(
+            libc::SYS_unlinkat,
+            [d as i64, path as i64, flags as i64, 0, 0, 0],
+        ) as c_int
+    };
+    if flags & !libc::AT_REMOVEDIR != 0 {
+        return native();
+    }
+    ns_call(&[(d, path)], native, |c, t| {
+        c.unlink(&t[0], flags & libc::AT_REMOVEDIR != 0)
+    })
+}
+#[no_mangle]
+pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {
+    unsafe { unlinkat(libc::AT_FDCWD, path, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn rmdir(path: *const c_char) -> c_int {
+    unsafe { unlinkat(libc::AT_FDCWD, path, libc::AT_REMOVEDIR) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn renameat2(
+    od: c_int,
+    old: *const c_char,
+    nd: c_int,
+    new: *const c_char,
+    flags: c_uint,
+) -> c_int {
+    let native = || unsafe {
+        raw(
+            libc::SYS_renameat2,
+            [od as i64, old as i64, nd as i64, new as i64, flags as i64, 0],
+        ) as c_int
+    };
+    // RENAME_WHITEOUT (overlay file systems) is not modelled.
+    if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
+        return native();
+    }
+    ns_call(&[(od, old), (nd, new)], native, |c, t| {
+        c.rename(&t[0], &t[1], flags)
+    })
+}
+#[no_mangle]
+pub unsafe extern "C" fn renameat(
+    od: c_int,
+    old: *const c_char,
+    nd: c_int,
+    new: *const c_char,
+) -> c_int {
+    unsafe { renameat2(od, old, nd, new, 0) }
+}
+#[no_mangle]
+pub unsafe extern "C" fn rename(old: *const c_char, new: *const c_char) -> c_int {
+    unsafe { renameat2(libc::AT_FDCWD, old, libc::AT_FDCWD, new, 0) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mkdirat(d: c_int, path: *const c_char, mode: mode_t) -> c_int {
+    let native =
+        || unsafe { raw(libc::SYS_mkdirat, [d as i64, path as i64, mode as i64, 0, 0, 0]) as c_int };
+    ns_call(&[(d, path)], native, |c, t| c.mkdir(&t[0], mode))
+}
+#[no_mangle]
+pub unsafe extern "C" fn mkdir(path: *const c_char, mode: mode_t) -> c_int {
+    unsafe { mkdirat(libc::AT_FDCWD, path, mode) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn symlinkat(target: *const c_char, d: c_int, path: *const c_char) -> c_int {
+    let native = || unsafe {
+        raw(
+            libc::SYS_symlinkat,
+            [target as i64, d as i64, path as i64, 0, 0, 0],
+        ) as c_int
+    };
+    if target.is_null() {
+        return native();
+    }
+    // SAFETY: the program passes a C string.
+    let tb = unsafe { CStr::from_ptr(target) }.to_bytes();
+    ns_call(&[(d, path)], native, |c, t| c.symlink(tb, &t[0]))
+}
+#[no_mangle]
+pub unsafe extern "C" fn symlink(target: *const c_char, path: *const c_char) -> c_int {
+    unsafe { symlinkat(target, libc::AT_FDCWD, path) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn linkat(
+    od: c_int,
+    old: *const c_char,
+    nd: c_int,
+    new: *const c_char,
+    flags: c_int,
+) -> c_int {
+    let native = || unsafe {
+        raw(
+            libc::SYS_linkat,
+            [od as i64, old as i64, nd as i64, new as i64, flags as i64, 0],
+        ) as c_int
+    };
+    if flags & !libc::AT_SYMLINK_FOLLOW != 0 {
+        return native(); // AT_EMPTY_PATH: a descriptor, not a name
+    }
+    ns_call(&[(od, old), (nd, new)], native, |c, t| {
+        c.link(&t[0], &t[1], flags & libc::AT_SYMLINK_FOLLOW != 0)
+    })
+}
+#[no_mangle]
+pub unsafe extern "C" fn link(old: *const c_char, new: *const c_char) -> c_int {
+    unsafe { linkat(libc::AT_FDCWD, old, libc::AT_FDCWD, new, 0) }
 }
 
 // ---------------- descriptor table ----------------

@@ -62,18 +62,19 @@ pub struct Tracked {
 }
 
 pub struct Client {
-    root: Vec<u8>,
-    root_dev: u64,
+    pub(super) root: Vec<u8>,
+    pub(super) root_dev: u64,
+    pub(super) root_ino: u64,
     pub table: Table,
     epoch: u64,
-    log: Log,
-    rec: usize,
-    pid: u64,
+    pub(super) log: Log,
+    pub(super) rec: usize,
+    pub(super) pid: u64,
     _sock: Option<UnixStream>,
     /// The daemon's fanotify group (`watch`): objects this process tracks are marked in it.
-    group: Option<OwnedFd>,
+    pub(super) group: Option<OwnedFd>,
     /// The daemon watches for writers that are not attached: absorb only vetted objects.
-    watching: bool,
+    pub(super) watching: bool,
     fds: RwLock<HashMap<i32, Arc<Tracked>>>,
     inodes: Mutex<HashMap<usize, Arc<Inode>>>,
     last_gc_cp: std::sync::atomic::AtomicU64,
@@ -133,7 +134,9 @@ impl Client {
             .store(super::watch::exe_ident(pid), Ordering::Release);
         let watching = table.w(H_WATCH).load(Ordering::Relaxed) == 1;
         let root = std::fs::canonicalize(&h.root)?;
-        let root_dev = std::fs::metadata(&root).map(|m| std::os::unix::fs::MetadataExt::dev(&m))?;
+        let rmeta = std::fs::metadata(&root)?;
+        let root_dev = std::os::unix::fs::MetadataExt::dev(&rmeta);
+        let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
         let mut rb = root.as_os_str().as_encoded_bytes().to_vec();
         if !rb.ends_with(b"/") {
             rb.push(b'/');
@@ -141,6 +144,7 @@ impl Client {
         Ok(Client {
             root: rb,
             root_dev,
+            root_ino,
             table,
             epoch: h.epoch,
             log,
@@ -160,7 +164,7 @@ impl Client {
         self.pid
     }
 
-    fn count(&self, k: usize, n: u64) {
+    pub(super) fn count(&self, k: usize, n: u64) {
         self.table
             .proc_word(self.rec, k)
             .fetch_add(n, Ordering::Relaxed);
@@ -221,7 +225,7 @@ impl Client {
     }
 
     /// Whether `path` (as the kernel reports it) lies under the served directory.
-    fn under_root(&self, path: &[u8]) -> bool {
+    pub(super) fn under_root(&self, path: &[u8]) -> bool {
         path.starts_with(&self.root) || path == &self.root[..self.root.len() - 1]
     }
 
@@ -410,6 +414,16 @@ impl Client {
         slot: &Slot<'_>,
         ino: &Inode,
     ) -> Result<u64, ()> {
+        self.bind_handle(a, slot, &ino.handle)
+    }
+
+    /// `bind` for any object whose handle the caller has (directories, namespace victims).
+    pub(super) fn bind_handle(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        slot: &Slot<'_>,
+        handle: &[u8],
+    ) -> Result<u64, ()> {
         let mut fid = slot.w(S_FID).load(Ordering::Acquire);
         if fid == 0 {
             fid = self.log.next_lsn();
@@ -422,7 +436,7 @@ impl Client {
                 .append(
                     &Record::Bind {
                         fid,
-                        handle: ino.handle.clone(),
+                        handle: handle.to_vec(),
                     },
                     None,
                 )
@@ -433,7 +447,7 @@ impl Client {
     }
 
     /// Free this process's log pages the daemon's latest checkpoint expired.
-    fn gc_if_checkpoint_moved(&self) {
+    pub(super) fn gc_if_checkpoint_moved(&self) {
         let cp = self.log.checkpoint_lsn();
         if self.last_gc_cp.swap(cp, Ordering::Relaxed) != cp {
             self.log.gc();
@@ -672,7 +686,7 @@ fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
 }
 
 /// The identity of an object for its slot: a checksum of its file handle (never 0).
-fn object_gen(fd: i32) -> Option<(Vec<u8>, u64)> {
+pub(super) fn object_gen(fd: i32) -> Option<(Vec<u8>, u64)> {
     let handle = crate::lower::real::handle_of(fd).ok()?;
     let gen = crc32c::crc32c(&handle) as u64 | 1 << 40;
     Some((handle, gen))
@@ -682,7 +696,7 @@ fn object_gen(fd: i32) -> Option<(Vec<u8>, u64)> {
 /// fresh slot) starts with no log identity and no flags. A slot flagged before anyone knew
 /// the object's handle (gen 0: flagged by identity only) keeps its flags: they may be about
 /// this object. Caller holds the slot lock.
-fn ensure_gen(slot: &Slot<'_>, gen: u64) {
+pub(super) fn ensure_gen(slot: &Slot<'_>, gen: u64) {
     let old = slot.w(S_GEN).load(Ordering::Relaxed);
     if old == gen {
         return;

@@ -3,11 +3,13 @@
 //!
 //! - [`table`]: the table shared by the daemon and every attached process.
 //! - [`client`]: what the library does for a write, a sync, a truncate.
+//! - [`ns`]: namespace operations and directory fsync of attached processes.
 //! - [`serve`]: the daemon: recovery, the attach socket, write-back, reclaiming the areas of
 //!   processes that died.
 //! - [`sys`]: raw system calls that never come back into the library.
 
 pub mod client;
+pub mod ns;
 pub mod serve;
 pub mod sys;
 pub mod table;

@@ -545,6 +545,9 @@ impl Daemon {
                     "eager_writes": c[P_EAGER_WRITES],
                     "bytes_logged": c[P_BYTES_LOGGED],
                     "real_syncs": c[P_FALLBACKS],
+                    "ns_ops": c[P_NS_OPS],
+                    "absorbed_dir_fsync": c[P_DIR_FSYNC],
+                    "ns_write_backs": c[P_NS_SYNCS],
                 })
             })
             .collect();

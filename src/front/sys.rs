@@ -276,3 +276,8 @@ pub fn futex_wait(w: &std::sync::atomic::AtomicU64, seen: u64, timeout: std::tim
         )
     };
 }
+
+pub fn syncfs(fd: i32) -> io::Result<()> {
+    // SAFETY: plain system call.
+    check(unsafe { syscall6(libc::SYS_syncfs, fd as i64, 0, 0, 0, 0, 0) }).map(|_| ())
+}

@@ -36,6 +36,9 @@ pub const H_WAKE: usize = 8;
 /// How many objects were marked for the daemon's watch so far; the latest `RING` of their
 /// slot indexes (+1) are in the ring at `H_RING`, for the daemon to vet.
 pub const H_NEW_MARKS: usize = 9;
+/// The namespace lock (a pid lock word): attached processes run and log namespace
+/// operations one at a time, so the log's order is the lower file system's.
+pub const H_NS_LOCK: usize = 10;
 pub const H_RING: usize = 16;
 pub const RING: usize = 32;
 
@@ -55,6 +58,11 @@ pub const P_EAGER_WRITES: usize = 5;
 /// taken for the attached process.
 pub const P_START: usize = 6;
 pub const P_EXE: usize = 7;
+/// Namespace operations logged; directory fsyncs absorbed; namespace write-backs (syncfs)
+/// after a change that was not logged.
+pub const P_NS_OPS: usize = 8;
+pub const P_DIR_FSYNC: usize = 9;
+pub const P_NS_SYNCS: usize = 10;
 
 /// Slots start at this word; each has `SLOT_WORDS` words.
 pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
@@ -75,6 +83,9 @@ pub const S_FLAGS: usize = 7;
 /// Processes with writes not yet logged: (pid, LSN counter at their last such write) pairs.
 pub const S_LAZY: usize = 8;
 pub const LAZY_MAX: usize = 4;
+/// Directories have no lazy writers: their first lazy word holds the ctime (ns) recorded when
+/// the directory was last known to have only logged changes (`ns`); 0: unknown.
+pub const S_DIR_CTIME: usize = S_LAZY;
 
 /// Flags.
 /// Every write to the object since a durable point is known (created here, or really synced).
@@ -302,6 +313,11 @@ impl Table {
             }
         }
         None
+    }
+
+    /// Take the namespace lock (a dead owner's is taken over).
+    pub fn ns_lock(&self) -> PidLock<'_> {
+        PidLock::acquire(self.w(H_NS_LOCK)).0
     }
 
     /// Tell the daemon that slot `idx` was marked for its watch.

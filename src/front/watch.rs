@@ -149,6 +149,26 @@ pub fn mark(group: RawFd, fd: RawFd) -> io::Result<()> {
     }
 }
 
+/// Report opens of every entry of directory `fd` to `group` (files created there later
+/// included: they need no scan for earlier writers).
+pub fn mark_dir(group: RawFd, fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain system call; a null path marks the object of `fd`.
+    let r = unsafe {
+        libc::fanotify_mark(
+            group,
+            libc::FAN_MARK_ADD,
+            libc::FAN_OPEN_PERM | libc::FAN_EVENT_ON_CHILD,
+            fd,
+            std::ptr::null(),
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Whether the access mode of an open is a write (or truncates).
 fn writes(flags: u64) -> bool {
     let f = flags as i32;

@@ -1,0 +1,616 @@
+//! Namespace operations of attached processes (`pmstack run`): create (an `O_CREAT` open that
+//! creates), mkdir, symlink, link, unlink, rmdir, rename. Each runs natively and is then
+//! logged, under one lock shared by every attached process, so the log's order is the order
+//! in which the lower file system applied them: durable and ordered on return, as through the
+//! FUSE mount. An fsync of a directory whose every change since it was last made durable was
+//! logged costs nothing.
+//!
+//! A change the library did not log (a process outside `pmstack run`, a call it does not
+//! interpose such as mknod or `syscall(SYS_rename)`, anything before the daemon started) shows
+//! as a directory ctime other than the one recorded after the last logged change (ctimes are
+//! fine-grained once they have been read: multigrain timestamps). Logging an operation after
+//! such a change could leave a record that replay cannot apply (its object's creation may not
+//! be durable) or that undoes the change. So an operation in such a directory, and an fsync of
+//! it, writes everything back instead (syncfs, then a namespace write-back record that expires
+//! every older namespace record), and the directory is clean again.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::client::{ensure_gen, object_gen, Client};
+use super::sys;
+use super::table::*;
+use crate::engine::{NodeKind, NsOp, Record, NAMESPACE_FID, ROOT_FID};
+
+/// A directory under the served root, as the parent of a namespace operation.
+pub struct Dir {
+    fd: OwnedFd,
+    slot: usize,
+    handle: Vec<u8>,
+    root: bool,
+    /// Opens of its entries were reported to the daemon before this operation began.
+    marked: bool,
+}
+
+/// A name in a directory under the root.
+pub struct Target {
+    pub dir: Dir,
+    pub name: Vec<u8>,
+}
+
+impl Target {
+    fn cname(&self) -> CString {
+        CString::new(self.name.clone()).expect("names come from C strings")
+    }
+}
+
+/// An object found at a name, for the record that names it.
+struct Obj {
+    slot: usize,
+    handle: Vec<u8>,
+    st: libc::stat,
+}
+
+/// The ctime of `fd` in nanoseconds (0: unreadable).
+fn ctime(fd: i32) -> u64 {
+    sys::fstat(fd)
+        .map(|st| st.st_ctime as u64 * 1_000_000_000 + st.st_ctime_nsec as u64)
+        .unwrap_or(0)
+}
+
+fn kind_of(mode: u32) -> NodeKind {
+    match mode & libc::S_IFMT {
+        libc::S_IFDIR => NodeKind::Dir,
+        libc::S_IFLNK => NodeKind::Symlink,
+        libc::S_IFIFO => NodeKind::Fifo,
+        libc::S_IFSOCK => NodeKind::Socket,
+        libc::S_IFCHR => NodeKind::CharDev,
+        libc::S_IFBLK => NodeKind::BlockDev,
+        _ => NodeKind::File,
+    }
+}
+
+/// Split a path into its parent part and final name ("a/b/" -> ("a", "b"); "x" -> (".", "x")).
+/// None for names that are no entry of their own ("", ".", "..", "/").
+fn split(path: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    let mut p = path;
+    while p.len() > 1 && p.ends_with(b"/") {
+        p = &p[..p.len() - 1];
+    }
+    let (parent, name) = match p.iter().rposition(|&b| b == b'/') {
+        Some(0) => (&b"/"[..], &p[1..]),
+        Some(i) => (&p[..i], &p[i + 1..]),
+        None => (&b"."[..], p),
+    };
+    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') {
+        return None;
+    }
+    Some((parent.to_vec(), name.to_vec()))
+}
+
+impl Client {
+    /// `(dirfd, path)` as a parent directory under the root and a final name; None when it is
+    /// not ours (the caller then runs the call natively).
+    pub fn target(&self, dirfd: i32, path: &[u8]) -> Option<Target> {
+        let (parent, name) = split(path)?;
+        let c = CString::new(parent).ok()?;
+        let fd = sys::openat(
+            dirfd,
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            0,
+        )
+        .ok()?;
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let st = sys::fstat(fd.as_raw_fd()).ok()?;
+        if st.st_dev != self.root_dev || !self.under_root(&sys::fd_path(fd.as_raw_fd())?) {
+            return None;
+        }
+        let (handle, gen) = object_gen(fd.as_raw_fd())?;
+        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
+        let slot = self.table.slot(idx);
+        let marked = {
+            let _g = slot.lock();
+            ensure_gen(&slot, gen);
+            let was = slot.flags() & F_MARKED != 0;
+            if !was && self.watching {
+                if let Some(g) = &self.group {
+                    if super::watch::mark_dir(g.as_raw_fd(), fd.as_raw_fd()).is_ok() {
+                        slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
+                    }
+                }
+            }
+            was
+        };
+        Some(Target {
+            dir: Dir {
+                fd,
+                slot: idx,
+                handle,
+                root: st.st_ino == self.root_ino,
+                marked,
+            },
+            name,
+        })
+    }
+
+    /// Have the daemon watch the entries of the directory just made at `t`.
+    fn mark_new_dir(&self, slot: &Slot<'_>, t: &Target) {
+        let Some(g) = self.group.as_ref().filter(|_| self.watching) else {
+            return;
+        };
+        let c = t.cname();
+        let Ok(fd) = sys::openat(
+            t.dir.fd.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0,
+        ) else {
+            return;
+        };
+        let _g = slot.lock();
+        if super::watch::mark_dir(g.as_raw_fd(), fd).is_ok() {
+            slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
+        }
+        sys::close(fd);
+    }
+
+    /// The object at `t` (not following a final symlink), with its slot.
+    fn object_at(&self, t: &Target) -> Option<Obj> {
+        let c = t.cname();
+        let fd = sys::openat(
+            t.dir.fd.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0,
+        )
+        .ok()?;
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        self.object_of(fd.as_raw_fd())
+    }
+
+    fn object_of(&self, fd: i32) -> Option<Obj> {
+        let st = sys::fstat(fd).ok()?;
+        if st.st_dev != self.root_dev {
+            return None;
+        }
+        let (handle, gen) = object_gen(fd)?;
+        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
+        let slot = self.table.slot(idx);
+        {
+            let _g = slot.lock();
+            ensure_gen(&slot, gen);
+        }
+        Some(Obj {
+            slot: idx,
+            handle,
+            st,
+        })
+    }
+
+    /// Whether every change of `d` since it was last made durable was logged.
+    fn clean(&self, d: &Dir) -> bool {
+        let want = self.table.slot(d.slot).w(S_DIR_CTIME).load(Ordering::Acquire);
+        want != 0 && ctime(d.fd.as_raw_fd()) == want
+    }
+
+    fn set_clean(&self, d: &Dir) {
+        self.table
+            .slot(d.slot)
+            .w(S_DIR_CTIME)
+            .store(ctime(d.fd.as_raw_fd()), Ordering::Release);
+    }
+
+    /// Make every namespace change so far durable in the lower file system (syncfs through
+    /// `fd`) and expire every older namespace record. Caller holds the namespace lock.
+    fn write_back_namespace(&self, fd: i32) -> io::Result<()> {
+        self.log.next_lsn();
+        let upto = self.log.lsn_now();
+        sys::syncfs(fd)?;
+        if self.log.write_back(NAMESPACE_FID, upto).is_err() {
+            // Not even the reserve has room: wait (bounded) for the daemon's write-back.
+            self.table.w(H_WAKE).store(1, Ordering::Relaxed);
+            let t0 = Instant::now();
+            while self.log.checkpoint_lsn() < upto {
+                if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
+                    return Err(io::Error::from_raw_os_error(libc::EIO));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.count(P_NS_SYNCS, 1);
+        Ok(())
+    }
+
+    /// Append binds for `objs` (slot, handle) and the record `make` builds from their fids,
+    /// and commit. The slots are locked (in index order) before the append area, as writers
+    /// do (slot, then area).
+    fn commit_ns(
+        &self,
+        dirs: &[&Dir],
+        objs: &[&Obj],
+        make: impl FnOnce(&dyn Fn(usize) -> u64) -> NsOp,
+    ) -> Result<(), ()> {
+        self.gc_if_checkpoint_moved();
+        let mut binds: BTreeMap<usize, &[u8]> = BTreeMap::new();
+        for d in dirs.iter().filter(|d| !d.root) {
+            binds.insert(d.slot, &d.handle);
+        }
+        for o in objs {
+            binds.insert(o.slot, &o.handle);
+        }
+        let slots: Vec<Slot<'_>> = binds.keys().map(|&i| self.table.slot(i)).collect();
+        let _locks: Vec<PidLock<'_>> = slots.iter().map(|s| s.lock()).collect();
+        let mut a = self.log.area();
+        let r = (|| {
+            let mut fids = BTreeMap::new();
+            for (s, (&i, h)) in slots.iter().zip(binds.iter()) {
+                fids.insert(i, self.bind_handle(&mut a, s, h)?);
+            }
+            let root_slot = dirs.iter().find(|d| d.root).map(|d| d.slot);
+            let fid = |i: usize| {
+                if Some(i) == root_slot {
+                    ROOT_FID
+                } else {
+                    fids.get(&i).copied().unwrap_or(0)
+                }
+            };
+            a.append(&Record::Ns(make(&fid)), None).map_err(|_| ())
+        })();
+        a.commit();
+        r.map(|_| ())
+    }
+
+    /// Run `op` natively and log it (`log(pre, out, append)`: Ok(true) logged, or changed
+    /// without appending when `append` is false; Ok(false) nothing changed; Err: could not
+    /// log). `pre` runs first, under the same lock (finding the objects the
+    /// operation removes or moves).
+    fn logged<P, T>(
+        &self,
+        dirs: &[&Dir],
+        pre: impl FnOnce() -> P,
+        op: impl FnOnce() -> io::Result<T>,
+        log: impl FnOnce(P, &T, bool) -> Result<bool, ()>,
+    ) -> io::Result<T> {
+        if !self.serving() {
+            return op();
+        }
+        let _ns = self.table.ns_lock();
+        let clean = dirs.iter().all(|d| self.clean(d));
+        let p = pre();
+        let out = op()?;
+        // Not clean: log only tells whether anything changed, and appends nothing.
+        let logged = match log(p, &out, clean) {
+            Ok(true) if !clean => Err(()),
+            r => r,
+        };
+        match logged {
+            Ok(false) => return Ok(out),
+            Ok(true) => self.count(P_NS_OPS, 1),
+            // An unlogged change came first, or the log is full: syncfs makes both durable.
+            Err(()) => self.write_back_namespace(dirs[0].fd.as_raw_fd())?,
+        }
+        for d in dirs {
+            self.set_clean(d);
+        }
+        Ok(out)
+    }
+
+    /// unlink, or rmdir (`dir`).
+    pub fn unlink(&self, t: &Target, dir: bool) -> io::Result<()> {
+        let c = t.cname();
+        self.logged(
+            &[&t.dir],
+            || self.object_at(t),
+            || {
+                let fl = if dir { libc::AT_REMOVEDIR } else { 0 };
+                sys::check(unsafe {
+                    sys::syscall6(
+                        libc::SYS_unlinkat,
+                        t.dir.fd.as_raw_fd() as i64,
+                        c.as_ptr() as i64,
+                        fl as i64,
+                        0,
+                        0,
+                        0,
+                    )
+                })
+                .map(|_| ())
+            },
+            |victim, _, append| {
+                if !append {
+                    return Ok(true);
+                }
+                let v = victim.ok_or(())?;
+                self.commit_ns(&[&t.dir], &[&v], |fid| NsOp::Remove {
+                    parent: fid(t.dir.slot),
+                    name: t.name.clone(),
+                    dir,
+                    victim: fid(v.slot),
+                })
+                .map(|_| true)
+            },
+        )
+    }
+
+    /// rename/renameat/renameat2 (`flags`: RENAME_NOREPLACE, RENAME_EXCHANGE).
+    pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
+        let (cf, ct) = (from.cname(), to.cname());
+        self.logged(
+            &[&from.dir, &to.dir],
+            || (self.object_at(from), self.object_at(to)),
+            || {
+                sys::check(unsafe {
+                    sys::syscall6(
+                        libc::SYS_renameat2,
+                        from.dir.fd.as_raw_fd() as i64,
+                        cf.as_ptr() as i64,
+                        to.dir.fd.as_raw_fd() as i64,
+                        ct.as_ptr() as i64,
+                        flags as i64,
+                        0,
+                    )
+                })
+                .map(|_| ())
+            },
+            |(src, victim), _, append| {
+                if !append {
+                    return Ok(true);
+                }
+                let s = src.ok_or(())?;
+                let mut objs = vec![&s];
+                if let Some(v) = &victim {
+                    if v.slot == s.slot {
+                        return Ok(false); // two names of one object: rename(2) does nothing
+                    }
+                    objs.push(v);
+                }
+                self.commit_ns(&[&from.dir, &to.dir], &objs, |fid| NsOp::Rename {
+                    parent: fid(from.dir.slot),
+                    name: from.name.clone(),
+                    newparent: fid(to.dir.slot),
+                    newname: to.name.clone(),
+                    flags,
+                    src: fid(s.slot),
+                    victim: victim.as_ref().map_or(0, |v| fid(v.slot)),
+                })
+                .map(|_| true)
+            },
+        )
+    }
+
+    /// mkdir, symlink (`target`: Some) or link (`link_from`: Some): the native call, then a
+    /// record for the new name.
+    fn make(&self, t: &Target, op: impl FnOnce() -> io::Result<()>, target: Option<&[u8]>, link_from: Option<&Target>) -> io::Result<()> {
+        let dirs: Vec<&Dir> = match link_from {
+            Some(f) => vec![&t.dir, &f.dir],
+            None => vec![&t.dir],
+        };
+        self.logged(
+            &dirs,
+            || (),
+            op,
+            |(), _, append| {
+                if !append {
+                    return Ok(true);
+                }
+                let o = self.object_at(t).ok_or(())?;
+                let rec_dirs: Vec<&Dir> = dirs.clone();
+                self.commit_ns(&rec_dirs, &[&o], |fid| match link_from {
+                    Some(_) => NsOp::Link {
+                        fid: fid(o.slot),
+                        newparent: fid(t.dir.slot),
+                        newname: t.name.clone(),
+                    },
+                    None => NsOp::Create {
+                        parent: fid(t.dir.slot),
+                        name: t.name.clone(),
+                        child: fid(o.slot),
+                        kind: kind_of(o.st.st_mode),
+                        mode: o.st.st_mode & 0o7777,
+                        rdev: o.st.st_rdev,
+                        uid: o.st.st_uid,
+                        gid: o.st.st_gid,
+                        target: target.map(|t| t.to_vec()).unwrap_or_default(),
+                    },
+                })?;
+                if link_from.is_none() && o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                    // A new directory has no unlogged change: clean from its birth; and it is
+                    // watched before anything is created in it, so what this process creates
+                    // there needs no scan for earlier writers.
+                    let slot = self.table.slot(o.slot);
+                    let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
+                    slot.w(S_DIR_CTIME).store(c, Ordering::Release);
+                    self.mark_new_dir(&slot, t);
+                }
+                Ok(true)
+            },
+        )
+    }
+
+    pub fn mkdir(&self, t: &Target, mode: u32) -> io::Result<()> {
+        let c = t.cname();
+        self.make(
+            t,
+            || {
+                sys::check(unsafe {
+                    sys::syscall6(
+                        libc::SYS_mkdirat,
+                        t.dir.fd.as_raw_fd() as i64,
+                        c.as_ptr() as i64,
+                        mode as i64,
+                        0,
+                        0,
+                        0,
+                    )
+                })
+                .map(|_| ())
+            },
+            None,
+            None,
+        )
+    }
+
+    pub fn symlink(&self, target: &[u8], t: &Target) -> io::Result<()> {
+        let c = t.cname();
+        let ct = CString::new(target.to_vec()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        self.make(
+            t,
+            || {
+                sys::check(unsafe {
+                    sys::syscall6(
+                        libc::SYS_symlinkat,
+                        ct.as_ptr() as i64,
+                        t.dir.fd.as_raw_fd() as i64,
+                        c.as_ptr() as i64,
+                        0,
+                        0,
+                        0,
+                    )
+                })
+                .map(|_| ())
+            },
+            Some(target),
+            None,
+        )
+    }
+
+    /// linkat without AT_EMPTY_PATH (`follow`: AT_SYMLINK_FOLLOW).
+    pub fn link(&self, from: &Target, to: &Target, follow: bool) -> io::Result<()> {
+        let (cf, ct) = (from.cname(), to.cname());
+        self.make(
+            to,
+            || {
+                sys::check(unsafe {
+                    sys::syscall6(
+                        libc::SYS_linkat,
+                        from.dir.fd.as_raw_fd() as i64,
+                        cf.as_ptr() as i64,
+                        to.dir.fd.as_raw_fd() as i64,
+                        ct.as_ptr() as i64,
+                        if follow { libc::AT_SYMLINK_FOLLOW as i64 } else { 0 },
+                        0,
+                    )
+                })
+                .map(|_| ())
+            },
+            None,
+            Some(from),
+        )
+    }
+
+    /// An `O_CREAT` open of `t` (flags as the real open gets them): tried with `O_EXCL` first,
+    /// so a creation is known and logged; the descriptor. A file this process created in a
+    /// directory whose entries were already watched starts with every write seen: its syncs
+    /// are absorbed from the first.
+    pub fn create(&self, t: &Target, flags: i32, mode: u32) -> io::Result<i32> {
+        let c = t.cname();
+        let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
+        self.logged(
+            &[&t.dir],
+            || (),
+            || {
+                for _ in 0..8 {
+                    match open(flags | libc::O_EXCL) {
+                        Ok(fd) => return Ok((fd, true)),
+                        Err(e) if e.raw_os_error() == Some(libc::EEXIST) && flags & libc::O_EXCL == 0 => {}
+                        Err(e) => return Err(e),
+                    }
+                    match open(flags & !libc::O_CREAT) {
+                        Ok(fd) => return Ok((fd, false)),
+                        // Removed in between: try to create again.
+                        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                // A dangling symlink at the name (O_CREAT follows it): as asked, unlogged (the
+                // directory of the new file sees an unlogged change).
+                open(flags).map(|fd| (fd, false))
+            },
+            |(), &(fd, created), append| {
+                if !created {
+                    return Ok(false);
+                }
+                if !append {
+                    return Ok(true);
+                }
+                let o = self.object_of(fd).ok_or(())?;
+                self.commit_ns(&[&t.dir], &[&o], |fid| NsOp::Create {
+                    parent: fid(t.dir.slot),
+                    name: t.name.clone(),
+                    child: fid(o.slot),
+                    kind: NodeKind::File,
+                    mode: o.st.st_mode & 0o7777,
+                    rdev: 0,
+                    uid: o.st.st_uid,
+                    gid: o.st.st_gid,
+                    target: Vec::new(),
+                })?;
+                let slot = self.table.slot(o.slot);
+                let mut f = F_BASELINE;
+                if !self.watching || t.dir.marked {
+                    f |= F_VETTED;
+                }
+                slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
+                Ok(true)
+            },
+        )
+        .map(|(fd, _)| fd)
+    }
+
+    /// fsync/fdatasync of a directory under the root: nothing to do if every change of it
+    /// since it was last made durable was logged; otherwise everything is written back.
+    /// None: not ours.
+    pub fn fsync_dir(&self, fd: i32) -> Option<io::Result<()>> {
+        let st = sys::fstat(fd).ok()?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR
+            || st.st_dev != self.root_dev
+            || !self.serving()
+            || !self.under_root(&sys::fd_path(fd)?)
+        {
+            return None;
+        }
+        let (_, gen) = object_gen(fd)?;
+        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
+        let slot = self.table.slot(idx);
+        {
+            let _g = slot.lock();
+            ensure_gen(&slot, gen);
+        }
+        let _ns = self.table.ns_lock();
+        let c0 = ctime(fd);
+        if c0 != 0 && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c0 {
+            self.count(P_DIR_FSYNC, 1);
+            return Some(Ok(()));
+        }
+        let r = self.write_back_namespace(fd);
+        if r.is_ok() {
+            slot.w(S_DIR_CTIME).store(c0, Ordering::Release);
+        }
+        Some(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    #[test]
+    fn paths_split_into_parent_and_name() {
+        let s = |p: &str| split(p.as_bytes()).map(|(a, b)| (String::from_utf8(a).unwrap(), String::from_utf8(b).unwrap()));
+        assert_eq!(s("x"), Some((".".into(), "x".into())));
+        assert_eq!(s("a/b"), Some(("a".into(), "b".into())));
+        assert_eq!(s("a/b/"), Some(("a".into(), "b".into())));
+        assert_eq!(s("/x"), Some(("/".into(), "x".into())));
+        assert_eq!(s("/srv/db/x"), Some(("/srv/db".into(), "x".into())));
+        for bad in ["", ".", "..", "/", "a/.", "a/..", "//"] {
+            assert_eq!(s(bad), None, "{bad}");
+        }
+    }
+}
