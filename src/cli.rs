@@ -124,15 +124,19 @@ struct ServeArgs {
 const SERVE_HELP: &str = "\
 Programs started with `pmstack run --root DIR -- CMD` attach through a Unix socket in
 /run/pmstack and share a table in /dev/shm with the daemon. Absorbed: fsync/fdatasync and
-O_SYNC/O_DSYNC writes of regular files under DIR by dynamically linked programs. Real (the
-lower file system's fsync): the first sync of each file, files with a shared writable
-mapping, stdio streams, copy_file_range/sendfile/splice targets, io_uring users, syncs while
-another process has unsynced writes to the file, and everything once the daemon is gone.
-Writers outside `pmstack run` are watched with fanotify (needs root): every open of a tracked
-file is checked, and a file a foreign process writes is synced for real until that process
-is done with it (--all-writers-attached turns the watch off).
-Namespace operations and directory fsync stay native. A second daemon for DIR, or a new one
-while programs attached to an old one still run, is refused.";
+O_SYNC/O_DSYNC writes of regular files under DIR by dynamically linked programs, and fsync
+of a directory whose every change was logged. Namespace operations (create, mkdir, symlink,
+link, unlink, rmdir, rename) are logged: durable and ordered on return. Real (the lower file
+system's fsync): the first sync of a file that existed before (after the daemon looked for
+writers outside `pmstack run` holding it), files with a shared writable mapping, stdio
+streams, copy_file_range/sendfile/splice targets, io_uring users, syncs while another
+process has unsynced writes to the file, and everything once the daemon is gone. A change of
+a directory outside the log makes its next sync, or next logged change, write everything
+back once. Writers outside `pmstack run` are watched with fanotify (needs root): every open
+of a tracked file, or of an entry of a directory with logged changes, is checked, and a file
+such a process writes is synced for real until it is done with it (--all-writers-attached
+turns the watch off). A second daemon for DIR, or a new one while programs attached to an
+old one still run, is refused.";
 
 const RUN_HELP: &str = "\
 Sets LD_PRELOAD (libpmstack_preload.so, found beside pmstack, in ../lib/pmstack, or at
@@ -140,13 +144,15 @@ $PMSTACK_PRELOAD) and execs the program; children and exec'd programs inherit it
 
 Absorbed (dynamically linked programs calling the C library): fsync/fdatasync of regular
 files under ROOT become an append to the PM log; O_SYNC/O_DSYNC writes are logged as they
-happen. Not absorbed, and made durable by the lower file system's own fsync instead: static
-binaries and Go programs (they bypass the C library: nothing is intercepted at all), the
-first sync of each file, files written through a shared writable mmap, a stdio stream,
+happen; namespace operations are logged (durable and ordered on return) and a directory
+fsync is absorbed while every change of the directory was logged. Not absorbed, and made
+durable by the lower file system's own fsync instead: static binaries and Go programs (they
+bypass the C library: nothing is intercepted at all), the first sync of a file that existed
+before, files written through a shared writable mmap, a stdio stream,
 copy_file_range/sendfile/splice or io_uring, a sync while another process has unsynced
-writes to the file, and every sync once the daemon is gone. Namespace operations and
-directory fsync are native. A file that a process outside `pmstack run` opens for writing
-is seen by the daemon's watch, and is synced for real until that process is done with it.
+writes to the file, and every sync once the daemon is gone. A file that a process outside
+`pmstack run` opens for writing is seen by the daemon's watch, and is synced for real until
+that process is done with it.
 
 Example:
   pmstack serve /srv/db &

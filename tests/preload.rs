@@ -1000,7 +1000,11 @@ fn tree(dir: &Path) -> (BTreeMap<String, u64>, Vec<String>) {
             if rel.is_empty() && (n == ".pmstack-id" || n == "lost+found") {
                 continue;
             }
-            let name = if rel.is_empty() { n } else { format!("{rel}/{n}") };
+            let name = if rel.is_empty() {
+                n
+            } else {
+                format!("{rel}/{n}")
+            };
             let m = fs::symlink_metadata(e.path()).unwrap();
             if m.is_dir() {
                 dirs.push(name.clone());
@@ -1024,7 +1028,11 @@ fn ns_crash_round(base: &Path, seed: u64) {
     fs::create_dir_all(&dir).unwrap();
     fs::create_dir_all(&stash).unwrap();
     for k in 0..12 {
-        fs::write(dir.join(format!("old{k}")), vec![b'a' + k as u8; 5000 + k * 300]).unwrap();
+        fs::write(
+            dir.join(format!("old{k}")),
+            vec![b'a' + k as u8; 5000 + k * 300],
+        )
+        .unwrap();
     }
     Command::new("sync").status().unwrap();
     let pm = PathBuf::from(format!("/dev/shm/pmstack-test-preload-ns-{seed}.pm"));
@@ -1072,7 +1080,10 @@ fn ns_crash_round(base: &Path, seed: u64) {
     });
     let t0 = Instant::now();
     while !acks.lock().unwrap().ready {
-        assert!(t0.elapsed() < Duration::from_secs(60), "workload never got ready");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "workload never got ready"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     // The state a power cut may keep: durable now; every file kept alive through a link in
@@ -1091,9 +1102,16 @@ fn ns_crash_round(base: &Path, seed: u64) {
     let counters = |pid: u64| {
         use pmstack::front::table::*;
         let i = (0..MAX_PROCS)
-            .find(|&i| tab.proc_word(i, P_PID).load(std::sync::atomic::Ordering::Relaxed) == pid)
+            .find(|&i| {
+                tab.proc_word(i, P_PID)
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    == pid
+            })
             .expect("the workload is attached");
-        let w = |k| tab.proc_word(i, k).load(std::sync::atomic::Ordering::Relaxed);
+        let w = |k| {
+            tab.proc_word(i, k)
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
         (w(P_FALLBACKS), w(P_NS_SYNCS), w(P_NS_OPS), w(P_DIR_FSYNC))
     };
     let before = counters(k.id() as u64);
@@ -1109,7 +1127,11 @@ fn ns_crash_round(base: &Path, seed: u64) {
     s.kill9();
     reader.join().unwrap();
     let acks = std::mem::take(&mut *acks.lock().unwrap());
-    assert!(acks.acked > 20, "seed {seed}: only {} operations acknowledged", acks.acked);
+    assert!(
+        acks.acked > 20,
+        "seed {seed}: only {} operations acknowledged",
+        acks.acked
+    );
     // Nothing was made durable by the lower after the snapshot, or the cut below would not
     // be a possible one: no real sync, no namespace write-back; everything was absorbed.
     assert_eq!(
@@ -1117,7 +1139,10 @@ fn ns_crash_round(base: &Path, seed: u64) {
         (before.0, before.1),
         "seed {seed}: real syncs or namespace write-backs after the snapshot (counters before {before:?}, after {after:?})"
     );
-    assert!(after.2 > before.2 && after.3 > before.3, "seed {seed}: {before:?} -> {after:?}");
+    assert!(
+        after.2 > before.2 && after.3 > before.3,
+        "seed {seed}: {before:?} -> {after:?}"
+    );
 
     // The power cut: names as at the snapshot, each file a mix of its old and new pages.
     let (now_files, mut now_dirs) = tree(&dir);
@@ -1172,7 +1197,10 @@ fn ns_crash_round(base: &Path, seed: u64) {
                     Some(orig) => old[orig].clone(),
                     None => ns_content(cid.parse().unwrap()),
                 };
-                assert!(data == expect, "seed {seed}: {name} should hold content {cid}");
+                assert!(
+                    data == expect,
+                    "seed {seed}: {name} should hold content {cid}"
+                );
             }
         }
     }
@@ -1180,11 +1208,17 @@ fn ns_crash_round(base: &Path, seed: u64) {
     for name in got_files.keys() {
         let wanted = acks.state.get(name).is_some_and(|v| v != "-")
             || (!acks.state.contains_key(name) && snap_files.contains_key(name));
-        assert!(wanted || skip(name), "seed {seed}: unexpected file {name} after recovery");
+        assert!(
+            wanted || skip(name),
+            "seed {seed}: unexpected file {name} after recovery"
+        );
     }
     for d in &got_dirs {
         let wanted = snap_dirs.contains(d) || acks.state.get(d).is_some_and(|v| v == "dir");
-        assert!(wanted || skip(d), "seed {seed}: unexpected directory {d} after recovery");
+        assert!(
+            wanted || skip(d),
+            "seed {seed}: unexpected directory {d} after recovery"
+        );
     }
     let chk = Command::new(common::bin())
         .args(["check", "--json", "--pm"])
@@ -1220,4 +1254,64 @@ fn kill9_and_power_loss_keep_every_acknowledged_namespace_operation() {
     for r in 0..rounds {
         ns_crash_round(&root, seed0 + r);
     }
+}
+
+#[test]
+fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = PathBuf::from(format!(
+        "/dev/shm/pmstack-test-nsdir-{}.pm",
+        std::process::id()
+    ));
+    let _ = fs::remove_file(&pm);
+    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    // (namespace write-backs, absorbed directory fsyncs, logged operations) of `pid`.
+    let counts = |pid: u64| -> (u64, u64, u64) {
+        let v = s.stats();
+        let p = v["attached"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
+            .unwrap_or_default();
+        let g = |k: &str| p[k].as_u64().unwrap_or(0);
+        (g("ns_write_backs"), g("absorbed_dir_fsync"), g("ns_ops"))
+    };
+    let expect = |pid: u64, want: (u64, u64, u64), what: &str| {
+        let t0 = Instant::now();
+        while counts(pid) != want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{what}: (write-backs, absorbed dir fsyncs, logged) {:?}, want {want:?}",
+                counts(pid)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    // The directory's first logged change writes back what came before it; then it is clean.
+    a.exec("dfd = os.open(d, os.O_RDONLY)\nopen(os.path.join(d, 'a'), 'w').close()\nos.fsync(dfd)");
+    expect(pid, (1, 1, 0), "first change, then a sync");
+    // A process outside `pmstack run` creates a file: the next directory sync writes back.
+    let mut f = Py::spawn(Command::new("env"), &root);
+    f.exec("open(os.path.join(d, 'x'), 'w').close()");
+    a.exec("os.fsync(dfd)");
+    expect(pid, (2, 1, 0), "sync after a change outside the log");
+    a.exec("os.fsync(dfd)");
+    expect(pid, (2, 2, 0), "clean again");
+    // A logged change after one outside the log writes back instead of logging.
+    f.exec("os.rename(os.path.join(d, 'x'), os.path.join(d, 'y'))");
+    a.exec("os.rename(os.path.join(d, 'a'), os.path.join(d, 'b'))\nos.fsync(dfd)");
+    expect(pid, (3, 3, 0), "change after a change outside the log");
+    // Clean: logged.
+    a.exec("os.rename(os.path.join(d, 'b'), os.path.join(d, 'c'))\nos.fsync(dfd)");
+    expect(pid, (3, 4, 1), "a change in a clean directory");
+    drop(a);
+    drop(f);
+    drop(s);
+    let _ = fs::remove_file(&pm);
+    assert!(root.join("c").exists() && root.join("y").exists() && !root.join("b").exists());
 }

@@ -700,7 +700,14 @@ pub unsafe extern "C" fn renameat2(
     let native = || unsafe {
         raw(
             libc::SYS_renameat2,
-            [od as i64, old as i64, nd as i64, new as i64, flags as i64, 0],
+            [
+                od as i64,
+                old as i64,
+                nd as i64,
+                new as i64,
+                flags as i64,
+                0,
+            ],
         ) as c_int
     };
     // RENAME_WHITEOUT (overlay file systems) is not modelled.
@@ -727,8 +734,12 @@ pub unsafe extern "C" fn rename(old: *const c_char, new: *const c_char) -> c_int
 
 #[no_mangle]
 pub unsafe extern "C" fn mkdirat(d: c_int, path: *const c_char, mode: mode_t) -> c_int {
-    let native =
-        || unsafe { raw(libc::SYS_mkdirat, [d as i64, path as i64, mode as i64, 0, 0, 0]) as c_int };
+    let native = || unsafe {
+        raw(
+            libc::SYS_mkdirat,
+            [d as i64, path as i64, mode as i64, 0, 0, 0],
+        ) as c_int
+    };
     ns_call(&[(d, path)], native, |c, t| c.mkdir(&t[0], mode))
 }
 #[no_mangle]
@@ -767,7 +778,14 @@ pub unsafe extern "C" fn linkat(
     let native = || unsafe {
         raw(
             libc::SYS_linkat,
-            [od as i64, old as i64, nd as i64, new as i64, flags as i64, 0],
+            [
+                od as i64,
+                old as i64,
+                nd as i64,
+                new as i64,
+                flags as i64,
+                0,
+            ],
         ) as c_int
     };
     if flags & !libc::AT_SYMLINK_FOLLOW != 0 {

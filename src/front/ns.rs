@@ -196,7 +196,11 @@ impl Client {
 
     /// Whether every change of `d` since it was last made durable was logged.
     fn clean(&self, d: &Dir) -> bool {
-        let want = self.table.slot(d.slot).w(S_DIR_CTIME).load(Ordering::Acquire);
+        let want = self
+            .table
+            .slot(d.slot)
+            .w(S_DIR_CTIME)
+            .load(Ordering::Acquire);
         want != 0 && ctime(d.fd.as_raw_fd()) == want
     }
 
@@ -387,7 +391,13 @@ impl Client {
 
     /// mkdir, symlink (`target`: Some) or link (`link_from`: Some): the native call, then a
     /// record for the new name.
-    fn make(&self, t: &Target, op: impl FnOnce() -> io::Result<()>, target: Option<&[u8]>, link_from: Option<&Target>) -> io::Result<()> {
+    fn make(
+        &self,
+        t: &Target,
+        op: impl FnOnce() -> io::Result<()>,
+        target: Option<&[u8]>,
+        link_from: Option<&Target>,
+    ) -> io::Result<()> {
         let dirs: Vec<&Dir> = match link_from {
             Some(f) => vec![&t.dir, &f.dir],
             None => vec![&t.dir],
@@ -459,7 +469,8 @@ impl Client {
 
     pub fn symlink(&self, target: &[u8], t: &Target) -> io::Result<()> {
         let c = t.cname();
-        let ct = CString::new(target.to_vec()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let ct = CString::new(target.to_vec())
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         self.make(
             t,
             || {
@@ -494,7 +505,11 @@ impl Client {
                         cf.as_ptr() as i64,
                         to.dir.fd.as_raw_fd() as i64,
                         ct.as_ptr() as i64,
-                        if follow { libc::AT_SYMLINK_FOLLOW as i64 } else { 0 },
+                        if follow {
+                            libc::AT_SYMLINK_FOLLOW as i64
+                        } else {
+                            0
+                        },
                         0,
                     )
                 })
@@ -519,7 +534,9 @@ impl Client {
                 for _ in 0..8 {
                     match open(flags | libc::O_EXCL) {
                         Ok(fd) => return Ok((fd, true)),
-                        Err(e) if e.raw_os_error() == Some(libc::EEXIST) && flags & libc::O_EXCL == 0 => {}
+                        Err(e)
+                            if e.raw_os_error() == Some(libc::EEXIST)
+                                && flags & libc::O_EXCL == 0 => {}
                         Err(e) => return Err(e),
                     }
                     match open(flags & !libc::O_CREAT) {
@@ -603,7 +620,10 @@ mod tests {
 
     #[test]
     fn paths_split_into_parent_and_name() {
-        let s = |p: &str| split(p.as_bytes()).map(|(a, b)| (String::from_utf8(a).unwrap(), String::from_utf8(b).unwrap()));
+        let s = |p: &str| {
+            split(p.as_bytes())
+                .map(|(a, b)| (String::from_utf8(a).unwrap(), String::from_utf8(b).unwrap()))
+        };
         assert_eq!(s("x"), Some((".".into(), "x".into())));
         assert_eq!(s("a/b"), Some(("a".into(), "b".into())));
         assert_eq!(s("a/b/"), Some(("a".into(), "b".into())));
