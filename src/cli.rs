@@ -609,13 +609,48 @@ fn lock_region(path: &Path) -> Result<fs::File> {
     Ok(f)
 }
 
+/// One owner per lower directory: a mount and a `pmstack serve` (or two of either, with
+/// different regions bound to one lower) would each replay its log over the other's newer
+/// bytes. An flock on a file named after the lower's marker, holding the owner's pid.
+fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File> {
+    let dir = Path::new("/run/pmstack");
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let p = dir.join(format!("lower-{}.lock", uuid::Uuid::from_bytes(*id)));
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&p)
+        .with_context(|| format!("opening {}", p.display()))?;
+    // SAFETY: plain flock on an owned fd.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut who = String::new();
+        let _ = std::io::Read::read_to_string(&mut f, &mut who);
+        bail!(
+            "{} is already in use by pmstack process {} (a mount over it, or `pmstack serve`): one pmstack per lower directory; stop that one first",
+            lower.display(),
+            who.trim()
+        );
+    }
+    f.set_len(0)?;
+    write!(f, "{}", std::process::id())?;
+    Ok(f)
+}
+
+/// What keeps a region and its lower directory ours while they are open.
+struct RegionLocks {
+    _region: fs::File,
+    _lower: fs::File,
+}
+
 /// Open (or create and format) the region bound to `lower`, recovering a crashed log.
 fn open_region(
     pm: &Path,
     size: u64,
     lower: &Path,
     real: &RealLower,
-) -> Result<(Arc<Log>, fs::File, Option<RecoverySummary>)> {
+) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     open_region_areas(pm, size, lower, real, 16)
 }
 
@@ -627,7 +662,7 @@ fn open_region_areas(
     lower: &Path,
     real: &RealLower,
     areas: u32,
-) -> Result<(Arc<Log>, fs::File, Option<RecoverySummary>)> {
+) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     let fresh = !pm.exists();
     if fresh {
         let id = lower_id(lower, true)?.expect("created");
@@ -638,8 +673,8 @@ fn open_region_areas(
     let region: Arc<dyn Pmem> = Arc::new(MappedRegion::open(pm, 0)?);
     let s = scan(&*region).map_err(|e| anyhow!("PM region {}: {e}", pm.display()))?;
     let bound = s.sb.lower_id;
-    match lower_id(lower, false)? {
-        Some(id) if id == bound => {}
+    let lower_lock = match lower_id(lower, false)? {
+        Some(id) if id == bound => lock_lower(&id, lower)?,
         Some(_) => bail!(
             "PM region {} belongs to another lower directory, not {}; give the right --pm or `pmstack format --force` it",
             pm.display(),
@@ -650,7 +685,11 @@ fn open_region_areas(
             lower.display(),
             pm.display()
         ),
-    }
+    };
+    let lock = RegionLocks {
+        _region: lock,
+        _lower: lower_lock,
+    };
     let (log, s) = Log::open(region).map_err(|e| {
         anyhow!(
             "PM region {}: {e}; run `pmstack check --pm {}`",
