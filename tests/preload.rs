@@ -479,7 +479,7 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
 
 /// Python: wait until the daemon vetted `n` files (looked for writers outside `pmstack run`
 /// that opened them earlier): the first sync after that is real, later ones are absorbed.
-const WAIT_VETTED: &str = "def wait_vetted(n):\n    import json, time\n    while True:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                if json.load(f).get('objects_vetted', 0) >= n:\n                    return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n";
+const WAIT_VETTED: &str = "def wait_vetted(n):\n    import json, time\n    while True:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                if json.load(f).get('marks_vetted', 0) >= n:\n                    return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n";
 
 /// Each case the library cannot follow: (name, prelude makes the file's entries live, code
 /// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs,
@@ -1314,4 +1314,72 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     drop(s);
     let _ = fs::remove_file(&pm);
     assert!(root.join("c").exists() && root.join("y").exists() && !root.join("b").exists());
+}
+
+#[test]
+fn a_mount_and_serve_of_one_lower_directory_refuse_each_other() {
+    if !common::can_mount() {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let lower = d.path().join("lower");
+    let mnt = d.path().join("mnt");
+    fs::create_dir_all(&lower).unwrap();
+    fs::create_dir_all(&mnt).unwrap();
+    let pm = d.path().join("serve.pm");
+    let mut s = Serve::start(&lower, &pm, &[]);
+    // Another region for the same lower directory: each would replay its log over the
+    // other's newer bytes.
+    let out = Command::new(common::bin())
+        .args(["mount", "--pm"])
+        .arg(d.path().join("mount.pm"))
+        .arg(&lower)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the mount was not refused");
+    assert!(err.contains("already in use by pmstack process"), "{err}");
+    assert!(
+        !fs::read_to_string("/proc/mounts")
+            .unwrap()
+            .contains(mnt.to_str().unwrap()),
+        "refused, yet mounted"
+    );
+    s.stop();
+    // With the daemon gone, the mount is fine (and a serve is refused while it runs).
+    let out = Command::new(common::bin())
+        .args(["mount", "--pm"])
+        .arg(d.path().join("mount.pm"))
+        .arg(&lower)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(common::bin())
+        .arg("serve")
+        .arg(&lower)
+        .arg("--pm")
+        .arg(&pm)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("already in use"),
+        "{err}"
+    );
+    let out = Command::new(common::bin())
+        .arg("umount")
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -53,6 +53,8 @@ pub struct ServeStats {
     pub foreign_writers: AtomicU64,
     /// Objects vetted (looked for writers from before they were watched).
     pub vetted: AtomicU64,
+    /// Every object marked before this many marks was vetted (or needed no vetting).
+    pub marks_vetted: AtomicU64,
 }
 
 /// Send the hello line, with the fanotify group's descriptor when the daemon watches.
@@ -334,28 +336,34 @@ impl Daemon {
 
     /// Vet newly marked slots: find writers that are not attached and opened the object
     /// before it was watched (their opens raised no event). `all`: look at every slot, not
-    /// only at the ring of recent marks.
-    fn vet(&self, ring_from: u64, ring_to: u64, all: bool) {
+    /// only at the ring of recent marks. Returns the first mark not looked at (a ring entry
+    /// not yet stored stops the walk; the next call starts there).
+    fn vet(&self, ring_from: u64, ring_to: u64, all: bool) -> u64 {
         let mut cand: Vec<usize> = Vec::new();
         let pending = |i: usize| {
             let f = self.table.slot(i).flags();
             f & F_MARKED != 0 && f & F_VETTED == 0
         };
+        let mut upto = ring_to;
         if all || ring_to - ring_from > RING as u64 {
             cand.extend((0..self.table.nslots()).filter(|&i| pending(i)));
         } else {
             for n in ring_from..ring_to {
-                let v = self
-                    .table
-                    .w(H_RING + n as usize % RING)
-                    .load(Ordering::Acquire);
-                if v != 0 && (v as usize - 1) < self.table.nslots() && pending(v as usize - 1) {
-                    cand.push(v as usize - 1);
+                match self.table.marked_slot(n) {
+                    Some(i) if i < self.table.nslots() => {
+                        if pending(i) {
+                            cand.push(i);
+                        }
+                    }
+                    _ => {
+                        upto = n;
+                        break;
+                    }
                 }
             }
         }
         if cand.is_empty() {
-            return;
+            return upto;
         }
         let ids = |i: usize| {
             let s = self.table.slot(i);
@@ -388,6 +396,7 @@ impl Daemon {
                 .fetch_or(F_VETTED, Ordering::AcqRel);
             self.stats.vetted.fetch_add(1, Ordering::Relaxed);
         }
+        upto
     }
 
     /// Foreign objects no foreign writer holds any more: their next sync is real (it covers
@@ -449,8 +458,8 @@ impl Daemon {
                 // /proc takes milliseconds: at most one per VET_EVERY.
                 let all = last_full_vet.elapsed() >= Duration::from_secs(1);
                 if marks != marks_seen && last_vet.elapsed() >= VET_EVERY || all {
-                    self.vet(marks_seen, marks, all);
-                    marks_seen = marks;
+                    marks_seen = self.vet(marks_seen, marks, all);
+                    self.stats.marks_vetted.store(marks_seen, Ordering::Relaxed);
                     last_vet = Instant::now();
                 }
                 if all {
@@ -566,6 +575,8 @@ impl Daemon {
             "watched_opens": s.watched_opens.load(Ordering::Relaxed),
             "foreign_writers": s.foreign_writers.load(Ordering::Relaxed),
             "objects_vetted": s.vetted.load(Ordering::Relaxed),
+            "marks": self.table.w(H_NEW_MARKS).load(Ordering::Relaxed),
+            "marks_vetted": s.marks_vetted.load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

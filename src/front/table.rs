@@ -320,12 +320,20 @@ impl Table {
         PidLock::acquire(self.w(H_NS_LOCK)).0
     }
 
-    /// Tell the daemon that slot `idx` was marked for its watch.
+    /// Tell the daemon that slot `idx` was marked for its watch: the `n`th mark's ring entry
+    /// holds `n` (so the daemon knows when it was stored) and the slot index + 1.
     pub fn note_marked(&self, idx: usize) {
-        let n = self.w(H_NEW_MARKS).fetch_add(1, Ordering::AcqRel) as usize;
-        self.w(H_RING + n % RING)
-            .store(idx as u64 + 1, Ordering::Release);
+        let n = self.w(H_NEW_MARKS).fetch_add(1, Ordering::AcqRel);
+        self.w(H_RING + n as usize % RING)
+            .store(ring_entry(n, idx), Ordering::Release);
         super::sys::futex_wake(self.w(H_NEW_MARKS));
+    }
+
+    /// The slot index of the `n`th mark, once its entry is stored (None: not yet, or already
+    /// overwritten by a later one).
+    pub fn marked_slot(&self, n: u64) -> Option<usize> {
+        let e = self.w(H_RING + n as usize % RING).load(Ordering::Acquire);
+        (e >> 24 == n & ((1 << 40) - 1) && e & 0xff_ffff != 0).then(|| (e & 0xff_ffff) as usize - 1)
     }
 
     /// Register this process in the process list; its record index.
@@ -369,6 +377,10 @@ impl Table {
             })
             .collect()
     }
+}
+
+fn ring_entry(n: u64, idx: usize) -> u64 {
+    (n & ((1 << 40) - 1)) << 24 | (idx as u64 + 1)
 }
 
 fn slot_hash(dev: u64, ino: u64) -> usize {

@@ -37,14 +37,14 @@ for t in range(nthreads):
 ov = os.open(os.path.join(d, f"pre-{tag}"), os.O_RDWR)
 # The daemon vets each newly tracked file (looks for writers outside `pmstack run` that
 # opened it earlier); the first sync after that is real and the later ones are absorbed.
-# PMSTACK_TEST_VETTED: how many files the daemon must have vetted first (its stats file is
+# PMSTACK_TEST_VETTED: how many marks (files tracked) the daemon must have vetted first (its stats file is
 # PMSTACK_TEST_STATS).
 want = int(os.environ.get("PMSTACK_TEST_VETTED", "0"))
 while want:
     try:
         import json
         with open(os.environ["PMSTACK_TEST_STATS"]) as f:
-            if json.load(f).get("objects_vetted", 0) >= want:
+            if json.load(f).get("marks_vetted", 0) >= want:
                 break
     except (OSError, ValueError):
         pass
