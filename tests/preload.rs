@@ -1027,12 +1027,18 @@ fn ns_crash_round(base: &Path, seed: u64) {
     let stash = base.join(format!("stash{seed}"));
     fs::create_dir_all(&dir).unwrap();
     fs::create_dir_all(&stash).unwrap();
-    for k in 0..12 {
-        fs::write(
-            dir.join(format!("old{k}")),
-            vec![b'a' + k as u8; 5000 + k * 300],
-        )
-        .unwrap();
+    let tags = ["A", "B"];
+    for k in 0..3 {
+        fs::write(dir.join(format!("shared{k}")), vec![b'S'; 3000]).unwrap();
+    }
+    for t in tags {
+        for k in 0..6 {
+            fs::write(
+                dir.join(format!("old{t}-{k}")),
+                vec![b'a' + k as u8; 5000 + k * 300],
+            )
+            .unwrap();
+        }
     }
     Command::new("sync").status().unwrap();
     let pm = PathBuf::from(format!("/dev/shm/pmstack-test-preload-ns-{seed}.pm"));
@@ -1043,43 +1049,53 @@ fn ns_crash_round(base: &Path, seed: u64) {
         &["--flush-interval-ms", "3600000", "--pm-size", "1G"],
     );
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/preload/nsload.py");
-    let mut k = s
-        .run()
-        .arg("python3")
-        .arg(script)
-        .arg(&s.dir)
-        .arg(seed.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let acks = Arc::new(Mutex::new(NsAcks::default()));
-    let out = k.stdout.take().unwrap();
-    let a2 = acks.clone();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            let w: Vec<&str> = line.split_whitespace().collect();
-            let mut a = a2.lock().unwrap();
-            match w.as_slice() {
-                ["ready"] => a.ready = true,
-                ["begin", _, names @ ..] => {
-                    a.inflight = names.iter().map(|s| s.to_string()).collect()
-                }
-                ["ack", _, changes @ ..] => {
-                    for c in changes {
-                        let (n, v) = c.split_once('=').unwrap();
-                        a.state.insert(n.to_string(), v.to_string());
+    // Two processes in one directory tree: their operations are ordered by the namespace
+    // lock they share.
+    let mut kids = Vec::new();
+    let mut readers = Vec::new();
+    let mut all_acks = Vec::new();
+    for (i, t) in tags.iter().enumerate() {
+        let mut k = s
+            .run()
+            .arg("python3")
+            .arg(&script)
+            .arg(&s.dir)
+            .arg((seed * 2 + i as u64).to_string())
+            .arg(t)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let acks = Arc::new(Mutex::new(NsAcks::default()));
+        let out = k.stdout.take().unwrap();
+        let a2 = acks.clone();
+        readers.push(std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let w: Vec<&str> = line.split_whitespace().collect();
+                let mut a = a2.lock().unwrap();
+                match w.as_slice() {
+                    ["ready"] => a.ready = true,
+                    ["begin", _, names @ ..] => {
+                        a.inflight = names.iter().map(|s| s.to_string()).collect()
                     }
-                    a.inflight.clear();
-                    a.acked += 1;
+                    ["ack", _, changes @ ..] => {
+                        for c in changes {
+                            let (n, v) = c.split_once('=').unwrap();
+                            a.state.insert(n.to_string(), v.to_string());
+                        }
+                        a.inflight.clear();
+                        a.acked += 1;
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
-        }
-    });
+        }));
+        kids.push(k);
+        all_acks.push(acks);
+    }
     let t0 = Instant::now();
-    while !acks.lock().unwrap().ready {
+    while !all_acks.iter().all(|a| a.lock().unwrap().ready) {
         assert!(
             t0.elapsed() < Duration::from_secs(60),
             "workload never got ready"
@@ -1114,36 +1130,52 @@ fn ns_crash_round(base: &Path, seed: u64) {
         };
         (w(P_FALLBACKS), w(P_NS_SYNCS), w(P_NS_OPS), w(P_DIR_FSYNC))
     };
-    let before = counters(k.id() as u64);
-    writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
+    let before: Vec<_> = kids.iter().map(|k| counters(k.id() as u64)).collect();
+    for k in &mut kids {
+        writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
+    }
     std::thread::sleep(Duration::from_millis(rng.gen_range(300..1200)));
     if rng.gen_bool(0.5) {
         s.kill9();
         std::thread::sleep(Duration::from_millis(rng.gen_range(0..200)));
     }
-    let after = counters(k.id() as u64);
-    let _ = k.kill();
-    let _ = k.wait();
+    let after: Vec<_> = kids.iter().map(|k| counters(k.id() as u64)).collect();
+    for k in &mut kids {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
     s.kill9();
-    reader.join().unwrap();
-    let acks = std::mem::take(&mut *acks.lock().unwrap());
-    assert!(
-        acks.acked > 20,
-        "seed {seed}: only {} operations acknowledged",
-        acks.acked
-    );
-    // Nothing was made durable by the lower after the snapshot, or the cut below would not
-    // be a possible one: no real sync, no namespace write-back; everything was absorbed.
-    assert_eq!(
-        (after.0, after.1),
-        (before.0, before.1),
-        "seed {seed}: real syncs or namespace write-backs after the snapshot (counters before {before:?}, after {after:?})"
-    );
-    assert!(
-        after.2 > before.2 && after.3 > before.3,
-        "seed {seed}: {before:?} -> {after:?}"
-    );
+    for r in readers {
+        r.join().unwrap();
+    }
+    let mut acks = NsAcks::default();
+    for a in &all_acks {
+        let a = std::mem::take(&mut *a.lock().unwrap());
+        assert!(
+            a.acked > 10,
+            "seed {seed}: only {} operations acknowledged",
+            a.acked
+        );
+        acks.state.extend(a.state);
+        acks.inflight.extend(a.inflight);
+        acks.acked += a.acked;
+    }
+    for (b, a) in before.iter().zip(&after) {
+        // Nothing was made durable by the lower after the snapshot, or the cut below would
+        // not be a possible one: no real sync, no namespace write-back; all absorbed.
+        assert_eq!(
+            (a.0, a.1),
+            (b.0, b.1),
+            "seed {seed}: real syncs or namespace write-backs after the snapshot (counters before {b:?}, after {a:?})"
+        );
+        assert!(a.2 > b.2 && a.3 > b.3, "seed {seed}: {b:?} -> {a:?}");
+    }
 
+    // What the lower holds at the shared names now (the programs are dead): the replaces
+    // that won, in the order the lower applied them.
+    let shared_now: Vec<Option<Vec<u8>>> = (0..3)
+        .map(|k| fs::read(dir.join(format!("shared{k}"))).ok())
+        .collect();
     // The power cut: names as at the snapshot, each file a mix of its old and new pages.
     let (now_files, mut now_dirs) = tree(&dir);
     for name in now_files.keys() {
@@ -1203,6 +1235,16 @@ fn ns_crash_round(base: &Path, seed: u64) {
                 );
             }
         }
+    }
+    for (k, want) in shared_now.iter().enumerate() {
+        let name = format!("shared{k}");
+        if skip(&name) {
+            continue;
+        }
+        assert!(
+            &fs::read(dir.join(&name)).ok() == want,
+            "seed {seed}: {name} after recovery is not what the last acknowledged replace left"
+        );
     }
     // Nothing else: every name there is one the workload wants (or was changing).
     for name in got_files.keys() {

@@ -2,16 +2,19 @@
 (write a temporary file, fsync, rename over the target), unlinks, renames and mkdirs, each
 acknowledged after the fsync of the file and of its directories.
 
-Arguments: DIR SEED. It primes the directories (so they are watched and clean), prints
-"ready", waits for a line on stdin, then runs operations until it is killed. Before each
+Arguments: DIR SEED TAG. Several may run at once on one DIR: each works on names carrying its
+TAG (in directories they share, and in its own). It primes the directories (so they are
+watched and clean), prints "ready", waits for a line on stdin, then runs operations until it
+is killed. Before each
 operation it prints "begin SEQ NAME..." (the names the operation may change); after its
 durability point "ack SEQ NAME=STATE ..." where STATE is a content id ("SEQ" of the write, or
-"old:NAME" for a file that existed at the start), "dir", or "-" (absent)."""
+"old:NAME" for a file that existed at the start), "dir", or "-" (absent). The names
+"shared0".."shared2" are replaced by every process; their acks name only the temporary."""
 import os
 import random
 import sys
 
-d, seed = sys.argv[1], int(sys.argv[2])
+d, seed, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rng = random.Random(seed)
 
 
@@ -30,21 +33,22 @@ def p(name):
 dirs = {"": os.open(d, os.O_RDONLY | os.O_DIRECTORY)}
 state = {}
 for n in sorted(os.listdir(d)):
-    if os.path.isfile(p(n)) and not n.startswith("."):
+    if os.path.isfile(p(n)) and n.startswith(f"old{tag}-"):
         state[n] = f"old:{n}"
 
 # Priming: the first logged change of a directory writes everything back once; afterwards
 # every change is logged and the directories are clean.
-fd = os.open(p("prime"), os.O_CREAT | os.O_WRONLY, 0o644)
+sub = f"sub{tag}"
+fd = os.open(p(f"prime{tag}"), os.O_CREAT | os.O_WRONLY, 0o644)
 os.close(fd)
-os.unlink(p("prime"))
-os.mkdir(p("sub"))
+os.unlink(p(f"prime{tag}"))
+os.mkdir(p(sub))
 os.fsync(dirs[""])
-dirs["sub"] = os.open(p("sub"), os.O_RDONLY | os.O_DIRECTORY)
-fd = os.open(p("sub/prime"), os.O_CREAT | os.O_WRONLY, 0o644)
+dirs[sub] = os.open(p(sub), os.O_RDONLY | os.O_DIRECTORY)
+fd = os.open(p(f"{sub}/prime"), os.O_CREAT | os.O_WRONLY, 0o644)
 os.close(fd)
-os.unlink(p("sub/prime"))
-os.fsync(dirs["sub"])
+os.unlink(p(f"{sub}/prime"))
+os.fsync(dirs[sub])
 say("ready")
 sys.stdin.readline()
 
@@ -64,14 +68,14 @@ seq = 0
 while True:
     seq += 1
     files = sorted(state)
-    op = rng.choice(["create", "create", "replace", "replace", "unlink", "rename", "mkdir"])
+    op = rng.choice(["create", "create", "replace", "replace", "unlink", "rename", "mkdir", "shared"])
     if op in ("replace", "unlink", "rename") and not files:
         op = "create"
     if op == "mkdir" and len(dirs) >= 6:
         op = "create"
     if op == "create":
         dn = rng.choice(sorted(dirs))
-        name = f"{dn}/n{seq}" if dn else f"n{seq}"
+        name = f"{dn}/n{tag}-{seq}" if dn else f"n{tag}-{seq}"
         say(f"begin {seq} {name}")
         write_new(name, seq)
         os.fsync(dirs[dn])
@@ -80,7 +84,7 @@ while True:
     elif op == "replace":
         target = rng.choice(files)
         dn = dir_of(target)
-        tmp = f"{dn}/t{seq}" if dn else f"t{seq}"
+        tmp = f"{dn}/t{tag}-{seq}" if dn else f"t{tag}-{seq}"
         say(f"begin {seq} {tmp} {target}")
         write_new(tmp, seq)
         os.rename(p(tmp), p(target))
@@ -97,15 +101,25 @@ while True:
     elif op == "rename":
         src = rng.choice(files)
         dn = rng.choice(sorted(dirs))
-        dst = f"{dn}/m{seq}" if dn else f"m{seq}"
+        dst = f"{dn}/m{tag}-{seq}" if dn else f"m{tag}-{seq}"
         say(f"begin {seq} {src} {dst}")
         os.rename(p(src), p(dst))
         os.fsync(dirs[dir_of(src)])
         os.fsync(dirs[dn])
         state[dst] = state.pop(src)
         say(f"ack {seq} {src}=- {dst}={state[dst]}")
+    elif op == "shared":
+        # Every process replaces the same few names, unsynchronized: which replace wins is
+        # the order the lower applied them in, and recovery must agree.
+        target = f"shared{rng.randrange(3)}"
+        tmp = f"t{tag}-{seq}"
+        say(f"begin {seq} {tmp} {target}")
+        write_new(tmp, seq)
+        os.rename(p(tmp), p(target))
+        os.fsync(dirs[""])
+        say(f"ack {seq} {tmp}=-")
     else:
-        name = f"d{seq}"
+        name = f"d{tag}-{seq}"
         say(f"begin {seq} {name}")
         os.mkdir(p(name))
         os.fsync(dirs[""])
