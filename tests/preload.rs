@@ -1425,3 +1425,37 @@ fn a_mount_and_serve_of_one_lower_directory_refuse_each_other() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn closing_files_releases_what_the_library_kept_for_them() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = PathBuf::from(format!(
+        "/dev/shm/pmstack-test-release-{}.pm",
+        std::process::id()
+    ));
+    let _ = fs::remove_file(&pm);
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    // Each absorbed sync of a write-only descriptor opens a read descriptor for the bytes;
+    // with a limit of 128 descriptors, 2000 files would run out if those were kept.
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(
+        "import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))\n\
+         open(os.path.join(d, 'prime'), 'w').close()\n\
+         for i in range(2000):\n    p = os.path.join(d, f'm{i}')\n    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)\n    os.write(fd, b'mail')\n    os.fsync(fd)\n    os.close(fd)\n    os.unlink(p)",
+    );
+    // The loop did not just fall back to real syncs: its syncs were absorbed.
+    let pid = a.pid();
+    s.wait_stats("the syncs were absorbed", |v| {
+        v["attached"].as_array().is_some_and(|x| {
+            x.iter()
+                .any(|p| p["pid"] == pid && p["absorbed_fsync"].as_u64() >= Some(1900))
+        })
+    });
+    drop(a);
+    s.stop();
+    let _ = fs::remove_file(&pm);
+}

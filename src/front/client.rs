@@ -185,15 +185,53 @@ impl Client {
     }
 
     pub fn untrack(&self, fd: i32) {
-        let mut m = self.fds.write();
-        if !m.is_empty() {
-            m.remove(&fd);
+        let gone = {
+            let mut m = self.fds.write();
+            if m.is_empty() {
+                return;
+            }
+            m.remove(&fd)
+        };
+        if let Some(t) = gone {
+            self.release(t);
         }
     }
 
     pub fn untrack_range(&self, first: i32, last: i32) {
-        let mut m = self.fds.write();
-        m.retain(|fd, _| *fd < first || *fd > last);
+        let mut gone = Vec::new();
+        {
+            let mut m = self.fds.write();
+            m.retain(|fd, t| {
+                let keep = *fd < first || *fd > last;
+                if !keep {
+                    gone.push(t.clone());
+                }
+                keep
+            });
+        }
+        for t in gone {
+            self.release(t);
+        }
+    }
+
+    /// A descriptor was closed. If it was this process's last one on the object, close the
+    /// read descriptor kept for syncs, and forget the object unless it has writes not yet
+    /// logged (a later sync through a new descriptor must still cover them).
+    fn release(&self, t: Arc<Tracked>) {
+        let Ok(t) = Arc::try_unwrap(t) else {
+            return; // a dup of it is still open
+        };
+        let mut m = self.inodes.lock();
+        // References: the map's, and `t`'s; more means another descriptor is open.
+        if Arc::strong_count(&t.ino) > 2 {
+            return;
+        }
+        let mut p = t.ino.p.lock();
+        p.rfd = None;
+        if p.dirty.is_empty() && m.get(&t.ino.slot).is_some_and(|i| Arc::ptr_eq(i, &t.ino)) {
+            drop(p);
+            m.remove(&t.ino.slot);
+        }
     }
 
     /// io_uring was set up: writes may bypass the library from now on. Every sync of this
