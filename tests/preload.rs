@@ -302,6 +302,38 @@ fn verify(dir: &Path, acks: &Acks, tags: &[&str], seed: u64) {
     }
 }
 
+/// After a clean stop the region holds no live entry.
+fn assert_log_empty(pm: &Path) {
+    let chk = Command::new(common::bin())
+        .args(["check", "--json", "--pm"])
+        .arg(pm)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&chk.stdout).unwrap();
+    assert_eq!(v["live_entries"], 0, "{v}");
+}
+
+/// Run `round(root, seed)` PMSTACK_CRASH_ROUNDS times (default `rounds`) on a loop-mounted
+/// ext4 (or a plain directory where loop devices are missing outside CI).
+fn crash_rounds(prefix: &str, rounds: u64, round: impl Fn(&Path, u64)) {
+    let base_dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let lfs = LoopFs::new(base_dir.path());
+    let root = lfs
+        .as_ref()
+        .map_or(base_dir.path().to_owned(), |l| l.dir.clone());
+    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(rounds);
+    let seed0: u64 = rand::random::<u32>() as u64;
+    for r in 0..rounds {
+        round(&root, seed0 + r);
+    }
+}
+
 /// One round: load, kill -9 (programs and daemon, in a random order), power cut, recover.
 fn crash_round(base_dir: &Path, seed: u64) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -375,13 +407,7 @@ fn crash_round(base_dir: &Path, seed: u64) {
     let mut s2 = Serve::start(&dir, &pm, &[]);
     s2.stop();
     verify(&dir, &acks, &tags, seed);
-    let chk = Command::new(common::bin())
-        .args(["check", "--json", "--pm"])
-        .arg(&pm)
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&chk.stdout).unwrap();
-    assert_eq!(v["live_entries"], 0, "{v}");
+    assert_log_empty(&pm);
     drop(s2);
     drop(s);
     let _ = fs::remove_dir_all(&dir);
@@ -392,22 +418,7 @@ fn kill9_of_programs_and_daemon_with_power_loss_keeps_every_acknowledged_write()
     if !common::can_mount() || !have("python3") {
         return;
     }
-    let base_dir = tempfile::Builder::new()
-        .prefix("pmstack-preload-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let lfs = LoopFs::new(base_dir.path());
-    let root = lfs
-        .as_ref()
-        .map_or(base_dir.path().to_owned(), |l| l.dir.clone());
-    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(6);
-    let seed0: u64 = rand::random::<u32>() as u64;
-    for r in 0..rounds {
-        crash_round(&root, seed0 + r);
-    }
+    crash_rounds("pmstack-preload-", 6, crash_round);
 }
 
 #[test]
@@ -1262,13 +1273,7 @@ fn ns_crash_round(base: &Path, seed: u64) {
             "seed {seed}: unexpected directory {d} after recovery"
         );
     }
-    let chk = Command::new(common::bin())
-        .args(["check", "--json", "--pm"])
-        .arg(&pm)
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&chk.stdout).unwrap();
-    assert_eq!(v["live_entries"], 0, "{v}");
+    assert_log_empty(&pm);
     drop(s2);
     drop(s);
     let _ = fs::remove_file(&pm);
@@ -1280,22 +1285,7 @@ fn kill9_and_power_loss_keep_every_acknowledged_namespace_operation() {
     if !common::can_mount() || !have("python3") {
         return;
     }
-    let base_dir = tempfile::Builder::new()
-        .prefix("pmstack-preload-ns-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let lfs = LoopFs::new(base_dir.path());
-    let root = lfs
-        .as_ref()
-        .map_or(base_dir.path().to_owned(), |l| l.dir.clone());
-    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    let seed0: u64 = rand::random::<u32>() as u64;
-    for r in 0..rounds {
-        ns_crash_round(&root, seed0 + r);
-    }
+    crash_rounds("pmstack-preload-ns-", 4, ns_crash_round);
 }
 
 #[test]

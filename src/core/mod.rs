@@ -919,18 +919,6 @@ impl Core {
         }
     }
 
-    fn node_kind(mode: u32) -> NodeKind {
-        match mode & libc::S_IFMT {
-            libc::S_IFDIR => NodeKind::Dir,
-            libc::S_IFLNK => NodeKind::Symlink,
-            libc::S_IFIFO => NodeKind::Fifo,
-            libc::S_IFSOCK => NodeKind::Socket,
-            libc::S_IFCHR => NodeKind::CharDev,
-            libc::S_IFBLK => NodeKind::BlockDev,
-            _ => NodeKind::File,
-        }
-    }
-
     fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
         let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
@@ -943,7 +931,7 @@ impl Core {
             parent: p.fid,
             name: name.as_bytes().to_vec(),
             child: i.fid,
-            kind: Self::node_kind(st.st_mode),
+            kind: NodeKind::from_mode(st.st_mode),
             mode: st.st_mode & 0o7777,
             rdev: st.st_rdev,
             uid: st.st_uid,

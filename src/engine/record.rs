@@ -23,6 +23,19 @@ pub enum NodeKind {
 }
 
 impl NodeKind {
+    /// The kind of an object from its `st_mode`.
+    pub fn from_mode(mode: u32) -> Self {
+        match mode & libc::S_IFMT {
+            libc::S_IFDIR => Self::Dir,
+            libc::S_IFLNK => Self::Symlink,
+            libc::S_IFIFO => Self::Fifo,
+            libc::S_IFSOCK => Self::Socket,
+            libc::S_IFCHR => Self::CharDev,
+            libc::S_IFBLK => Self::BlockDev,
+            _ => Self::File,
+        }
+    }
+
     pub fn from_u8(v: u8) -> Option<Self> {
         Some(match v {
             1 => Self::File,

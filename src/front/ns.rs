@@ -62,18 +62,6 @@ fn ctime(fd: i32) -> u64 {
         .unwrap_or(0)
 }
 
-fn kind_of(mode: u32) -> NodeKind {
-    match mode & libc::S_IFMT {
-        libc::S_IFDIR => NodeKind::Dir,
-        libc::S_IFLNK => NodeKind::Symlink,
-        libc::S_IFIFO => NodeKind::Fifo,
-        libc::S_IFSOCK => NodeKind::Socket,
-        libc::S_IFCHR => NodeKind::CharDev,
-        libc::S_IFBLK => NodeKind::BlockDev,
-        _ => NodeKind::File,
-    }
-}
-
 /// Split a path into its parent part and final name ("a/b/" -> ("a", "b"); "x" -> (".", "x")).
 /// None for names that are no entry of their own ("", ".", "..", "/").
 fn split(path: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
@@ -422,7 +410,7 @@ impl Client {
                         parent: fid(t.dir.slot),
                         name: t.name.clone(),
                         child: fid(o.slot),
-                        kind: kind_of(o.st.st_mode),
+                        kind: NodeKind::from_mode(o.st.st_mode),
                         mode: o.st.st_mode & 0o7777,
                         rdev: o.st.st_rdev,
                         uid: o.st.st_uid,

@@ -132,36 +132,18 @@ impl Group {
 /// Report opens of the object of `fd` to group `group` (an attached process, for each object
 /// it tracks).
 pub fn mark(group: RawFd, fd: RawFd) -> io::Result<()> {
-    // SAFETY: plain system call; a null path marks the object of `fd`.
-    let r = unsafe {
-        libc::fanotify_mark(
-            group,
-            libc::FAN_MARK_ADD,
-            libc::FAN_OPEN_PERM,
-            fd,
-            std::ptr::null(),
-        )
-    };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    add_mark(group, fd, libc::FAN_OPEN_PERM)
 }
 
 /// Report opens of every entry of directory `fd` to `group` (files created there later
 /// included: they need no scan for earlier writers).
 pub fn mark_dir(group: RawFd, fd: RawFd) -> io::Result<()> {
+    add_mark(group, fd, libc::FAN_OPEN_PERM | libc::FAN_EVENT_ON_CHILD)
+}
+
+fn add_mark(group: RawFd, fd: RawFd, mask: u64) -> io::Result<()> {
     // SAFETY: plain system call; a null path marks the object of `fd`.
-    let r = unsafe {
-        libc::fanotify_mark(
-            group,
-            libc::FAN_MARK_ADD,
-            libc::FAN_OPEN_PERM | libc::FAN_EVENT_ON_CHILD,
-            fd,
-            std::ptr::null(),
-        )
-    };
+    let r = unsafe { libc::fanotify_mark(group, libc::FAN_MARK_ADD, mask, fd, std::ptr::null()) };
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
