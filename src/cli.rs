@@ -466,6 +466,13 @@ pub fn main() -> Result<()> {
     } else {
         init_logging("warn", LogTarget::Stderr)?;
     }
+    if matches!(cmd, Cmd::Check { .. } | Cmd::Stat { .. } | Cmd::Man { .. }) {
+        // Reports piped into `head` end quietly when the reader goes away, as other tools'
+        // do (the Rust runtime ignores SIGPIPE, which turns the write into a panic). Never
+        // for the daemons: a client that hangs up must not kill them.
+        // SAFETY: restoring a signal's default action.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     match cmd {
         Cmd::Mount(_) => unreachable!("handled above"),
         Cmd::Umount { mountpoint } => umount(&mountpoint),
