@@ -162,6 +162,8 @@ impl Drop for Serve {
     fn drop(&mut self) {
         self.kill9();
         let _ = fs::remove_file(&self.pm);
+        // A killed daemon leaves its table in /dev/shm (a clean stop removes it).
+        let _ = fs::remove_file(pmstack::front::paths(&self.dir).1);
     }
 }
 
