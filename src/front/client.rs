@@ -89,9 +89,6 @@ pub struct Hello {
     pub region: PathBuf,
     pub table: PathBuf,
     pub epoch: u64,
-    /// The daemon's fanotify group descriptor follows the hello (SCM_RIGHTS).
-    #[serde(default)]
-    pub watch: bool,
 }
 
 fn bad(msg: String) -> io::Error {
@@ -287,16 +284,12 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd)?;
-        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
-        let slot = self.table.slot(idx);
-        {
-            let _g = slot.lock();
-            ensure_gen(&slot, gen);
+        let (idx, ()) = claim(&self.table, &st, gen, |slot| {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
-            self.mark_for_watch(&slot, fd);
-        }
+            self.mark_for_watch(slot, fd);
+        })?;
         let ino = {
             let mut m = self.inodes.lock();
             match m.get(&idx) {
@@ -752,6 +745,21 @@ pub(super) fn ensure_gen(slot: &Slot<'_>, gen: u64) {
     slot.w(S_GEN).store(gen, Ordering::Release);
 }
 
+/// The slot of the object (dev, ino) whose handle checksum is `gen`, claimed if new and made
+/// to describe this object (`ensure_gen`); `f` runs under its lock. None: the table is full.
+pub(super) fn claim<R>(
+    table: &Table,
+    st: &libc::stat,
+    gen: u64,
+    f: impl FnOnce(&Slot<'_>) -> R,
+) -> Option<(usize, R)> {
+    let idx = table.find_or_insert(st.st_dev, st.st_ino)?;
+    let slot = table.slot(idx);
+    let _g = slot.lock();
+    ensure_gen(&slot, gen);
+    Some((idx, f(&slot)))
+}
+
 /// Mark the object of `fd` in `table` as written by someone the library cannot follow (a
 /// process that could not attach): every sync of it stays real.
 pub fn mark_unseen(table: &Table, fd: i32) {
@@ -762,10 +770,7 @@ pub fn mark_unseen(table: &Table, fd: i32) {
     let Some((_, gen)) = object_gen(fd) else {
         return;
     };
-    if let Some(i) = table.find_or_insert(st.st_dev, st.st_ino) {
-        let slot = table.slot(i);
-        let _g = slot.lock();
-        ensure_gen(&slot, gen);
-        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
-    }
+    claim(table, &st, gen, |slot| {
+        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel)
+    });
 }

@@ -21,7 +21,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::client::{ensure_gen, object_gen, Client};
+use super::client::{claim, object_gen, Client};
 use super::sys;
 use super::table::*;
 use crate::engine::{NodeKind, NsOp, Record, NAMESPACE_FID, ROOT_FID};
@@ -62,6 +62,12 @@ fn ctime(fd: i32) -> u64 {
         .unwrap_or(0)
 }
 
+/// A *at system call on names, as the lower file system's own (never back into the library).
+fn at_call(n: i64, a: [i64; 5]) -> io::Result<()> {
+    // SAFETY: the callers pass live descriptors and C strings they own.
+    sys::check(unsafe { sys::syscall6(n, a[0], a[1], a[2], a[3], a[4], 0) }).map(|_| ())
+}
+
 /// Split a path into its parent part and final name ("a/b/" -> ("a", "b"); "x" -> (".", "x")).
 /// None for names that are no entry of their own ("", ".", "..", "/").
 fn split(path: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
@@ -100,11 +106,7 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd.as_raw_fd())?;
-        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
-        let slot = self.table.slot(idx);
-        let marked = {
-            let _g = slot.lock();
-            ensure_gen(&slot, gen);
+        let (idx, marked) = claim(&self.table, &st, gen, |slot| {
             let was = slot.flags() & F_MARKED != 0;
             if !was && self.watching {
                 if let Some(g) = &self.group {
@@ -114,7 +116,7 @@ impl Client {
                 }
             }
             was
-        };
+        })?;
         Some(Target {
             dir: Dir {
                 fd,
@@ -169,12 +171,7 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd)?;
-        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
-        let slot = self.table.slot(idx);
-        {
-            let _g = slot.lock();
-            ensure_gen(&slot, gen);
-        }
+        let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         Some(Obj {
             slot: idx,
             handle,
@@ -302,18 +299,16 @@ impl Client {
             || self.object_at(t),
             || {
                 let fl = if dir { libc::AT_REMOVEDIR } else { 0 };
-                sys::check(unsafe {
-                    sys::syscall6(
-                        libc::SYS_unlinkat,
+                at_call(
+                    libc::SYS_unlinkat,
+                    [
                         t.dir.fd.as_raw_fd() as i64,
                         c.as_ptr() as i64,
                         fl as i64,
                         0,
                         0,
-                        0,
-                    )
-                })
-                .map(|_| ())
+                    ],
+                )
             },
             |victim, _, append| {
                 if !append {
@@ -338,18 +333,16 @@ impl Client {
             &[&from.dir, &to.dir],
             || (self.object_at(from), self.object_at(to)),
             || {
-                sys::check(unsafe {
-                    sys::syscall6(
-                        libc::SYS_renameat2,
+                at_call(
+                    libc::SYS_renameat2,
+                    [
                         from.dir.fd.as_raw_fd() as i64,
                         cf.as_ptr() as i64,
                         to.dir.fd.as_raw_fd() as i64,
                         ct.as_ptr() as i64,
                         flags as i64,
-                        0,
-                    )
-                })
-                .map(|_| ())
+                    ],
+                )
             },
             |(src, victim), _, append| {
                 if !append {
@@ -437,18 +430,16 @@ impl Client {
         self.make(
             t,
             || {
-                sys::check(unsafe {
-                    sys::syscall6(
-                        libc::SYS_mkdirat,
+                at_call(
+                    libc::SYS_mkdirat,
+                    [
                         t.dir.fd.as_raw_fd() as i64,
                         c.as_ptr() as i64,
                         mode as i64,
                         0,
                         0,
-                        0,
-                    )
-                })
-                .map(|_| ())
+                    ],
+                )
             },
             None,
             None,
@@ -462,18 +453,16 @@ impl Client {
         self.make(
             t,
             || {
-                sys::check(unsafe {
-                    sys::syscall6(
-                        libc::SYS_symlinkat,
+                at_call(
+                    libc::SYS_symlinkat,
+                    [
                         ct.as_ptr() as i64,
                         t.dir.fd.as_raw_fd() as i64,
                         c.as_ptr() as i64,
                         0,
                         0,
-                        0,
-                    )
-                })
-                .map(|_| ())
+                    ],
+                )
             },
             Some(target),
             None,
@@ -486,9 +475,9 @@ impl Client {
         self.make(
             to,
             || {
-                sys::check(unsafe {
-                    sys::syscall6(
-                        libc::SYS_linkat,
+                at_call(
+                    libc::SYS_linkat,
+                    [
                         from.dir.fd.as_raw_fd() as i64,
                         cf.as_ptr() as i64,
                         to.dir.fd.as_raw_fd() as i64,
@@ -498,10 +487,8 @@ impl Client {
                         } else {
                             0
                         },
-                        0,
-                    )
-                })
-                .map(|_| ())
+                    ],
+                )
             },
             None,
             Some(from),
@@ -582,12 +569,8 @@ impl Client {
             return None;
         }
         let (_, gen) = object_gen(fd)?;
-        let idx = self.table.find_or_insert(st.st_dev, st.st_ino)?;
+        let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         let slot = self.table.slot(idx);
-        {
-            let _g = slot.lock();
-            ensure_gen(&slot, gen);
-        }
         let _ns = self.table.ns_lock();
         let c0 = ctime(fd);
         if c0 != 0 && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c0 {

@@ -170,7 +170,6 @@ impl Daemon {
             region: self.opts.region.clone(),
             table: table_path.to_owned(),
             epoch: self.table.epoch(),
-            watch: self.group.is_some(),
         })?;
         let stats = self.stats.clone();
         let group = self.group.clone();
@@ -267,8 +266,9 @@ impl Daemon {
     pub fn watch_opens(&self, stop: &AtomicBool) {
         let Some(g) = &self.group else { return };
         std::thread::scope(|sc| {
+            let mut buf = vec![0u8; 64 * 1024];
             while !stop.load(Ordering::Relaxed) {
-                let evs = match g.next(100) {
+                let evs = match g.next(100, &mut buf) {
                     Ok(v) => v,
                     Err(e) => {
                         tracing::error!("reading fanotify events failed ({e}); writers outside `pmstack run` are no longer seen, so absorption stops");
@@ -365,20 +365,8 @@ impl Daemon {
         if cand.is_empty() {
             return upto;
         }
-        let ids = |i: usize| {
-            let s = self.table.slot(i);
-            (
-                s.w(S_DEV).load(Ordering::Acquire),
-                s.w(S_INO).load(Ordering::Acquire).wrapping_sub(1),
-            )
-        };
-        let targets: HashSet<(u64, u64)> = cand.iter().map(|&i| ids(i)).collect();
-        let found = watch::foreign_writers(&targets, &mut |pid| self.is_attached(pid));
-        let hit: Vec<usize> = cand
-            .iter()
-            .copied()
-            .filter(|&i| found.contains(&ids(i)))
-            .collect();
+        let held = self.held_by_foreign(&cand);
+        let hit: Vec<usize> = cand.iter().copied().filter(|i| held.contains(i)).collect();
         if !hit.is_empty() {
             self.stats
                 .foreign_writers
@@ -399,6 +387,24 @@ impl Daemon {
         upto
     }
 
+    /// Which of the slots `idxs` a process that is not attached holds open for writing or
+    /// maps shared and writable (one scan of /proc).
+    fn held_by_foreign(&self, idxs: &[usize]) -> HashSet<usize> {
+        let id = |i: usize| {
+            let s = self.table.slot(i);
+            (
+                s.w(S_DEV).load(Ordering::Acquire),
+                s.w(S_INO).load(Ordering::Acquire).wrapping_sub(1),
+            )
+        };
+        let targets: HashSet<(u64, u64)> = idxs.iter().map(|&i| id(i)).collect();
+        let found = watch::foreign_writers(&targets, &mut |pid| self.is_attached(pid));
+        idxs.iter()
+            .copied()
+            .filter(|&i| found.contains(&id(i)))
+            .collect()
+    }
+
     /// Foreign objects no foreign writer holds any more: their next sync is real (it covers
     /// what the writer left in the page cache), then absorption resumes.
     fn recheck_foreign(&self) {
@@ -406,21 +412,13 @@ impl Daemon {
         if idxs.is_empty() {
             return;
         }
-        let ids = |i: usize| {
-            let s = self.table.slot(i);
-            (
-                s.w(S_DEV).load(Ordering::Acquire),
-                s.w(S_INO).load(Ordering::Acquire).wrapping_sub(1),
-            )
-        };
-        let targets: HashSet<(u64, u64)> = idxs.iter().map(|&i| ids(i)).collect();
-        let found = watch::foreign_writers(&targets, &mut |pid| self.is_attached(pid));
+        let held = self.held_by_foreign(&idxs);
         let mut f = self.foreign.lock();
         for i in idxs {
             let slot = self.table.slot(i);
             if slot.flags() & F_FOREIGN == 0 {
                 f.remove(&i); // a new object took the slot
-            } else if !found.contains(&ids(i)) {
+            } else if !held.contains(&i) {
                 slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
                 slot.w(S_FLAGS).fetch_and(!F_FOREIGN, Ordering::AcqRel);
                 f.remove(&i);

@@ -64,8 +64,8 @@ impl Group {
         self.fd.as_fd()
     }
 
-    /// Wait up to `timeout_ms` for events; the open permission events read.
-    pub fn next(&self, timeout_ms: i32) -> io::Result<Vec<OpenEvent>> {
+    /// Wait up to `timeout_ms` for events; the open permission events read (through `buf`).
+    pub fn next(&self, timeout_ms: i32, buf: &mut [u8]) -> io::Result<Vec<OpenEvent>> {
         let mut p = libc::pollfd {
             fd: self.fd.as_raw_fd(),
             events: libc::POLLIN,
@@ -76,8 +76,7 @@ impl Group {
         if r <= 0 {
             return Ok(Vec::new());
         }
-        let mut buf = vec![0u8; 64 * 1024];
-        // SAFETY: reading into our buffer.
+        // SAFETY: reading into the caller's buffer.
         let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr() as *mut _, buf.len()) };
         if n < 0 {
             let e = io::Error::last_os_error();
