@@ -722,6 +722,33 @@ fn open_region_areas(
         if show {
             eprintln!();
         }
+        if !sum.unbound_fids.is_empty() {
+            let dir = Path::new("/var/lib/pmstack");
+            let file = dir.join(format!(
+                "unplaced-{}-{}.json",
+                uuid::Uuid::from_bytes(log.superblock().uuid),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs())
+            ));
+            let saved = fs::create_dir_all(dir)
+                .and_then(|_| {
+                    pmstack::lower::write_atomic(
+                        &file,
+                        &serde_json::to_string_pretty(&sum.unplaced).unwrap_or_default(),
+                    )
+                })
+                .map_or_else(
+                    |e| format!("could not be saved ({e})"),
+                    |_| format!("are saved in {}", file.display()),
+                );
+            eprintln!(
+                "pmstack: warning: {} record(s) of {} object(s) (file ids {:?}) name no lower object (their binding was lost) and were not applied; they {saved}; everything else was recovered",
+                sum.unplaced.len(),
+                sum.unbound_fids.len(),
+                sum.unbound_fids
+            );
+        }
         summary = Some(sum);
     } else {
         log.reset();
@@ -1271,8 +1298,15 @@ fn recover_cmd(pm: &Path, lower: &Path) -> Result<()> {
     log.set_clean(true);
     match sum {
         Some(s) => println!(
-            "recovered {} namespace ops ({} already applied), {} file ops, {} bytes in {} ms",
-            s.namespace_ops, s.namespace_skipped, s.file_ops, s.bytes_replayed, s.duration_ms
+            "recovered {} namespace ops ({} already applied, {} objects re-created), {} file ops, {} bytes in {} ms; {} file(s) deleted after their records (nothing to replay into), {} object(s) without a binding",
+            s.namespace_ops,
+            s.namespace_skipped,
+            s.recreated,
+            s.file_ops,
+            s.bytes_replayed,
+            s.duration_ms,
+            s.unresolved_files,
+            s.unbound_fids.len()
         ),
         None => println!("nothing to recover: the region was clean"),
     }

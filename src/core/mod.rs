@@ -76,9 +76,10 @@ struct FileState {
     dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
-    /// Earlier fids of this object (it was forgotten and looked up again) whose entries may
-    /// still be live: a fallback must expire them too.
-    old_fids: Vec<u64>,
+    /// The lower file handle the latest Bind record holds: after the kernel forgot the inode,
+    /// an object found again at the same (dev, ino) is the same object only if its handle
+    /// (which carries the inode generation) is this one.
+    handle: Vec<u8>,
     /// adaptive mode: the per-block eager/lazy predictor.
     predictor: Option<Box<adaptive::Predictor>>,
     /// Active sync: bytes written and pages dirtied since the last sync.
@@ -110,9 +111,16 @@ pub struct DirHandle {
 struct Table {
     by_ino: HashMap<u64, Arc<Inode>>,
     by_dev_ino: HashMap<(u64, u64), u64>,
-    /// State of forgotten inodes that still matters (live log entries, unlogged dirty
-    /// bytes), without their descriptors: restored if the object is looked up again.
-    orphans: HashMap<(u64, u64), FileState>,
+    /// Objects the kernel forgot (FORGET) whose log identity still matters: their fid is
+    /// named by live records, or they have live entries or unlogged dirty bytes. Kept without
+    /// descriptors; an object looked up again gets back the same fid and state, so the log
+    /// never holds two identities of one object (recovery would treat them as two objects).
+    orphans: HashMap<(u64, u64), Orphan>,
+}
+
+struct Orphan {
+    fid: u64,
+    state: FileState,
 }
 
 pub struct Core {
@@ -133,6 +141,12 @@ pub struct Core {
     ns_order: Mutex<()>,
     /// LSN captured by the latest write-back: a fid bound below it must bind again.
     horizon: AtomicU64,
+    /// The lower root's file handle, and the LSN of its latest Bind record. Every interval
+    /// between write-backs that logs anything binds the root, so recovery can tell whether
+    /// the log's handles resolve in the directory it is given (a copy of LOWER, or a lower
+    /// whose client was remounted, resolves them elsewhere or not at all).
+    root_handle: Vec<u8>,
+    root_bind_lsn: AtomicU64,
     pub stats: Stats,
     /// Request latency per kind, recorded by the FUSE adapter.
     pub latency: Latency,
@@ -158,6 +172,7 @@ impl Core {
     pub fn new(lower: RealLower, opts: Options, log: Option<Arc<Log>>) -> io::Result<Arc<Core>> {
         let st = fstat(lower.root_fd())?;
         let root_node = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY)?;
+        let root_handle = lower.handle(lower.root_fd()).unwrap_or_default();
         let root = Arc::new(Inode {
             ino: 1,
             fid: ROOT_FID,
@@ -188,6 +203,8 @@ impl Core {
             gate: RwLock::new(()),
             ns_order: Mutex::new(()),
             horizon: AtomicU64::new(0),
+            root_handle,
+            root_bind_lsn: AtomicU64::new(0),
             stats: Stats::default(),
             latency: Latency::default(),
             flusher_wake: (Mutex::new(false), Condvar::new()),
@@ -245,10 +262,14 @@ impl Core {
         } else {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
-        let fid = self.log.as_ref().map_or(ino, |l| l.next_lsn());
+        let (fid, state) = match self.adopt_orphan(&mut t, key, fd.as_raw_fd()) {
+            Some(o) => (o.fid, o.state),
+            None => (
+                self.log.as_ref().map_or(ino, |l| l.next_lsn()),
+                FileState::default(),
+            ),
+        };
         debug_assert!(fid != ROOT_FID);
-        let mut state = t.orphans.remove(&key).unwrap_or_default();
-        state.bind_lsn = 0; // a new fid: bind it afresh
         let inode = Arc::new(Inode {
             ino,
             fid,
@@ -291,20 +312,39 @@ impl Core {
                 <= n
             {
                 let (key, fid) = (i.dev_ino, i.fid);
-                let mut state = std::mem::take(&mut *i.st.lock());
+                let state = std::mem::take(&mut *i.st.lock());
                 t.by_ino.remove(&ino);
                 t.by_dev_ino.remove(&key);
-                // Unlogged dirty bytes or live entries still matter if the object comes back.
-                if !state.dirty.is_empty()
+                // The fid stays this object's while live records name it (it was bound after
+                // the last write-back horizon), or while it has state that matters.
+                if !self.needs_bind(&state)
+                    || !state.dirty.is_empty()
                     || !state.live_pages.is_empty()
                     || state.live_attr
-                    || !state.old_fids.is_empty()
                 {
-                    state.old_fids.push(fid);
-                    t.orphans.insert(key, state);
+                    t.orphans.insert(key, Orphan { fid, state });
                 }
             }
         }
+    }
+
+    /// The orphan of `key`, if the object at `fd` is the same object (same file handle).
+    /// An orphan whose object is gone (its inode number reused) is dropped: its records
+    /// belong to a deleted object.
+    fn adopt_orphan(&self, t: &mut Table, key: (u64, u64), fd: RawFd) -> Option<Orphan> {
+        let o = t.orphans.remove(&key)?;
+        if o.state.handle.is_empty() || self.lower.handle(fd).ok()? == o.state.handle {
+            return Some(o);
+        }
+        None
+    }
+
+    /// The orphaned fid of the object at `fd`, without adopting it (transient lookups).
+    fn orphan_fid(&self, key: (u64, u64), fd: RawFd) -> Option<u64> {
+        let t = self.table.read();
+        let o = t.orphans.get(&key)?;
+        (o.state.handle.is_empty() || self.lower.handle(fd).ok()? == o.state.handle)
+            .then_some(o.fid)
     }
 
     pub fn getattr(&self, ino: u64) -> R<Stat> {
@@ -322,13 +362,40 @@ impl Core {
         i: &Inode,
         st: &mut FileState,
     ) -> Result<(), crate::engine::LogError> {
+        self.bind_root(a)?;
         if i.fid == ROOT_FID {
             return Ok(());
         }
         if self.needs_bind(st) {
             let handle = self.lower.handle(i.node.as_raw_fd()).unwrap_or_default();
-            st.bind_lsn = a.append(&Record::Bind { fid: i.fid, handle }, None)?;
+            st.bind_lsn = a.append(
+                &Record::Bind {
+                    fid: i.fid,
+                    handle: handle.clone(),
+                },
+                None,
+            )?;
+            st.handle = handle;
         }
+        Ok(())
+    }
+
+    /// Bind the lower root (see `root_handle`) if this write-back interval has not yet.
+    fn bind_root(&self, a: &mut crate::engine::AreaGuard<'_>) -> Result<(), crate::engine::LogError> {
+        if self.root_handle.is_empty()
+            || self.root_bind_lsn.load(Ordering::SeqCst) >= self.horizon.load(Ordering::SeqCst)
+                && self.root_bind_lsn.load(Ordering::SeqCst) != 0
+        {
+            return Ok(());
+        }
+        let l = a.append(
+            &Record::Bind {
+                fid: ROOT_FID,
+                handle: self.root_handle.clone(),
+            },
+            None,
+        )?;
+        self.root_bind_lsn.fetch_max(l, Ordering::SeqCst);
         Ok(())
     }
 
@@ -688,16 +755,12 @@ impl Core {
         self.log_full();
         self.sync_object(i)?;
         let upto = log.lsn_now();
-        for fid in std::iter::once(i.fid).chain(st.old_fids.iter().copied()) {
-            if log.write_back(fid, upto).is_err() {
-                NEED_FULL_WRITE_BACK.with(|c| c.set(true));
-                break;
-            }
+        if log.write_back(i.fid, upto).is_err() {
+            NEED_FULL_WRITE_BACK.with(|c| c.set(true));
         }
         st.dirty.clear();
         st.live_pages.clear();
         st.live_attr = false;
-        st.old_fids.clear();
         Ok(())
     }
 
@@ -876,10 +939,16 @@ impl Core {
         }
         let mut a = log.area();
         let mut bound = Vec::new();
-        let mut r = Ok(0);
-        for (i, handle) in binds {
-            match a.append(&Record::Bind { fid: i.fid, handle }, None) {
-                Ok(l) => bound.push((i, l)),
+        let mut r = self.bind_root(&mut a).map(|_| 0);
+        for (i, handle) in binds.into_iter().take_while(|_| r.is_ok()) {
+            match a.append(
+                &Record::Bind {
+                    fid: i.fid,
+                    handle: handle.clone(),
+                },
+                None,
+            ) {
+                Ok(l) => bound.push((i, l, handle)),
                 Err(e) => {
                     r = Err(e);
                     break;
@@ -891,9 +960,12 @@ impl Core {
         }
         a.commit();
         drop(a);
-        for (i, l) in bound {
+        for (i, l, handle) in bound {
             let mut st = i.st.lock();
-            st.bind_lsn = st.bind_lsn.max(l);
+            if l > st.bind_lsn {
+                st.bind_lsn = l;
+                st.handle = handle;
+            }
         }
         match r {
             Ok(_) => {
@@ -1064,9 +1136,14 @@ impl Core {
                 return Ok(i.clone());
             }
         }
+        let key = (st.st_dev, st.st_ino);
+        let fid = match self.orphan_fid(key, fd.as_raw_fd()) {
+            Some(f) => f,
+            None => self.log.as_ref().map_or(0, |l| l.next_lsn()),
+        };
         Ok(Arc::new(Inode {
             ino: 0,
-            fid: self.log.as_ref().map_or(0, |l| l.next_lsn()),
+            fid,
             node: fd,
             kind: kind_of(st.st_mode),
             dev_ino: (st.st_dev, st.st_ino),
@@ -1287,10 +1364,6 @@ impl Core {
                 st.live_pages.clear();
                 st.live_attr = false;
             }
-            if i.fid < upto {
-                // Every entry of an earlier fid predates this one's creation.
-                st.old_fids.clear();
-            }
             if st.dirty_mark < upto {
                 st.dirty.clear();
             }
@@ -1299,8 +1372,11 @@ impl Core {
                 self.record(o);
             }
         }
-        t.orphans
-            .retain(|_, st| st.last_lsn >= upto || st.dirty_mark >= upto);
+        // An orphan's fid matters no longer once every record naming it expired: a later
+        // lookup may then start a new identity.
+        t.orphans.retain(|_, o| {
+            o.state.last_lsn >= upto || o.state.dirty_mark >= upto || o.state.bind_lsn >= upto
+        });
         drop(t);
         self.stats.writebacks.fetch_add(1, Ordering::Relaxed);
         self.stats

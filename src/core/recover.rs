@@ -14,18 +14,36 @@ use crate::lower::real::{self, RealLower};
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct RecoverySummary {
     pub namespace_ops: u64,
+    /// Objects recovery had to create again (the lower lost them).
+    pub recreated: u64,
     pub namespace_skipped: u64,
     pub file_ops: u64,
     pub bytes_replayed: u64,
     pub files: u64,
+    /// Files whose records had nothing to be replayed into: the object was deleted after
+    /// them (by an acknowledged unlink or rename), checked against a lower whose handles
+    /// are known to resolve (`check_identity`).
     pub unresolved_files: u64,
+    /// Fids named by live records without any binding to a lower object (a log written by a
+    /// version with the bind race); their records could not be placed.
+    pub unbound_fids: Vec<u64>,
+    /// The records of `unbound_fids`, kept for the operator (`pmstack recover` saves them).
+    #[serde(skip)]
+    pub unplaced: Vec<serde_json::Value>,
     pub errors: Vec<String>,
     pub duration_ms: u64,
 }
 
+/// Records a new binding of a fid durably in the log (recovery re-created its object), so an
+/// interrupted recovery finds the new object again instead of the lost one.
+pub type Rebind<'a> = &'a dyn Fn(u64, &[u8]) -> Result<(), String>;
+
 struct Replayer<'a> {
     lower: &'a RealLower,
     plan: &'a ReplayPlan,
+    rebind: Option<Rebind<'a>>,
+    /// Directories whose entries recovery changed: fsynced before the log is emptied.
+    touched_dirs: Vec<i32>,
     nodes: HashMap<u64, OwnedFd>,
     /// Identities (dev, ino) of objects the log wants at some name at the end.
     wanted: std::collections::HashSet<(u64, u64)>,
@@ -97,6 +115,11 @@ impl Replayer<'_> {
         let mut order: Vec<(u64, Vec<u8>)> = Vec::new();
         let mut created: HashMap<u64, &NsOp> = HashMap::new();
         let mut links: std::collections::HashSet<(u64, Vec<u8>)> = Default::default();
+        // For a name that must not exist at the end: the object the log took away from it
+        // (unlinked, or renamed away). If the lower still has that object there (it lost the
+        // operation), the name goes, even when the object is wanted at another name (a hard
+        // link).
+        let mut taken: HashMap<(u64, Vec<u8>), u64> = HashMap::new();
         let mut set =
             |t: &mut BTreeMap<(u64, Vec<u8>), Option<u64>>, k: (u64, Vec<u8>), v: Option<u64>| {
                 if !t.contains_key(&k) {
@@ -113,9 +136,16 @@ impl Replayer<'_> {
                     ..
                 } => {
                     created.insert(*child, op);
+                    taken.remove(&(*parent, name.clone()));
                     set(&mut target, (*parent, name.clone()), Some(*child));
                 }
-                NsOp::Remove { parent, name, .. } => {
+                NsOp::Remove {
+                    parent,
+                    name,
+                    victim,
+                    ..
+                } => {
+                    taken.insert((*parent, name.clone()), *victim);
                     set(&mut target, (*parent, name.clone()), None)
                 }
                 NsOp::Rename {
@@ -136,8 +166,10 @@ impl Replayer<'_> {
                             .unwrap_or((*victim != 0).then_some(*victim));
                         set(&mut target, from, other);
                     } else {
+                        taken.insert(from.clone(), *src);
                         set(&mut target, from, None);
                     }
+                    taken.remove(&to);
                     set(&mut target, to, Some(*src));
                 }
                 NsOp::Link {
@@ -146,6 +178,7 @@ impl Replayer<'_> {
                     newname,
                 } => {
                     links.insert((*newparent, newname.clone()));
+                    taken.remove(&(*newparent, newname.clone()));
                     set(&mut target, (*newparent, newname.clone()), Some(*fid))
                 }
             }
@@ -220,14 +253,25 @@ impl Replayer<'_> {
                 continue;
             };
             if let Some((fd, id)) = self.at(p, &key.1) {
-                if !self.doomed.contains(&id) {
+                let st = real::fstat(fd.as_raw_fd()).ok();
+                let dir = st.is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+                // The object the log took from this name is still here, and has another
+                // name: the lower lost the unlink of one of its links.
+                let lost_unlink = !dir
+                    && st.is_some_and(|st| st.st_nlink > 1)
+                    && taken
+                        .get(key)
+                        .and_then(|&f| self.object(f))
+                        .is_some_and(|(_, tid)| tid == id);
+                if !self.doomed.contains(&id) && !lost_unlink {
                     self.sum.namespace_skipped += 1;
                     continue;
                 }
-                let dir = real::fstat(fd.as_raw_fd())
-                    .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
                 match self.lower.unlink(p, OsStr::from_bytes(&key.1), dir) {
-                    Ok(()) => self.sum.namespace_ops += 1,
+                    Ok(()) => {
+                        self.sum.namespace_ops += 1;
+                        self.touched_dirs.push(p);
+                    }
                     Err(e) => self
                         .sum
                         .errors
@@ -301,6 +345,14 @@ impl Replayer<'_> {
                     from = Some((d, t, false));
                 }
             }
+            if from.is_none() {
+                // Re-created by an earlier, interrupted recovery and bound, but not yet moved
+                // to its name.
+                let tmp = new_name(want);
+                if self.at(p, &tmp).is_some_and(|(_, id)| id == *o) {
+                    from = Some((p, tmp, false));
+                }
+            }
             // At a touched name whose own wanted object is gone for good (it existed before the
             // log began, so it cannot be re-created): an in-flight rename replaced it with this
             // one. Moving this one back could not restore that one, so the in-flight state
@@ -326,9 +378,13 @@ impl Replayer<'_> {
             l.rename(p, name, p, OsStr::from_bytes(&tmp), 0)?;
             stash.push((p, tmp, c));
         }
+        self.touched_dirs.push(p);
         if let Some((ofd, _)) = obj {
             match from {
-                Some((d, n, false)) => l.rename(d, OsStr::from_bytes(&n), p, name, 0)?,
+                Some((d, n, false)) => {
+                    l.rename(d, OsStr::from_bytes(&n), p, name, 0)?;
+                    self.touched_dirs.push(d);
+                }
                 _ => l.link(ofd, p, name)?,
             }
             return Ok(Some(true));
@@ -346,10 +402,28 @@ impl Replayer<'_> {
         else {
             return Ok(Some(false));
         };
+        // With a log to bind in, the object is made under a name of its own, bound to its fid
+        // durably, and only then moved to its name: a recovery interrupted at any point finds
+        // it again (by the new binding, or at that name) instead of taking it for an object
+        // an unacknowledged operation put there, and replays the fid's data into it.
+        let tmp = new_name(want);
+        let made = if self.rebind.is_some() {
+            OsStr::from_bytes(&tmp)
+        } else {
+            name
+        };
+        if self.rebind.is_some() && self.at(p, &tmp).is_some() {
+            // A leftover of an interrupted recovery that never got bound: nothing refers to it.
+            let is_dir = self
+                .at(p, &tmp)
+                .and_then(|(fd, _)| real::fstat(fd.as_raw_fd()).ok())
+                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+            l.unlink(p, made, is_dir)?;
+        }
         match kind {
-            NodeKind::Dir => l.mkdir(p, name, *mode)?,
-            NodeKind::Symlink => l.symlink(p, name, link_target)?,
-            NodeKind::File => drop(l.create_file(p, name, libc::O_RDWR | libc::O_EXCL, *mode)?),
+            NodeKind::Dir => l.mkdir(p, made, *mode)?,
+            NodeKind::Symlink => l.symlink(p, made, link_target)?,
+            NodeKind::File => drop(l.create_file(p, made, libc::O_RDWR | libc::O_EXCL, *mode)?),
             k => {
                 let t = match k {
                     NodeKind::Fifo => libc::S_IFIFO,
@@ -357,15 +431,25 @@ impl Replayer<'_> {
                     NodeKind::CharDev => libc::S_IFCHR,
                     _ => libc::S_IFBLK,
                 };
-                l.mknod(p, name, t | *mode, *rdev)?
+                l.mknod(p, made, t | *mode, *rdev)?
             }
         }
-        let (fd, _) = l.lookup(p, name)?;
+        let (fd, _) = l.lookup(p, made)?;
         let _ = l.chown(fd.as_raw_fd(), *uid, *gid);
         if *kind != NodeKind::Symlink {
             let _ = l.chmod(fd.as_raw_fd(), *mode);
         }
+        if let Some(rebind) = self.rebind {
+            // The new object must exist durably before the log points at it.
+            if let Ok(dfd) = l.reopen(p, libc::O_RDONLY | libc::O_DIRECTORY) {
+                real::fsync(dfd.as_raw_fd(), false)?;
+            }
+            let h = l.handle(fd.as_raw_fd())?;
+            rebind(want, &h).map_err(std::io::Error::other)?;
+            l.rename(p, made, p, name, 0)?;
+        }
         self.nodes.insert(want, fd);
+        self.sum.recreated += 1;
         Ok(Some(true))
     }
 
@@ -421,16 +505,56 @@ impl Replayer<'_> {
     }
 }
 
+/// The name under which recovery makes an object again before it is bound and moved.
+fn new_name(fid: u64) -> Vec<u8> {
+    format!(".pmstack-new-{fid}").into_bytes()
+}
+
+/// Whether the log's handles name objects of `lower` itself: the root binding (recorded in
+/// every write-back interval that logged anything) must open to LOWER's root. A copy of LOWER
+/// (same marker, other inodes) or a lower whose client was remounted (stale handles) fails
+/// this, and then no record may be applied: handles would resolve to nothing (every record
+/// silently skipped) or to objects outside LOWER.
+pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), String> {
+    let Some(h) = plan.binds.get(&ROOT_FID) else {
+        return Ok(()); // logs written before root binding existed
+    };
+    let root = real::fstat(lower.root_fd()).map_err(|e| format!("lower root: {e}"))?;
+    match lower.open_handle(h).and_then(|fd| real::fstat(fd.as_raw_fd())) {
+        Ok(st) if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino) => Ok(()),
+        Ok(_) => Err("the log's file handles name objects of another directory on this file system: this lower directory is a copy of (or other than) the one the log was written for; recover onto the original directory".into()),
+        Err(e) => Err(format!("the log's file handles do not resolve in this lower directory ({e}): it is a copy, or its file system was re-created or remounted with other handles; recover onto the original directory")),
+    }
+}
+
 /// Replay the plan onto the lower directory and make it durable.
 pub fn replay(
     lower: &RealLower,
     plan: &ReplayPlan,
     progress: &dyn Fn(u64, u64),
 ) -> RecoverySummary {
+    replay_with(lower, plan, progress, None)
+}
+
+/// `replay`, binding re-created objects in the log through `rebind`.
+pub fn replay_with(
+    lower: &RealLower,
+    plan: &ReplayPlan,
+    progress: &dyn Fn(u64, u64),
+    rebind: Option<Rebind<'_>>,
+) -> RecoverySummary {
     let t0 = std::time::Instant::now();
+    if let Err(e) = check_identity(lower, plan) {
+        return RecoverySummary {
+            errors: vec![e],
+            ..Default::default()
+        };
+    }
     let mut r = Replayer {
         lower,
         plan,
+        rebind,
+        touched_dirs: Vec::new(),
         nodes: HashMap::new(),
         wanted: Default::default(),
         doomed: Default::default(),
@@ -439,6 +563,19 @@ pub fn replay(
     let total = (plan.namespace.len() + plan.files.len()) as u64;
     let mut done = 0;
     r.namespace();
+    // Directory changes durable by each directory's own fsync: syncfs alone is not enough
+    // on lowers that ignore it (FUSE clients of network file systems).
+    let mut dirs = std::mem::take(&mut r.touched_dirs);
+    dirs.sort_unstable();
+    dirs.dedup();
+    for d in dirs {
+        if let Err(e) = lower
+            .reopen(d, libc::O_RDONLY | libc::O_DIRECTORY)
+            .and_then(|fd| real::fsync(fd.as_raw_fd(), false))
+        {
+            r.sum.errors.push(format!("fsync of a directory: {e}"));
+        }
+    }
     done += plan.namespace.len() as u64;
     progress(done, total);
     for (fid, ops) in &plan.files {
@@ -454,6 +591,22 @@ pub fn replay(
             .errors
             .push(format!("syncfs of the lower directory: {e}"));
     }
+    r.sum.unbound_fids = plan.unbound.clone();
+    for fid in &plan.unbound {
+        for (lsn, op) in plan.files.get(fid).into_iter().flatten() {
+            r.sum.unplaced.push(match op {
+                FileOp::Write { off, bytes } => serde_json::json!({
+                    "fid": fid, "lsn": lsn, "write": {"offset": off, "len": bytes.len(),
+                    "hex": bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()}}),
+                FileOp::Attr(a) => serde_json::json!({"fid": fid, "lsn": lsn, "attr": format!("{a:?}")}),
+            });
+        }
+        for (lsn, op) in plan.namespace.iter().filter(|(_, op)| op.named_fids().contains(fid)) {
+            r.sum
+                .unplaced
+                .push(serde_json::json!({"fid": fid, "lsn": lsn, "namespace": format!("{op:?}")}));
+        }
+    }
     r.sum.duration_ms = t0.elapsed().as_millis() as u64;
     r.sum
 }
@@ -466,10 +619,22 @@ pub fn recover(
     progress: &dyn Fn(u64, u64),
 ) -> Result<RecoverySummary, String> {
     let plan = scan.plan(&**log.pm())?;
+    let rebind = |fid: u64, handle: &[u8]| -> Result<(), String> {
+        let mut a = log.area();
+        let r = a.append(
+            &crate::engine::Record::Bind {
+                fid,
+                handle: handle.to_vec(),
+            },
+            None,
+        );
+        a.commit();
+        r.map(|_| ()).map_err(|e| format!("binding a re-created object: {e}"))
+    };
     let sum = if plan.is_empty() {
         RecoverySummary::default()
     } else {
-        replay(lower, &plan, progress)
+        replay_with(lower, &plan, progress, Some(&rebind))
     };
     if !sum.errors.is_empty() {
         return Err(format!(

@@ -91,6 +91,24 @@ pub enum NsOp {
     },
 }
 
+impl NsOp {
+    /// The objects this operation names, which recovery must be able to find (the created
+    /// child is not among them: its creation record describes it).
+    pub fn named_fids(&self) -> Vec<u64> {
+        match self {
+            NsOp::Create { parent, .. } => vec![*parent],
+            NsOp::Remove { parent, victim, .. } => vec![*parent, *victim],
+            NsOp::Rename {
+                parent,
+                newparent,
+                src,
+                ..
+            } => vec![*parent, *newparent, *src],
+            NsOp::Link { fid, newparent, .. } => vec![*fid, *newparent],
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AttrOp {
     Truncate(u64),

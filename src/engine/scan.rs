@@ -63,6 +63,10 @@ pub struct ReplayPlan {
     pub binds: HashMap<u64, Vec<u8>>,
     /// Per file: unexpired data and attribute operations in LSN order.
     pub files: BTreeMap<u64, Vec<(u64, FileOp)>>,
+    /// Fids named by live records that have no binding to a lower object (and were not
+    /// created by a live record): their records cannot be placed. Recovery reports them and
+    /// applies everything else.
+    pub unbound: Vec<u64>,
 }
 
 impl ReplayPlan {
@@ -380,35 +384,32 @@ impl Scan {
                 Record::Bind { .. } | Record::WriteBack { .. } => {}
             }
         }
+        let mut unbound = BTreeSet::new();
+        let created: BTreeSet<u64> = plan
+            .namespace
+            .iter()
+            .filter_map(|(_, op)| match op {
+                NsOp::Create { child, .. } => Some(*child),
+                _ => None,
+            })
+            .collect();
         for fid in plan
             .files
             .keys()
-            .chain(plan.namespace.iter().flat_map(|(_, op)| match op {
-                NsOp::Create { parent, .. } => vec![parent],
-                NsOp::Remove { parent, victim, .. } => vec![parent, victim],
-                NsOp::Rename {
-                    parent,
-                    newparent,
-                    src,
-                    ..
-                } => vec![parent, newparent, src],
-                NsOp::Link { fid, newparent, .. } => vec![fid, newparent],
-            }))
+            .copied()
+            .chain(plan.namespace.iter().flat_map(|(_, op)| op.named_fids()))
+            .collect::<Vec<_>>()
         {
-            let created = plan
-                .namespace
-                .iter()
-                .any(|(_, op)| matches!(op, NsOp::Create { child, .. } if child == fid));
-            if *fid != super::record::ROOT_FID
-                && *fid != NAMESPACE_FID
-                && !created
-                && !plan.binds.contains_key(fid)
+            if fid != super::record::ROOT_FID
+                && fid != NAMESPACE_FID
+                && fid != 0
+                && !created.contains(&fid)
+                && !plan.binds.contains_key(&fid)
             {
-                return Err(format!(
-                    "file id {fid} has live records but no binding to a lower file"
-                ));
+                unbound.insert(fid);
             }
         }
+        plan.unbound = unbound.into_iter().collect();
         Ok(plan)
     }
 }

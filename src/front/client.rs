@@ -78,6 +78,10 @@ pub struct Client {
     fds: RwLock<HashMap<i32, Arc<Tracked>>>,
     inodes: Mutex<HashMap<usize, Arc<Inode>>>,
     last_gc_cp: std::sync::atomic::AtomicU64,
+    /// The root's file handle and the LSN of this process's latest Bind of it: recovery
+    /// checks that the log's handles resolve in the directory it is given.
+    root_handle: Vec<u8>,
+    root_bind_lsn: std::sync::atomic::AtomicU64,
     /// io_uring or another path the library cannot see was set up: every sync is real.
     pub blind: std::sync::atomic::AtomicBool,
 }
@@ -134,6 +138,9 @@ impl Client {
         let rmeta = std::fs::metadata(&root)?;
         let root_dev = std::os::unix::fs::MetadataExt::dev(&rmeta);
         let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
+        let root_handle = std::fs::File::open(&root)
+            .and_then(|f| crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f)))
+            .unwrap_or_default();
         let mut rb = root.as_os_str().as_encoded_bytes().to_vec();
         if !rb.ends_with(b"/") {
             rb.push(b'/');
@@ -153,6 +160,8 @@ impl Client {
             fds: RwLock::new(HashMap::new()),
             inodes: Mutex::new(HashMap::new()),
             last_gc_cp: 0.into(),
+            root_handle,
+            root_bind_lsn: 0.into(),
             blind: false.into(),
         })
     }
@@ -410,6 +419,7 @@ impl Client {
                 }
                 pos += n;
             }
+            self.rebind_if_raced(&mut a, slot, &ino.handle)?;
             Ok(lsn)
         })();
         a.commit();
@@ -427,9 +437,11 @@ impl Client {
     fn log_attr(&self, slot: &Slot<'_>, ino: &Inode, op: AttrOp) -> Result<u64, ()> {
         self.gc_if_checkpoint_moved();
         let mut a = self.log.area();
-        let r = self
-            .bind(&mut a, slot, ino)
-            .and_then(|fid| a.append(&Record::Attr { fid, op }, None).map_err(|_| ()));
+        let r = self.bind(&mut a, slot, ino).and_then(|fid| {
+            let l = a.append(&Record::Attr { fid, op }, None).map_err(|_| ())?;
+            self.rebind_if_raced(&mut a, slot, &ino.handle)?;
+            Ok(l)
+        });
         a.commit();
         drop(a);
         if let Ok(l) = r {
@@ -461,6 +473,7 @@ impl Client {
             slot.w(S_FID).store(fid, Ordering::Release);
             slot.w(S_BIND_LSN).store(0, Ordering::Release);
         }
+        self.bind_root(a, false)?;
         let b = slot.w(S_BIND_LSN).load(Ordering::Acquire);
         if b == 0 || b < self.log.checkpoint_lsn() {
             let l = a
@@ -475,6 +488,60 @@ impl Client {
             slot.w(S_BIND_LSN).store(l, Ordering::Release);
         }
         Ok(fid)
+    }
+
+    /// After records of the object took their LSNs (before commit): bind it again if a
+    /// checkpoint is in progress or has passed its binding meanwhile (see `H_CKPT_BUSY`).
+    /// Bind records are bookkeeping, so one after the records it serves is as good.
+    pub(super) fn rebind_if_raced(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        slot: &Slot<'_>,
+        handle: &[u8],
+    ) -> Result<(), ()> {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let busy = self.table.w(H_CKPT_BUSY).load(Ordering::SeqCst) != 0;
+        let cp = self.log.checkpoint_lsn();
+        if busy || self.root_bind_lsn.load(Ordering::Acquire) < cp {
+            self.bind_root(a, true)?;
+        }
+        if busy || slot.w(S_BIND_LSN).load(Ordering::Acquire) < cp {
+            let fid = slot.w(S_FID).load(Ordering::Acquire);
+            let l = a
+                .append(
+                    &Record::Bind {
+                        fid,
+                        handle: handle.to_vec(),
+                    },
+                    None,
+                )
+                .map_err(|_| ())?;
+            slot.w(S_BIND_LSN).store(l, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Bind the lower root if this process has not since the checkpoint (or `force`).
+    pub(super) fn bind_root(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        force: bool,
+    ) -> Result<(), ()> {
+        let b = self.root_bind_lsn.load(Ordering::Acquire);
+        if self.root_handle.is_empty() || (!force && b != 0 && b >= self.log.checkpoint_lsn()) {
+            return Ok(());
+        }
+        let l = a
+            .append(
+                &Record::Bind {
+                    fid: crate::engine::ROOT_FID,
+                    handle: self.root_handle.clone(),
+                },
+                None,
+            )
+            .map_err(|_| ())?;
+        self.root_bind_lsn.fetch_max(l, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Free this process's log pages the daemon's latest checkpoint expired.

@@ -250,10 +250,17 @@ impl Client {
                     fids.get(&i).copied().unwrap_or(0)
                 }
             };
-            a.append(&Record::Ns(make(&fid)), None).map_err(|_| ())
+            a.append(&Record::Ns(make(&fid)), None).map_err(|_| ())?;
+            for (s, (_, h)) in slots.iter().zip(binds.iter()) {
+                self.rebind_if_raced(&mut a, s, h)?;
+            }
+            if root_slot.is_some() {
+                self.bind_root(&mut a, false)?;
+            }
+            Ok(())
         })();
         a.commit();
-        r.map(|_| ())
+        r
     }
 
     /// Run `op` natively and log it (`log(pre, out, append)`: Ok(true) logged, or changed

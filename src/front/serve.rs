@@ -210,15 +210,23 @@ impl Daemon {
     pub fn write_back(&self) -> Result<u64> {
         let _one = self.wb.lock();
         let t0 = Instant::now();
+        // Raised before the LSN counter is read (see H_CKPT_BUSY), lowered after the
+        // checkpoint is stored, on every path.
+        self.table.w(H_CKPT_BUSY).store(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         // Bump the counter so every write noted before this point has a mark below `upto`.
         self.log.next_lsn();
         let upto = self.log.lsn_now();
-        if let Err(e) = self.lower.syncfs() {
+        let synced = self.lower.syncfs();
+        if synced.is_ok() {
+            self.log.checkpoint(upto);
+        }
+        self.table.w(H_CKPT_BUSY).store(0, Ordering::SeqCst);
+        if let Err(e) = synced {
             self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries; check the lower file system (free space, I/O errors in dmesg)");
             return Err(e.into());
         }
-        self.log.checkpoint(upto);
         self.stats.writebacks.fetch_add(1, Ordering::Relaxed);
         self.stats
             .writeback_us

@@ -39,6 +39,12 @@ pub const H_NEW_MARKS: usize = 9;
 /// The namespace lock (a pid lock word): attached processes run and log namespace
 /// operations one at a time, so the log's order is the lower file system's.
 pub const H_NS_LOCK: usize = 10;
+/// Non-zero while the daemon's write-back is between choosing its checkpoint LSN and storing
+/// it. Raised before the daemon reads the LSN counter; an appender reads it after its records
+/// took their LSNs: if it reads 0 (and the stored checkpoint is below its binding), its
+/// records are either all below the new checkpoint or its binding outlives it. Otherwise it
+/// binds again before committing, so no live record is ever left without a binding.
+pub const H_CKPT_BUSY: usize = 11;
 pub const H_RING: usize = 16;
 pub const RING: usize = 32;
 
