@@ -786,6 +786,11 @@ fn raise_fd_limit() {
 
 fn mount(m: Mount) -> Result<()> {
     let a = &m.s;
+    if a.mode == Mode::Strict && a.cache == CacheMode::Writeback {
+        // With the writeback cache the kernel acknowledges a write before pmstack sees it,
+        // so strict's "durable when the write returns" cannot hold.
+        bail!("mode 'strict' cannot be combined with cache 'writeback' (the kernel acknowledges writes before pmstack sees them, so a returned write could be lost); use cache 'writethrough' (the default) with strict, or mode 'sync' with writeback");
+    }
     let lower = check_lower(&m.lower)?;
     let mp = match fs::canonicalize(&m.mountpoint) {
         Ok(p) => p,

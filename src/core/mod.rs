@@ -5,6 +5,8 @@ pub mod adaptive;
 #[cfg(test)]
 mod crash_tests;
 pub mod recover;
+#[cfg(test)]
+mod regress_tests;
 pub mod stats;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -381,7 +383,10 @@ impl Core {
     }
 
     /// Bind the lower root (see `root_handle`) if this write-back interval has not yet.
-    fn bind_root(&self, a: &mut crate::engine::AreaGuard<'_>) -> Result<(), crate::engine::LogError> {
+    fn bind_root(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+    ) -> Result<(), crate::engine::LogError> {
         if self.root_handle.is_empty()
             || self.root_bind_lsn.load(Ordering::SeqCst) >= self.horizon.load(Ordering::SeqCst)
                 && self.root_bind_lsn.load(Ordering::SeqCst) != 0

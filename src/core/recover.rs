@@ -598,10 +598,16 @@ pub fn replay_with(
                 FileOp::Write { off, bytes } => serde_json::json!({
                     "fid": fid, "lsn": lsn, "write": {"offset": off, "len": bytes.len(),
                     "hex": bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()}}),
-                FileOp::Attr(a) => serde_json::json!({"fid": fid, "lsn": lsn, "attr": format!("{a:?}")}),
+                FileOp::Attr(a) => {
+                    serde_json::json!({"fid": fid, "lsn": lsn, "attr": format!("{a:?}")})
+                }
             });
         }
-        for (lsn, op) in plan.namespace.iter().filter(|(_, op)| op.named_fids().contains(fid)) {
+        for (lsn, op) in plan
+            .namespace
+            .iter()
+            .filter(|(_, op)| op.named_fids().contains(fid))
+        {
             r.sum
                 .unplaced
                 .push(serde_json::json!({"fid": fid, "lsn": lsn, "namespace": format!("{op:?}")}));
@@ -629,7 +635,8 @@ pub fn recover(
             None,
         );
         a.commit();
-        r.map(|_| ()).map_err(|e| format!("binding a re-created object: {e}"))
+        r.map(|_| ())
+            .map_err(|e| format!("binding a re-created object: {e}"))
     };
     let sum = if plan.is_empty() {
         RecoverySummary::default()
