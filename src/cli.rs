@@ -1478,6 +1478,11 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
     check_previous(&table)?;
     let pm = a.pm.clone().unwrap_or_else(|| default_pm(&root));
     let real = RealLower::open(&root)?;
+    if !real.syncfs_reliable() {
+        // The daemon's write-back is one syncfs; over a lower that ignores it (a FUSE or
+        // network file system) that would expire entries the lower never made durable.
+        bail!("{} is on a file system that does not honour syncfs (a FUSE or network file system); `pmstack serve` cannot write back safely there: use `pmstack mount`, which fsyncs each changed object", root.display());
+    }
     let (log, _lock, sum) = open_region_areas(
         &pm,
         a.pm_size,

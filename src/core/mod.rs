@@ -97,6 +97,9 @@ pub struct Inode {
     pub kind: u32,
     dev_ino: (u64, u64),
     nlookup: AtomicU64,
+    /// The write-back generation in which this object was last queued for its own fsync
+    /// (lowers whose syncfs is not to be trusted; see `Core::to_sync`).
+    queued: AtomicU64,
     st: Mutex<FileState>,
 }
 
@@ -149,6 +152,13 @@ pub struct Core {
     /// whose client was remounted, resolves them elsewhere or not at all).
     root_handle: Vec<u8>,
     root_bind_lsn: AtomicU64,
+    /// The lower honours syncfs (local file systems). Otherwise (FUSE and network clients)
+    /// write-back fsyncs each object changed since the last write-back: `to_sync`.
+    syncfs_ok: bool,
+    /// Objects changed since the last write-back (only when `!syncfs_ok`): (dev, ino) ->
+    /// (kind, a descriptor of the object). Bounded by what one write-back interval touches.
+    to_sync: Mutex<HashMap<(u64, u64), (u32, OwnedFd)>>,
+    wb_gen: AtomicU64,
     pub stats: Stats,
     /// Request latency per kind, recorded by the FUSE adapter.
     pub latency: Latency,
@@ -175,6 +185,10 @@ impl Core {
         let st = fstat(lower.root_fd())?;
         let root_node = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY)?;
         let root_handle = lower.handle(lower.root_fd()).unwrap_or_default();
+        let syncfs_ok = lower.syncfs_reliable();
+        if !syncfs_ok {
+            tracing::info!("the lower file system does not honour syncfs (a FUSE or network file system): write-back makes each changed object durable with its own fsync");
+        }
         let root = Arc::new(Inode {
             ino: 1,
             fid: ROOT_FID,
@@ -182,6 +196,7 @@ impl Core {
             kind: libc::S_IFDIR,
             dev_ino: (st.st_dev, st.st_ino),
             nlookup: AtomicU64::new(u64::MAX / 2),
+            queued: AtomicU64::new(0),
             st: Mutex::new(FileState::default()),
         });
         let mut by_ino = HashMap::new();
@@ -207,6 +222,9 @@ impl Core {
             horizon: AtomicU64::new(0),
             root_handle,
             root_bind_lsn: AtomicU64::new(0),
+            syncfs_ok,
+            to_sync: Mutex::new(HashMap::new()),
+            wb_gen: AtomicU64::new(1),
             stats: Stats::default(),
             latency: Latency::default(),
             flusher_wake: (Mutex::new(false), Condvar::new()),
@@ -279,6 +297,7 @@ impl Core {
             kind: kind_of(st.st_mode),
             dev_ino: key,
             nlookup: AtomicU64::new(1),
+            queued: AtomicU64::new(0),
             st: Mutex::new(state),
         });
         t.by_ino.insert(ino, inode.clone());
@@ -576,6 +595,7 @@ impl Core {
                     let p = st.predictor.get_or_insert_with(Default::default);
                     eager |= p.on_write(first..=last, Instant::now());
                 }
+                self.note_changed(i);
                 if !eager {
                     let n = real::pwrite_all(fd, data, off)?;
                     add_range(&mut st.dirty, off, off + n as u64);
@@ -733,6 +753,7 @@ impl Core {
         let Some(log) = self.logging() else {
             return Ok(());
         };
+        self.note_changed(i);
         let mut st = i.st.lock();
         let mut a = log.area();
         let r = self
@@ -778,6 +799,47 @@ impl Core {
             self.write_back()?;
         }
         r
+    }
+
+    /// Queue `i` for the next write-back's per-object fsync (lowers that ignore syncfs).
+    /// One descriptor duplication per object and write-back interval.
+    fn note_changed(&self, i: &Inode) {
+        if self.syncfs_ok {
+            return;
+        }
+        let g = self.wb_gen.load(Ordering::Acquire);
+        if i.queued.swap(g, Ordering::AcqRel) == g {
+            return;
+        }
+        if let Ok(fd) = i.node.try_clone() {
+            self.to_sync.lock().insert(i.dev_ino, (i.kind, fd));
+        }
+    }
+
+    /// Make durable in the lower file system everything the objects of `set` hold (their
+    /// data, attributes and, for directories, entries), or everything, where syncfs does it.
+    fn make_durable(&self, set: &HashMap<(u64, u64), (u32, OwnedFd)>) -> R<()> {
+        if self.syncfs_ok {
+            return self.lower.syncfs();
+        }
+        for (kind, node) in set.values() {
+            let fl = match *kind {
+                libc::S_IFDIR => libc::O_RDONLY | libc::O_DIRECTORY,
+                libc::S_IFREG => libc::O_RDONLY,
+                // Symlinks and special files: their entries are in their parents, which
+                // are queued with them.
+                _ => continue,
+            };
+            match self.lower.reopen(node.as_raw_fd(), fl) {
+                Ok(fd) => real::fsync(fd.as_raw_fd(), false)?,
+                // Deleted since: nothing of it needs to be durable.
+                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // Anything the lower does with it is a bonus.
+        let _ = self.lower.syncfs();
+        Ok(())
     }
 
     fn sync_object(&self, i: &Inode) -> R<()> {
@@ -931,6 +993,9 @@ impl Core {
         let Some((op, child)) = rec(&out) else {
             return Ok(out);
         };
+        for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
+            self.note_changed(i);
+        }
         // Bind records first (inode locks taken one at a time, never while holding an area:
         // writers lock inode then area, so the reverse order here could deadlock).
         let mut binds: Vec<(&Inode, Vec<u8>)> = Vec::new();
@@ -984,7 +1049,10 @@ impl Core {
                 // otherwise restore the names those older records describe, undoing this
                 // acknowledged operation (e.g. moving a renamed file back).
                 self.log_full();
-                self.lower.syncfs()?;
+                {
+                    let set = self.to_sync.lock();
+                    self.make_durable(&set)?;
+                }
                 if log
                     .write_back(crate::engine::NAMESPACE_FID, lsn + 1)
                     .is_err()
@@ -1153,6 +1221,7 @@ impl Core {
             kind: kind_of(st.st_mode),
             dev_ino: (st.st_dev, st.st_ino),
             nlookup: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
             st: Mutex::new(FileState::default()),
         }))
     }
@@ -1350,13 +1419,20 @@ impl Core {
             return Ok(());
         };
         let t0 = Instant::now();
-        let upto = {
+        let (upto, set) = {
             let _w = self.gate.write();
             let l = log.lsn_now();
             self.horizon.store(l, Ordering::SeqCst);
-            l
+            self.wb_gen.fetch_add(1, Ordering::AcqRel);
+            (l, std::mem::take(&mut *self.to_sync.lock()))
         };
-        if let Err(e) = self.lower.syncfs() {
+        if let Err(e) = self.make_durable(&set) {
+            // Retried at the next write-back, with whatever was queued since.
+            let mut q = self.to_sync.lock();
+            for (k, v) in set {
+                q.entry(k).or_insert(v);
+            }
+            drop(q);
             self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries every flush interval; check the lower file system (free space, I/O errors in dmesg)");
             return Err(e);
@@ -1443,7 +1519,8 @@ impl Core {
             return Ok(());
         };
         let _w = self.gate.write();
-        self.lower.syncfs()?;
+        let set = std::mem::take(&mut *self.to_sync.lock());
+        self.make_durable(&set)?;
         log.reset();
         log.set_clean(true);
         Ok(())

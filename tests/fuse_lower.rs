@@ -1,0 +1,127 @@
+//! pmstack over a lower that is itself a FUSE file system (bindfs over ext4 here; GlusterFS,
+//! JuiceFS and SeaweedFS clients are FUSE too). The kernel does not forward syncfs(2) to FUSE
+//! file systems, so a write-back that trusts syncfs expires log entries whose data the file
+//! system underneath never made durable (issue "Lose nothing", B6).
+
+mod common;
+
+use std::fs;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{bin, can_mount, LoopFs, Mount};
+
+/// bindfs of `src` at `dst`, unmounted on drop.
+struct BindFs(PathBuf);
+
+impl BindFs {
+    fn new(src: &Path, dst: &Path) -> BindFs {
+        fs::create_dir_all(dst).unwrap();
+        let st = Command::new("bindfs").arg(src).arg(dst).status();
+        match st {
+            Ok(s) if s.success() => BindFs(dst.to_owned()),
+            other => panic!(
+                "bindfs is needed for the FUSE-lower tests (apt-get install bindfs): {other:?}"
+            ),
+        }
+    }
+}
+
+impl Drop for BindFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Pages of `path` in the page cache that are dirty or under write-back (cachestat(2)).
+fn unsynced_pages(path: &Path) -> u64 {
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct CacheStat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    let f = fs::File::open(path).unwrap();
+    let range = Range { off: 0, len: 0 };
+    let mut cs = CacheStat::default();
+    // SAFETY: valid descriptor and pointers to structs of the kernel's layout.
+    let r = unsafe {
+        libc::syscall(
+            451, // cachestat
+            f.as_raw_fd(),
+            &range as *const Range,
+            &mut cs as *mut CacheStat,
+            0,
+        )
+    };
+    assert_eq!(r, 0, "cachestat: {}", std::io::Error::last_os_error());
+    cs.nr_dirty + cs.nr_writeback
+}
+
+fn writebacks(mnt: &Path) -> u64 {
+    let out = Command::new(bin())
+        .args(["stat", "--json"])
+        .arg(mnt)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["writebacks"].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn write_back_over_a_fuse_lower_makes_every_changed_object_durable() {
+    if !can_mount() {
+        return;
+    }
+    let base = tempfile::Builder::new()
+        .prefix("pmstack-fuselower-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let Some(ext4) = LoopFs::new(base.path()) else {
+        return; // not CI, and no loop devices: LoopFs said so
+    };
+    let bind = BindFs::new(&ext4.dir, &base.path().join("bind"));
+    let mut m = Mount::new(Some(bind.0.clone()));
+    m.mount(&["--flush-interval-ms", "100"]);
+    let data: Vec<u8> = (0..65536u32).map(|k| (k % 253) as u8).collect();
+    let f = fs::File::create(m.mnt.join("f")).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    f.sync_data().unwrap(); // absorbed: the bytes reach ext4's page cache, unsynced
+    fs::create_dir(m.mnt.join("d")).unwrap();
+    let g = fs::File::create(m.mnt.join("d/g")).unwrap();
+    g.write_all_at(&data[..10_000], 0).unwrap();
+    g.sync_all().unwrap();
+    // Two write-backs after the syncs: the log entries of both files have expired.
+    let w0 = writebacks(&m.mnt);
+    let t0 = Instant::now();
+    while writebacks(&m.mnt) < w0 + 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no write-back within a minute"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // What the log no longer holds must be durable in the file system under the FUSE lower.
+    for p in [ext4.dir.join("f"), ext4.dir.join("d/g")] {
+        assert_eq!(
+            unsynced_pages(&p),
+            0,
+            "{} has dirty pages in ext4 after write-back expired its log entries",
+            p.display()
+        );
+    }
+    drop((f, g));
+    m.umount();
+    assert_eq!(fs::read(ext4.dir.join("f")).unwrap(), data);
+}
