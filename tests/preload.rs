@@ -1451,3 +1451,65 @@ fn closing_files_releases_what_the_library_kept_for_them() {
     s.stop();
     let _ = fs::remove_file(&pm);
 }
+
+/// B8: writes made inside the C library (POSIX AIO) through a descriptor opened O_DSYNC are
+/// durable when acknowledged, and replay never rolls them back.
+#[test]
+fn posix_aio_writes_keep_o_dsync_under_pmstack_run() {
+    if !common::can_mount() || !have("cc") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let exe = d.path().join("aio_dsync");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/preload/aio_dsync.c");
+    let st = Command::new("cc")
+        .arg("-O2")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .status()
+        .unwrap();
+    assert!(st.success(), "compiling {}", src.display());
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    let pm = d.path().join("region.pm");
+    // Natively first: the program's own check must hold on the plain lower.
+    let out = Command::new("timeout")
+        .args(["-s", "KILL", "20"])
+        .arg(&exe)
+        .arg(root.join("native"))
+        .arg("exit")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("done"), "native run: {text}");
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut k = s
+        .run()
+        .arg(&exe)
+        .arg(root.join("f"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(k.stdout.take().unwrap()).lines();
+    let mut last = String::new();
+    for l in lines.by_ref() {
+        last = l.unwrap();
+        if last == "done" || last.starts_with("dirty") {
+            break;
+        }
+    }
+    let _ = k.kill();
+    let _ = k.wait();
+    assert_eq!(last, "done", "under pmstack run: {last}");
+    s.kill9();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    let got = fs::read(root.join("f")).unwrap();
+    for (pg, want) in [(0usize, b'm'), (1, b'n'), (2, b'o'), (3, b'p')] {
+        assert!(
+            got[pg * 4096..(pg + 1) * 4096].iter().all(|&b| b == want),
+            "page {pg} rolled back or lost"
+        );
+    }
+}

@@ -1176,6 +1176,169 @@ pub unsafe extern "C" fn mmap64(
     unsafe { mmap(addr, len, prot, flags, fd, off) }
 }
 
+/// The program opened `fd` with O_SYNC/O_DSYNC, which the library keeps off the real
+/// descriptor because it logs every write made through the calls it interposes (that is what
+/// makes those writes fast). A path it cannot see (POSIX AIO inside the C library, kernel
+/// copies) would write without the flag: put it back on the descriptor, as a new open file
+/// description of the same file with the same status flags and offset at the same number,
+/// so the kernel honours it for every path from now on. Caller is `Inside`.
+fn restore_sync_flag(c: &Client, t: &Tracked, fd: c_int) {
+    if !t.sync {
+        return;
+    }
+    // SAFETY: plain system calls on the program's descriptor and our own buffers.
+    unsafe {
+        let fl = raw(
+            libc::SYS_fcntl,
+            [fd as i64, libc::F_GETFL as i64, 0, 0, 0, 0],
+        );
+        let fdfl = raw(
+            libc::SYS_fcntl,
+            [fd as i64, libc::F_GETFD as i64, 0, 0, 0, 0],
+        );
+        if fl < 0 || fdfl < 0 {
+            return;
+        }
+        let pos = raw(
+            libc::SYS_lseek,
+            [fd as i64, 0, libc::SEEK_CUR as i64, 0, 0, 0],
+        );
+        let path = format!("/proc/self/fd/{fd}\0");
+        let keep = fl as c_int
+            & (libc::O_ACCMODE
+                | libc::O_APPEND
+                | libc::O_NONBLOCK
+                | libc::O_DIRECT
+                | libc::O_NOATIME
+                | libc::O_LARGEFILE);
+        let nfd = raw(
+            libc::SYS_openat,
+            [
+                libc::AT_FDCWD as i64,
+                path.as_ptr() as i64,
+                (keep | libc::O_SYNC | libc::O_CLOEXEC) as i64,
+                0,
+                0,
+                0,
+            ],
+        );
+        if nfd < 0 {
+            return; // the flag stays off: the caller's real sync is then the only guarantee
+        }
+        if pos >= 0 {
+            raw(libc::SYS_lseek, [nfd, pos, libc::SEEK_SET as i64, 0, 0, 0]);
+        }
+        let cloexec = if fdfl as c_int & libc::FD_CLOEXEC != 0 {
+            libc::O_CLOEXEC
+        } else {
+            0
+        };
+        let r = raw(libc::SYS_dup3, [nfd, fd as i64, cloexec as i64, 0, 0, 0]);
+        raw(libc::SYS_close, [nfd, 0, 0, 0, 0, 0]);
+        if r >= 0 {
+            // Writes through the interposed calls are now durable natively: track the
+            // descriptor as an ordinary one (its writes still obey the rollback rule).
+            c.untrack(fd);
+            c.track(fd, false);
+        }
+    }
+}
+
+/// A write the library cannot see is about to reach `fd`: the O_SYNC/O_DSYNC the program
+/// asked for goes back on the descriptor, and the object's live entries are expired first.
+fn unseen_write(fd: c_int) {
+    keep_errno(|| {
+        if let Some((_g, c, t)) = lookup(fd) {
+            restore_sync_flag(c, &t, fd);
+            c.before_unseen_write(&t, fd);
+        }
+    })
+}
+
+// ---------------- POSIX AIO (its writes happen inside the C library) ----------------
+
+type AioFn = unsafe extern "C" fn(*mut libc::aiocb) -> c_int;
+type LioFn =
+    unsafe extern "C" fn(c_int, *const *mut libc::aiocb, c_int, *mut libc::sigevent) -> c_int;
+
+unsafe fn aio_write_via(name: &CStr, cb: *mut libc::aiocb) -> c_int {
+    if !cb.is_null() {
+        // SAFETY: the program passes a valid control block (as the C library assumes).
+        unseen_write(unsafe { (*cb).aio_fildes });
+    }
+    match next::<AioFn>(name) {
+        // SAFETY: forwarded as the program passed it.
+        Some(f) => unsafe { f(cb) },
+        None => {
+            set_errno(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+unsafe fn lio_listio_via(
+    name: &CStr,
+    mode: c_int,
+    list: *const *mut libc::aiocb,
+    nent: c_int,
+    sig: *mut libc::sigevent,
+) -> c_int {
+    if !list.is_null() {
+        for k in 0..nent.max(0) as usize {
+            // SAFETY: the program passes `nent` entries (null entries are skipped, as
+            // lio_listio does).
+            let cb = unsafe { *list.add(k) };
+            // SAFETY: as above.
+            if !cb.is_null() && unsafe { (*cb).aio_lio_opcode } == libc::LIO_WRITE {
+                // SAFETY: as above.
+                unseen_write(unsafe { (*cb).aio_fildes });
+            }
+        }
+    }
+    match next::<LioFn>(name) {
+        // SAFETY: forwarded as the program passed it.
+        Some(f) => unsafe { f(mode, list, nent, sig) },
+        None => {
+            set_errno(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aio_write(cb: *mut libc::aiocb) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { aio_write_via(c"aio_write", cb) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aio_write64(cb: *mut libc::aiocb) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { aio_write_via(c"aio_write64", cb) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lio_listio(
+    mode: c_int,
+    list: *const *mut libc::aiocb,
+    nent: c_int,
+    sig: *mut libc::sigevent,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { lio_listio_via(c"lio_listio", mode, list, nent, sig) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lio_listio64(
+    mode: c_int,
+    list: *const *mut libc::aiocb,
+    nent: c_int,
+    sig: *mut libc::sigevent,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { lio_listio_via(c"lio_listio64", mode, list, nent, sig) }
+}
+
 /// copy_file_range and splice: the kernel copies into `fd_out`, unseen; its next sync is real.
 unsafe fn kernel_copy(
     n: c_long,
@@ -1194,6 +1357,7 @@ unsafe fn kernel_copy(
         len as i64,
         flags as i64,
     ];
+    unseen_write(fd_out);
     let r = unsafe { raw(n, args) };
     flag_fd(fd_out, F_FALLBACK);
     r as ssize_t
@@ -1228,6 +1392,7 @@ pub unsafe extern "C" fn sendfile(
     off: *mut off_t,
     count: size_t,
 ) -> ssize_t {
+    unseen_write(out);
     let r = unsafe {
         raw(
             libc::SYS_sendfile,

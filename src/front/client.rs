@@ -350,6 +350,19 @@ impl Client {
         }
     }
 
+    /// A write the library will not see is about to reach the object through `fd` (POSIX
+    /// AIO, a kernel copy): expire its live entries first with a real sync (replay must never
+    /// apply older entries over that write), and make its next sync real.
+    pub fn before_unseen_write(&self, t: &Tracked, fd: i32) {
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        if self.live(&slot) {
+            let mut p = t.ino.p.lock();
+            let _ = self.real_sync(&slot, fd, &mut p);
+        }
+        slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+    }
+
     /// The object has entries the checkpoint has not expired.
     fn live(&self, slot: &Slot<'_>) -> bool {
         slot.w(S_FID).load(Ordering::Acquire) != 0
