@@ -7,7 +7,7 @@
 //! kill, the test rewinds the lower to such a mix (per page: current or old content; per new
 //! file: kept or its creation lost; sizes rewound), remounts (recovery replays the PM log),
 //! and checks the contract: every acknowledged byte and rename present, nothing torn, no
-//! garbage.
+//! garbage. The kernel drops its inode and dentry caches every 30 ms during the load.
 
 mod common;
 
@@ -132,6 +132,17 @@ fn run_once(seed: u64, lower: Option<PathBuf>, rewind: bool) {
                     acked[threads + 1].store(i as i64, Ordering::SeqCst);
                 }
                 i += 1;
+            }
+        }));
+    }
+    // The kernel evicts inodes and dentries while the load runs (FUSE FORGET of closed files,
+    // looked up again by the next open): object identity must not depend on it.
+    {
+        let stop = stop.clone();
+        hs.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+                std::thread::sleep(Duration::from_millis(30));
             }
         }));
     }

@@ -369,6 +369,7 @@ impl RealLower {
             0x4d44,      // FAT
         ];
         match rustix::fs::fstatfs(&self.mount_fd) {
+            #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every target
             Ok(st) => TRUSTED.contains(&(st.f_type as i64)),
             Err(_) => false,
         }
