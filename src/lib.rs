@@ -12,3 +12,4 @@ pub mod fuse;
 pub mod lower;
 pub mod metrics;
 pub mod pmem;
+pub mod policy;

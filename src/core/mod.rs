@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::engine::format::{MAX_PAYLOAD, PAGE};
+use crate::engine::format::PAGE;
 use crate::engine::{AttrOp, Log, NodeKind, NsOp, Record, ROOT_FID};
 use crate::lower::real::{self, fstat, Stat};
 use crate::lower::{errno, RealLower, MARKER};
@@ -437,41 +437,17 @@ impl Core {
         data: &[u8],
     ) -> Result<(), crate::engine::LogError> {
         self.ensure_bound(a, i, st)?;
-        let mut pos = 0usize;
-        while pos < data.len() {
-            let o = off + pos as u64;
-            let rest = data.len() - pos;
-            let (lsn, n) = if o % PAGE as u64 == 0 && rest >= PAGE {
-                (a.append_page(i.fid, o, &data[pos..pos + PAGE])?, PAGE)
-            } else {
-                // Up to the next page boundary if a whole page follows, so it can go out of place.
-                let to_boundary = PAGE - (o % PAGE as u64) as usize;
-                let n = if rest > to_boundary {
-                    to_boundary
-                } else {
-                    rest
-                }
-                .min(MAX_PAYLOAD);
-                let bytes = data[pos..pos + n].to_vec();
-                (
-                    a.append(
-                        &Record::Data {
-                            fid: i.fid,
-                            off: o,
-                            bytes,
-                        },
-                        None,
-                    )?,
-                    n,
-                )
-            };
-            // Per entry, not once at the end: if a later append fails (PM full), the entries
-            // already appended still get committed, and their pages must count as live.
-            st.live_pages
-                .extend(o / PAGE as u64..=(o + n as u64 - 1) / PAGE as u64);
-            st.last_lsn = lsn;
-            pos += n;
-        }
+        let FileState {
+            live_pages,
+            last_lsn,
+            ..
+        } = st;
+        // Per entry, not once at the end: if a later append fails (PM full), the entries
+        // already appended still get committed, and their pages must count as live.
+        crate::policy::append_bytes(a, i.fid, off, data, |o, n, lsn| {
+            live_pages.extend(o / PAGE as u64..=(o + n as u64 - 1) / PAGE as u64);
+            *last_lsn = lsn;
+        })?;
         Ok(())
     }
 
@@ -590,7 +566,10 @@ impl Core {
                 let touches_live = st.live_pages.range(first..=last).next().is_some();
                 // strict: every write is durable on return. sync: O_SYNC handles, files switched
                 // to eager by active sync, and pages with live entries (see FileState::live_pages).
-                let mut eager = strict || h.sync_writes || st.eager || st.live_attr || touches_live;
+                let mut eager = crate::policy::must_log_first(
+                    strict || h.sync_writes || st.eager,
+                    st.live_attr || touches_live,
+                );
                 if self.opts.mode == Mode::Adaptive {
                     let p = st.predictor.get_or_insert_with(Default::default);
                     eager |= p.on_write(first..=last, Instant::now());

@@ -30,7 +30,6 @@ use parking_lot::{Mutex, RwLock};
 use super::sys;
 use super::table::*;
 use crate::core::add_range;
-use crate::engine::format::{MAX_PAYLOAD, PAGE};
 use crate::engine::{AttrOp, Log, Record};
 use crate::pmem::mapped::MappedRegion;
 use crate::pmem::Pmem;
@@ -405,33 +404,8 @@ impl Client {
         let mut a = self.log.area();
         let r = (|| {
             let fid = self.bind(&mut a, slot, ino)?;
-            let mut lsn = 0;
-            let mut pos = 0usize;
-            while pos < data.len() {
-                let o = off + pos as u64;
-                let rest = data.len() - pos;
-                let n;
-                if o % PAGE as u64 == 0 && rest >= PAGE {
-                    lsn = a
-                        .append_page(fid, o, &data[pos..pos + PAGE])
-                        .map_err(|_| ())?;
-                    n = PAGE;
-                } else {
-                    let to_boundary = PAGE - (o % PAGE as u64) as usize;
-                    n = rest.min(to_boundary).min(MAX_PAYLOAD);
-                    lsn = a
-                        .append(
-                            &Record::Data {
-                                fid,
-                                off: o,
-                                bytes: data[pos..pos + n].to_vec(),
-                            },
-                            None,
-                        )
-                        .map_err(|_| ())?;
-                }
-                pos += n;
-            }
+            let lsn = crate::policy::append_bytes(&mut a, fid, off, data, |_, _, _| {})
+                .map_err(|_| ())?;
             self.rebind_if_raced(&mut a, slot, &ino.handle)?;
             Ok(lsn)
         })();
@@ -612,6 +586,35 @@ impl Client {
         let sync = t.sync || sync_flag;
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
+        let mut p = t.ino.p.lock();
+        let serving = self.serving();
+        if serving
+            && self.loggable(slot.flags())
+            && crate::policy::must_log_first(sync, self.live(&slot))
+        {
+            // Logged (and committed) before the lower file system sees the bytes: see
+            // `policy::must_log_first`. Where they land is known before the write.
+            let start = match off {
+                Some(o) => o,
+                None if sys::fcntl(fd, libc::F_GETFL, 0)? & libc::O_APPEND as i64 != 0 => {
+                    sys::fstat(fd)?.st_size as u64
+                }
+                None => sys::lseek(fd, 0, libc::SEEK_CUR)?,
+            };
+            let logged = self.log_data(&slot, &t.ino, start, buf).is_ok();
+            let n = match off {
+                Some(o) => sys::pwrite(fd, buf, o)?,
+                None => sys::write(fd, buf)?,
+            };
+            if !logged {
+                self.real_sync(&slot, fd, &mut p)?;
+            } else if sync {
+                self.count(P_ABSORBED_OSYNC, 1);
+            } else {
+                self.count(P_EAGER_WRITES, 1);
+            }
+            return Ok(n);
+        }
         let n = match off {
             Some(o) => sys::pwrite(fd, buf, o)?,
             None => sys::write(fd, buf)?,
@@ -623,8 +626,7 @@ impl Client {
             Some(o) => o,
             None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
         };
-        let mut p = t.ino.p.lock();
-        if !self.serving() {
+        if !serving {
             // Not absorbing any more: O_SYNC writes become the real thing.
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
@@ -640,17 +642,6 @@ impl Client {
             // O_SYNC is real.
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
-            }
-            return Ok(n);
-        }
-        let live = self.live(&slot);
-        if sync || live {
-            if self.log_data(&slot, &t.ino, start, &buf[..n]).is_err() {
-                self.real_sync(&slot, fd, &mut p)?;
-            } else if sync {
-                self.count(P_ABSORBED_OSYNC, 1);
-            } else {
-                self.count(P_EAGER_WRITES, 1);
             }
             return Ok(n);
         }

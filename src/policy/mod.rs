@@ -1,0 +1,111 @@
+//! Durability rules shared by both front ends (the FUSE core in `core/` and the `pmstack run`
+//! client in `front/`). Each rule is written once here; the front ends hold per-object state
+//! in their own places (the core's inode table, the shared table of `pmstack run`) and call
+//! these functions to decide and to log.
+//!
+//! What lives here so far: how file bytes become log entries, and the write rule (which
+//! writes must be logged, and that they are logged before the lower file system sees them).
+//! Binding, namespace logging and write-back still live in each front end; see
+//! `docs/contract.md` for the contract they implement.
+
+use crate::engine::format::{MAX_PAYLOAD, PAGE};
+use crate::engine::{AreaGuard, LogError, Record};
+
+/// Whether a write must be logged (and committed) before it reaches the lower file system.
+///
+/// - `durable_on_return`: the write itself is acknowledged as durable (strict mode, an
+///   O_SYNC/O_DSYNC handle, or a file switched to eager logging).
+/// - `touches_live`: the write changes a page (or object) that still has unexpired log
+///   entries. The lower may persist the new bytes on its own at any time; replaying the older
+///   entries after a crash would then roll them back. Logging the write first keeps the log's
+///   newest entry for that page at least as new as anything the lower can hold.
+///
+/// Every other write goes to the lower only and is remembered as dirty for the next sync.
+pub fn must_log_first(durable_on_return: bool, touches_live: bool) -> bool {
+    durable_on_return || touches_live
+}
+
+/// Append `data`, to be written at file offset `off` of `fid`, as log entries: whole aligned
+/// pages out of place (a fresh data page each), the rest in place at its exact length, split
+/// at page boundaries so a following whole page can go out of place. `on_entry(off, len, lsn)`
+/// is called after each entry is appended, so a caller whose later append fails (PM full)
+/// still accounts for the entries already appended (they are committed with the area).
+/// Returns the LSN of the last entry (0 for empty data).
+pub fn append_bytes(
+    a: &mut AreaGuard<'_>,
+    fid: u64,
+    off: u64,
+    data: &[u8],
+    mut on_entry: impl FnMut(u64, usize, u64),
+) -> Result<u64, LogError> {
+    let mut pos = 0usize;
+    let mut last = 0;
+    while pos < data.len() {
+        let o = off + pos as u64;
+        let rest = data.len() - pos;
+        let (lsn, n) = if o % PAGE as u64 == 0 && rest >= PAGE {
+            (a.append_page(fid, o, &data[pos..pos + PAGE])?, PAGE)
+        } else {
+            let to_boundary = PAGE - (o % PAGE as u64) as usize;
+            let n = rest.min(to_boundary).min(MAX_PAYLOAD);
+            let rec = Record::Data {
+                fid,
+                off: o,
+                bytes: data[pos..pos + n].to_vec(),
+            };
+            (a.append(&rec, None)?, n)
+        };
+        on_entry(o, n, lsn);
+        last = lsn;
+        pos += n;
+    }
+    Ok(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{scan, FileOp, Log};
+    use crate::pmem::sim::SimPmem;
+    use std::sync::Arc;
+
+    /// Bytes at any offset and length come back from the log exactly, split into page-aligned
+    /// out-of-place pages and in-place pieces that never cross a page boundary.
+    #[test]
+    fn bytes_roundtrip_through_entries_at_any_alignment() {
+        for (off, len) in [
+            (0u64, 4096usize),
+            (1, 4095),
+            (100, 10_000),
+            (4096 * 3, 1),
+            (4000, 8192),
+        ] {
+            let sim = Arc::new(SimPmem::new(256 * 4096));
+            let log = Log::format(sim.clone(), [1; 16], 1).unwrap();
+            let data: Vec<u8> = (0..len).map(|k| (k % 251) as u8).collect();
+            let mut pieces = Vec::new();
+            {
+                let mut a = log.area();
+                append_bytes(&mut a, 77, off, &data, |o, n, _| pieces.push((o, n))).unwrap();
+                a.commit();
+            }
+            for (o, n) in &pieces {
+                assert_eq!(
+                    o / PAGE as u64,
+                    (o + *n as u64 - 1) / PAGE as u64,
+                    "piece crosses a page"
+                );
+            }
+            let s = scan(&*sim).unwrap();
+            let plan = s.plan(&*sim).unwrap();
+            let mut got = vec![0u8; len];
+            for (_, op) in &plan.files[&77] {
+                if let FileOp::Write { off: o, bytes } = op {
+                    let s = (o - off) as usize;
+                    got[s..s + bytes.len()].copy_from_slice(bytes);
+                }
+            }
+            assert_eq!(got, data, "off {off} len {len}");
+        }
+    }
+}
