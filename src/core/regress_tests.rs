@@ -240,3 +240,34 @@ fn records_without_a_binding_are_reported_and_the_rest_recovers() {
     assert_eq!(sum.unplaced.len(), 1);
     assert_eq!(fs::read(r.lower.join("f")).unwrap(), b"kept");
 }
+
+/// A symlink whose target is PATH_MAX long (4,095 bytes) with a NAME_MAX name is created,
+/// logged and recovered (it made the daemon panic: "entry payload too large").
+#[test]
+fn path_max_symlink_targets_are_logged_and_recovered() {
+    let r = rig();
+    let c = &r.core;
+    let target: Vec<u8> = (0..4095u32).map(|k| b'a' + (k % 26) as u8).collect();
+    let name = "l".repeat(255);
+    c.mknod(
+        1,
+        OsStr::new(&name),
+        libc::S_IFLNK | 0o777,
+        0,
+        Some(&target),
+        0,
+        0,
+    )
+    .unwrap();
+    // Power cut: the lower lost the creation.
+    fs::remove_file(r.lower.join(&name)).unwrap();
+    let (_, sum) = recover_image(r.sim.persisted_image(), &r.lower);
+    sum.unwrap();
+    assert_eq!(
+        fs::read_link(r.lower.join(&name))
+            .unwrap()
+            .into_os_string()
+            .into_encoded_bytes(),
+        target
+    );
+}

@@ -1,10 +1,12 @@
-//! On-media format of the PM log (version 1). The prose spec is `docs/format.md`; every
+//! On-media format of the PM log (version `VERSION`). The prose spec is `docs/format.md`; every
 //! offset here is named there. A change to any layout bumps `VERSION`.
 
 use crate::pmem::{le_u32, le_u64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PMSTACK\x01");
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
+/// Oldest format this version reads: version 2 lacks only `Part` entries.
+pub const VERSION_MIN_READ: u32 = 2;
 pub const PAGE: usize = 4096;
 pub const SLOT: usize = 64;
 pub const SLOTS_PER_PAGE: usize = PAGE / SLOT;
@@ -76,6 +78,11 @@ pub enum Kind {
     Namespace = 5,
     Attr = 6,
     WriteBack = 7,
+    /// A leading piece of a record whose payload is larger than one entry can hold
+    /// (`MAX_PAYLOAD`): its payload is prepended to the next entry of the same area with the
+    /// same LSN. Pieces whose final entry never followed (the append failed: PM full) are
+    /// not a record and are ignored.
+    Part = 8,
 }
 
 impl Kind {
@@ -88,6 +95,7 @@ impl Kind {
             5 => Kind::Namespace,
             6 => Kind::Attr,
             7 => Kind::WriteBack,
+            8 => Kind::Part,
             _ => return None,
         })
     }
@@ -258,7 +266,7 @@ impl Superblock {
             return Err(SbError::BadMagic);
         }
         let version = le_u32(b, SB_VERSION);
-        if version != VERSION {
+        if !(VERSION_MIN_READ..=VERSION).contains(&version) {
             return Err(SbError::Version(version));
         }
         if crc32c::crc32c(&b[..SB_CRC]) != le_u32(b, SB_CRC) {

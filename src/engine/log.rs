@@ -549,11 +549,37 @@ impl AreaGuard<'_> {
         reserve_ok: bool,
     ) -> Result<u64, LogError> {
         let mut raw = rec.to_raw();
+        let lsn = lsn.unwrap_or_else(|| self.log.next_lsn());
+        if raw.payload.len() > MAX_PAYLOAD {
+            // Larger than one entry (a PATH_MAX symlink target with a long name): leading
+            // pieces as `Part` entries of the same LSN, the record's own entry last. All are
+            // committed together by the area's next tail store.
+            let payload = std::mem::take(&mut raw.payload);
+            let mut chunks = payload.chunks(MAX_PAYLOAD);
+            let last = chunks.next_back().unwrap_or(&[]);
+            for c in chunks {
+                let mut part = RawEntry::new(Kind::Part, raw.fid);
+                part.payload = c.to_vec();
+                self.put(part, lsn, reserve_ok)?;
+            }
+            raw.payload = last.to_vec();
+        }
+        self.put(raw, lsn, reserve_ok)?;
+        let st = &self.log.stats;
+        st.entries.fetch_add(1, Ordering::Relaxed);
+        if let Record::Data { bytes, .. } = rec {
+            st.bytes_inplace
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
+        Ok(lsn)
+    }
+
+    /// Write one entry (it fits a page) at the area's end, on a new page if needed.
+    fn put(&mut self, mut raw: RawEntry, lsn: u64, reserve_ok: bool) -> Result<(), LogError> {
         let n = raw.nslots() * SLOT;
         if self.a.off + n > PAGE {
             self.new_page(reserve_ok)?;
         }
-        let lsn = lsn.unwrap_or_else(|| self.log.next_lsn());
         raw.lsn = lsn;
         let bytes = raw.encode();
         let at = self.a.cur as usize * PAGE + self.a.off;
@@ -565,13 +591,7 @@ impl AreaGuard<'_> {
         if let Some(p) = self.a.pages.back_mut() {
             p.max_lsn = p.max_lsn.max(lsn);
         }
-        let st = &self.log.stats;
-        st.entries.fetch_add(1, Ordering::Relaxed);
-        if let Record::Data { bytes, .. } = rec {
-            st.bytes_inplace
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        }
-        Ok(lsn)
+        Ok(())
     }
 
     /// Log a whole page of file data out of place: the bytes go to a fresh data page (with

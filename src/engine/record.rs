@@ -338,7 +338,7 @@ impl Record {
     /// Interpret a checksum-valid raw entry. `None` for pads and malformed payloads.
     pub fn from_raw(e: &RawEntry) -> Option<Record> {
         Some(match e.kind {
-            Kind::Pad => return None,
+            Kind::Pad | Kind::Part => return None,
             Kind::DataInPlace => Record::Data {
                 fid: e.fid,
                 off: e.a,

@@ -184,6 +184,8 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
         let mut p = head as u32;
         let mut expect_seq: Option<u64> = None;
         let mut steps = 0u32;
+        // Leading pieces of a record larger than one entry (`Kind::Part`): (LSN, bytes).
+        let mut parts: Option<(u64, Vec<u8>)> = None;
         loop {
             steps += 1;
             if steps > npages {
@@ -223,8 +225,29 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
             let mut off = SLOT;
             while off < end {
                 match RawEntry::decode(&page_buf[off..]) {
-                    Ok(e) => {
+                    Ok(mut e) => {
                         let n = e.nslots() * SLOT;
+                        if e.kind == Kind::Pad {
+                            off += n;
+                            continue; // closes a page: pieces of a record may continue after it
+                        }
+                        if e.kind == Kind::Part {
+                            info.max_lsn = info.max_lsn.max(e.lsn);
+                            s.max_lsn = s.max_lsn.max(e.lsn);
+                            match &mut parts {
+                                Some((l, b)) if *l == e.lsn => b.extend_from_slice(&e.payload),
+                                // A different LSN: the earlier pieces' append failed.
+                                _ => parts = Some((e.lsn, e.payload)),
+                            }
+                            off += n;
+                            continue;
+                        }
+                        if let Some((l, mut b)) = parts.take() {
+                            if l == e.lsn {
+                                b.extend_from_slice(&e.payload);
+                                e.payload = b;
+                            }
+                        }
                         if e.kind != Kind::Pad {
                             match Record::from_raw(&e) {
                                 Some(rec) => {
