@@ -1151,8 +1151,13 @@ fn umount(mp: &Path) -> Result<()> {
         .ok()
         .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
         .and_then(|v| v["pid"].as_u64());
-    if !is_mountpoint(&mp) {
-        bail!("{} is not mounted", mp.display());
+    match mount_type(&mp).as_deref() {
+        Some("fuse.pmstack") => {}
+        Some(other) => bail!(
+            "{} is a {other} mount, not a pmstack mount; nothing was unmounted (use umount(8) for other file systems)",
+            mp.display()
+        ),
+        None => bail!("{} is not a mount point; nothing was unmounted", mp.display()),
     }
     let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
     // SAFETY: valid C string.
@@ -1201,13 +1206,24 @@ fn format_cmd(pm: &Path, size: u64, lower: &Path, force: bool) -> Result<()> {
         bail!("--size {size} is too small: a region needs at least 256K");
     }
     if pm.exists() {
+        let md = fs::metadata(pm)?;
         let _lock = lock_region(pm)?;
-        let r = MappedRegion::open(pm, 0)?;
-        if let Ok(s) = scan(&r) {
-            let live = s.live_entries().count();
-            if (live > 0 || !s.clean) && !force {
+        let scanned = MappedRegion::open(pm, 0)
+            .ok()
+            .and_then(|r| scan(&r).ok())
+            .map(|s| (s.live_entries().count(), s.clean));
+        match scanned {
+            Some((live, clean)) if (live > 0 || !clean) && !force => {
                 bail!("PM region {} holds {live} live log entries (unclean shutdown); run `pmstack recover` first, or --force to discard them", pm.display());
             }
+            // Something that is not a pmstack region: never overwritten without --force
+            // (a device is formatted: that is what a fresh devdax device looks like).
+            None if md.is_file() && md.len() > 0 && !force => bail!(
+                "{} exists and is not a pmstack region ({} bytes); formatting would overwrite it: choose another path, or give --force to overwrite it",
+                pm.display(),
+                md.len()
+            ),
+            _ => {}
         }
     }
     let id = lower_id(&lower, true)?.expect("created");

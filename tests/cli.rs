@@ -4,6 +4,7 @@
 mod common;
 
 use std::fs;
+use std::path::Path;
 use std::os::unix::fs::FileExt;
 use std::process::Command;
 
@@ -344,4 +345,93 @@ fn programs_open_flags_and_sqlite_reopen_work_in_every_mode() {
         );
         m.umount();
     }
+}
+
+/// Commands never harm what they were not meant for: `format` does not overwrite a file that
+/// is not a region, `umount` does not unmount another file system, and a mode combination
+/// that cannot keep its promise is refused (issue "Lose nothing", B2).
+#[test]
+fn commands_refuse_what_they_were_not_meant_for() {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let p = |s: &str| d.path().join(s).to_string_lossy().to_string();
+    fs::create_dir(p("lower")).unwrap();
+    fs::create_dir(p("mnt")).unwrap();
+    fs::write(p("precious.db"), b"user data that must survive").unwrap();
+    one_line_error(
+        &[
+            "format",
+            "--pm",
+            &p("precious.db"),
+            "--size",
+            "1M",
+            "--lower",
+            &p("lower"),
+        ],
+        "is not a pmstack region",
+    );
+    assert_eq!(
+        fs::read(p("precious.db")).unwrap(),
+        b"user data that must survive"
+    );
+    one_line_error(
+        &[
+            "mount",
+            "--mode",
+            "strict",
+            "--cache",
+            "writeback",
+            "--pm",
+            &p("r.pm"),
+            &p("lower"),
+            &p("mnt"),
+        ],
+        "cannot be combined",
+    );
+    assert!(
+        !Path::new(&p("r.pm")).exists(),
+        "a refused mount left a region"
+    );
+    one_line_error(&["umount", &p("mnt")], "not a mount point");
+    if common::can_mount() {
+        // A tmpfs mounted at mnt: pmstack umount must leave it alone.
+        assert!(std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1M", "tmpfs"])
+            .arg(p("mnt"))
+            .status()
+            .unwrap()
+            .success());
+        one_line_error(&["umount", &p("mnt")], "not a pmstack mount");
+        let still = fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .contains(&format!(" {} ", p("mnt")));
+        let _ = std::process::Command::new("umount").arg(p("mnt")).status();
+        assert!(still, "pmstack umount unmounted a tmpfs");
+    }
+}
+
+/// The caller's umask is applied once (by the kernel or from the request), never again with
+/// the daemon's: `umask 0; touch f; mkdir d` gives 0666 and 0777 as on the lower itself.
+#[test]
+fn the_callers_umask_is_applied_once() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    m.mount(&[]);
+    let mnt = m.mnt.to_string_lossy().to_string();
+    let st = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "umask 0 && touch '{mnt}/f' && mkdir '{mnt}/d' && mkfifo '{mnt}/p' && umask 027 && touch '{mnt}/g' && mkdir '{mnt}/e'"
+        ))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |n: &str| fs::metadata(m.lower.join(n)).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(
+        [mode("f"), mode("d"), mode("p"), mode("g"), mode("e")],
+        [0o666, 0o777, 0o666, 0o640, 0o750]
+    );
+    m.umount();
 }

@@ -50,6 +50,32 @@ pub fn fstat(fd: RawFd) -> io::Result<Stat> {
     Ok(st)
 }
 
+/// Objects are created in the lower with exactly the mode asked for: the caller's umask was
+/// applied already (by the kernel, or from the FUSE request), and the daemon's own umask must
+/// not be applied a second time. The umask lives in the process's `fs_struct`, so this thread
+/// gets a private one (unshare(CLONE_FS)) set to 0, leaving the daemon's other threads (its
+/// own state and log files) with the umask they had. Once per thread.
+fn exact_modes() {
+    thread_local! {
+        static DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    DONE.with(|d| {
+        if !d.replace(true) {
+            // SAFETY: plain system calls; CLONE_FS only detaches this thread's cwd, root and
+            // umask, which nothing here shares on purpose (every path is descriptor-relative).
+            unsafe {
+                if libc::unshare(libc::CLONE_FS) == 0 {
+                    libc::umask(0);
+                } else {
+                    tracing::warn!(
+                        "unshare(CLONE_FS) failed: new files may get the daemon's umask applied twice"
+                    );
+                }
+            }
+        }
+    });
+}
+
 pub struct RealLower {
     root: OwnedFd,
     /// An ordinary (not O_PATH) descriptor of the root: open_by_handle_at needs one.
@@ -119,6 +145,7 @@ impl RealLower {
 
     pub fn mknod(&self, dir: RawFd, name: &OsStr, mode: u32, rdev: u64) -> io::Result<()> {
         check_name(name.as_bytes())?;
+        exact_modes();
         let c = cstr(name.as_bytes())?;
         // SAFETY: valid pointers.
         cvt(unsafe { libc::mknodat(dir, c.as_ptr(), mode, rdev) })?;
@@ -136,6 +163,7 @@ impl RealLower {
         check_name(name.as_bytes())?;
         let c = cstr(name.as_bytes())?;
         let flags = (flags | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC) & !libc::O_APPEND;
+        exact_modes();
         // SAFETY: valid pointers.
         let fd = cvt(unsafe { libc::openat(dir, c.as_ptr(), flags, mode) })?;
         // SAFETY: fresh fd we own.
@@ -144,6 +172,7 @@ impl RealLower {
 
     pub fn mkdir(&self, dir: RawFd, name: &OsStr, mode: u32) -> io::Result<()> {
         check_name(name.as_bytes())?;
+        exact_modes();
         let c = cstr(name.as_bytes())?;
         // SAFETY: valid pointers.
         cvt(unsafe { libc::mkdirat(dir, c.as_ptr(), mode) })?;
