@@ -4,8 +4,8 @@
 mod common;
 
 use std::fs;
-use std::path::Path;
 use std::os::unix::fs::FileExt;
+use std::path::Path;
 use std::process::Command;
 
 fn run(args: &[&str]) -> (bool, String) {
