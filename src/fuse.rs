@@ -635,6 +635,27 @@ impl Filesystem for Adapter {
             .core
             .create(parent.0, name, mode & !umask, flags, req.uid(), req.gid())
         {
+            // Passthrough for every open of the inode, this first one included: the kernel
+            // refuses (EIO) a passthrough open of an inode that has a cached open.
+            Ok((i, st, fh)) if self.passthrough => {
+                // SAFETY (closure): the descriptor belongs to the live handle `fh`.
+                match self.backing_for(i.ino, fh, |fd| {
+                    reply.open_backing(unsafe { BorrowedFd::borrow_raw(fd) })
+                }) {
+                    Ok(id) => reply.created_passthrough(
+                        &self.ttl,
+                        &attr(&st),
+                        Generation(0),
+                        FileHandle(fh),
+                        FopenFlags::empty(),
+                        &id,
+                    ),
+                    Err(e) => {
+                        self.core.release(fh);
+                        reply.error(err(e))
+                    }
+                }
+            }
             Ok((_, st, fh)) => reply.created(
                 &self.ttl,
                 &attr(&st),

@@ -605,6 +605,46 @@ pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
 /// directory under the root (attaching if needed); None: run it natively (the directory then
 /// sees a change that was not logged, and its next sync or logged change writes everything
 /// back). Caller is `Inside`.
+/// Copy the C string at `p` (a program's argument) without trusting the pointer: a pointer
+/// the kernel would reject (EFAULT) must give the program that errno, not a SIGSEGV inside the
+/// library. Reads this process's own memory with process_vm_readv, page by page, up to
+/// PATH_MAX bytes. None: unreadable, or no terminating NUL within PATH_MAX (the kernel says
+/// EFAULT or ENAMETOOLONG; callers let the native call say it).
+fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
+    const PATH_MAX: usize = libc::PATH_MAX as usize;
+    if p.is_null() {
+        return None;
+    }
+    let mut out: Vec<u8> = Vec::with_capacity(256);
+    let mut buf = [0u8; 4096];
+    let mut addr = p as usize;
+    while out.len() < PATH_MAX {
+        // Never across a page boundary: the next page may be unmapped after the NUL.
+        let n = (4096 - addr % 4096).min(PATH_MAX - out.len());
+        let local = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut c_void,
+            iov_len: n,
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut c_void,
+            iov_len: n,
+        };
+        // SAFETY: reads our own address space into `buf`; the kernel checks `remote`.
+        let got = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        if got <= 0 {
+            return None;
+        }
+        let got = &buf[..got as usize];
+        if let Some(z) = got.iter().position(|&b| b == 0) {
+            out.extend_from_slice(&got[..z]);
+            return Some(out);
+        }
+        out.extend_from_slice(got);
+        addr += got.len();
+    }
+    None
+}
+
 fn ns_targets(
     paths: &[(c_int, *const c_char)],
 ) -> Option<(&'static Client, Vec<pmstack::front::ns::Target>)> {
@@ -615,11 +655,8 @@ fn ns_targets(
         None => {
             // Not attached yet: attach only if the first path's directory is under the root.
             let (d, p) = paths[0];
-            if p.is_null() {
-                return None;
-            }
-            // SAFETY: the program passes a C string.
-            let given = unsafe { CStr::from_ptr(p) }.to_bytes();
+            let given = user_cstr(p)?;
+            let given = &given[..];
             let ours = if given.starts_with(b"/") {
                 given.starts_with(r)
             } else {
@@ -641,11 +678,8 @@ fn ns_targets(
     };
     let mut ts = Vec::with_capacity(paths.len());
     for &(d, p) in paths {
-        if p.is_null() {
-            return None;
-        }
-        // SAFETY: the program passes a C string.
-        ts.push(c.target(d, unsafe { CStr::from_ptr(p) }.to_bytes())?);
+        // Unreadable or longer than PATH_MAX: the native call gives the kernel's errno.
+        ts.push(c.target(d, &user_cstr(p)?)?);
     }
     Some((c, ts))
 }
@@ -755,12 +789,10 @@ pub unsafe extern "C" fn symlinkat(target: *const c_char, d: c_int, path: *const
             [target as i64, d as i64, path as i64, 0, 0, 0],
         ) as c_int
     };
-    if target.is_null() {
-        return native();
-    }
-    // SAFETY: the program passes a C string.
-    let tb = unsafe { CStr::from_ptr(target) }.to_bytes();
-    ns_call(&[(d, path)], native, |c, t| c.symlink(tb, &t[0]))
+    let Some(tb) = user_cstr(target) else {
+        return native(); // EFAULT or ENAMETOOLONG from the kernel
+    };
+    ns_call(&[(d, path)], native, |c, t| c.symlink(&tb, &t[0]))
 }
 #[no_mangle]
 pub unsafe extern "C" fn symlink(target: *const c_char, path: *const c_char) -> c_int {
