@@ -13,3 +13,4 @@ pub mod lower;
 pub mod metrics;
 pub mod pmem;
 pub mod policy;
+pub mod sim;
