@@ -3,6 +3,7 @@
 
 use std::ffi::OsStr;
 use std::fs;
+use std::path::Path;
 use std::sync::Arc;
 
 use super::recover::recover;
