@@ -671,6 +671,26 @@ fn open_region_areas(
     areas: u32,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     let fresh = !pm.exists();
+    let had_marker = lower.join(MARKER).exists();
+    let r = open_region_inner(pm, size, lower, real, areas, fresh);
+    if r.is_err() && fresh {
+        // A refused first start leaves nothing behind: not the new region, not the marker.
+        let _ = fs::remove_file(pm);
+        if !had_marker {
+            let _ = fs::remove_file(lower.join(MARKER));
+        }
+    }
+    r
+}
+
+fn open_region_inner(
+    pm: &Path,
+    size: u64,
+    lower: &Path,
+    real: &RealLower,
+    areas: u32,
+    fresh: bool,
+) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     if fresh {
         let id = lower_id(lower, true)?.expect("created");
         let region = MappedRegion::create(pm, size)?;
@@ -1226,9 +1246,20 @@ fn format_cmd(pm: &Path, size: u64, lower: &Path, force: bool) -> Result<()> {
             _ => {}
         }
     }
+    let had_marker = lower.join(MARKER).exists();
     let id = lower_id(&lower, true)?.expect("created");
-    let region = MappedRegion::create(pm, size)?;
-    let log = Log::format(Arc::new(region), id, 16)?;
+    let log = MappedRegion::create(pm, size)
+        .map_err(anyhow::Error::from)
+        .and_then(|region| Ok(Log::format(Arc::new(region), id, 16)?));
+    let log = match log {
+        Ok(l) => l,
+        Err(e) => {
+            if !had_marker {
+                let _ = fs::remove_file(lower.join(MARKER)); // nothing left behind
+            }
+            return Err(e);
+        }
+    };
     log.pm().sync_backing();
     println!(
         "formatted {} ({} MiB) for lower {}",

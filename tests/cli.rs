@@ -435,3 +435,56 @@ fn the_callers_umask_is_applied_once() {
     );
     m.umount();
 }
+
+/// A region larger than the free space of its file system (Docker's 64 MiB /dev/shm) is
+/// refused with the free space named, and a refused first start leaves nothing behind: no
+/// region file, no marker in the lower.
+#[test]
+fn a_region_larger_than_its_file_system_is_refused_and_nothing_is_left() {
+    if !common::can_mount() {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let p = |s: &str| d.path().join(s).to_string_lossy().to_string();
+    for s in ["shm", "lower", "mnt"] {
+        fs::create_dir(p(s)).unwrap();
+    }
+    assert!(std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8M", "tmpfs"])
+        .arg(p("shm"))
+        .status()
+        .unwrap()
+        .success());
+    let region = format!("{}/r.pm", p("shm"));
+    one_line_error(
+        &[
+            "mount",
+            "--pm",
+            &region,
+            "--pm-size",
+            "64M",
+            &p("lower"),
+            &p("mnt"),
+        ],
+        "free",
+    );
+    one_line_error(
+        &[
+            "format",
+            "--pm",
+            &region,
+            "--size",
+            "64M",
+            "--lower",
+            &p("lower"),
+        ],
+        "free",
+    );
+    let left: Vec<_> = fs::read_dir(p("shm"))
+        .unwrap()
+        .chain(fs::read_dir(p("lower")).unwrap())
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    let _ = std::process::Command::new("umount").arg(p("shm")).status();
+    assert!(left.is_empty(), "a refused command left {left:?}");
+}

@@ -3,7 +3,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -22,6 +22,10 @@ pub enum MapError {
         "PM region {path} is {len} bytes; at least {min} bytes are needed (use a larger --size)"
     )]
     TooSmall { path: PathBuf, len: u64, min: u64 },
+    #[error(
+        "PM region {path}: {want} bytes asked for, but its file system has only {free} bytes free; use a smaller --pm-size/--size or free space there (nothing was created)"
+    )]
+    NoSpace { path: PathBuf, want: u64, free: u64 },
 }
 
 pub struct MappedRegion {
@@ -48,6 +52,7 @@ impl MappedRegion {
             path: path.to_owned(),
             source,
         };
+        let existed = path.exists();
         let f = OpenOptions::new()
             .read(true)
             .write(true)
@@ -58,7 +63,44 @@ impl MappedRegion {
             .map_err(io)?;
         let md = f.metadata().map_err(io)?;
         if !md.file_type().is_char_device() {
-            f.set_len(size).map_err(io)?;
+            // Reserve the whole region now: a region on a tmpfs smaller than its size would
+            // otherwise die at the first store past the free space (SIGBUS), and on fsdax a
+            // sparse file takes allocating page faults under MAP_SYNC.
+            let gone = |e: MapError| {
+                if !existed {
+                    let _ = std::fs::remove_file(path);
+                }
+                e
+            };
+            let have = md.blocks() * 512;
+            if size > md.len() {
+                if let Ok(st) = rustix::fs::fstatvfs(&f) {
+                    let free = st.f_bavail.saturating_mul(st.f_frsize);
+                    if size.saturating_sub(have) > free {
+                        return Err(gone(MapError::NoSpace {
+                            path: path.to_owned(),
+                            want: size,
+                            free: free + have,
+                        }));
+                    }
+                }
+            }
+            match rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, size) {
+                Ok(()) => {}
+                // File systems without fallocate: a sparse file, as before.
+                Err(rustix::io::Errno::OPNOTSUPP) => f.set_len(size).map_err(io).map_err(gone)?,
+                Err(rustix::io::Errno::NOSPC) => {
+                    return Err(gone(MapError::NoSpace {
+                        path: path.to_owned(),
+                        want: size,
+                        free: have,
+                    }))
+                }
+                Err(e) => return Err(gone(io(e.into()))),
+            }
+            if md.len() > size {
+                f.set_len(size).map_err(io)?;
+            }
         }
         drop(f);
         Self::open(path, 0)
