@@ -1376,6 +1376,26 @@ fn stat(mp: &Path, json: bool) -> Result<()> {
             )
         })?;
     let v: serde_json::Value = serde_json::from_str(&s)?;
+    // The numbers are only current while their daemon runs: a mount's state file, or the
+    // served directory's stats, name its pid.
+    let pid = fs::read_to_string(state_path(&mp))
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|s| s["pid"].as_u64())
+        .or_else(|| v["pid"].as_u64());
+    if let Some(pid) = pid {
+        let alive = fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+            c.split(|b| *b == 0)
+                .next()
+                .is_some_and(|a| a.ends_with(b"pmstack"))
+        });
+        if !alive {
+            bail!(
+                "the pmstack daemon of {} (pid {pid}) is gone; its last numbers are stale. Start it again (`pmstack mount` or `pmstack serve`): a crashed daemon's log is recovered at the next start",
+                mp.display()
+            );
+        }
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else if let Some(m) = v.as_object() {

@@ -1517,3 +1517,29 @@ fn posix_aio_writes_keep_o_dsync_under_pmstack_run() {
         );
     }
 }
+
+/// `pmstack stat` of a served directory whose daemon died says so (it printed the dead
+/// daemon's numbers with exit 0).
+#[test]
+fn stat_of_a_directory_whose_daemon_died_says_it_is_gone() {
+    if !common::can_mount() {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    let mut s = Serve::start(&root, &d.path().join("r.pm"), &[]);
+    s.wait_stats("stats written", |v| v["pid"].as_u64().is_some());
+    let st = |root: &Path| {
+        Command::new(common::bin())
+            .arg("stat")
+            .arg(root)
+            .output()
+            .unwrap()
+    };
+    assert!(st(&root).status.success());
+    s.kill9();
+    let out = st(&root);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is gone"), "{err}");
+}
