@@ -412,7 +412,7 @@ fn commands_refuse_what_they_were_not_meant_for() {
 /// The caller's umask is applied once (by the kernel or from the request), never again with
 /// the daemon's: `umask 0; touch f; mkdir d` gives 0666 and 0777 as on the lower itself.
 #[test]
-fn the_callers_umask_is_applied_once() {
+fn the_callers_umask_is_applied_once_and_chown_updates_ctime() {
     if !common::can_mount() {
         return;
     }
@@ -433,6 +433,16 @@ fn the_callers_umask_is_applied_once() {
         [mode("f"), mode("d"), mode("p"), mode("g"), mode("e")],
         [0o666, 0o777, 0o666, 0o640, 0o750]
     );
+    // chown(f, -1, -1) updates ctime, as on the lower file system.
+    use std::os::unix::fs::MetadataExt;
+    let f = m.mnt.join("f");
+    let before = fs::metadata(&f).unwrap().ctime_nsec() as i128
+        + fs::metadata(&f).unwrap().ctime() as i128 * 1_000_000_000;
+    std::thread::sleep(std::time::Duration::from_millis(20)); // past the coarse clock's tick
+    std::os::unix::fs::chown(&f, None, None).unwrap();
+    let md = fs::metadata(&f).unwrap();
+    let after = md.ctime_nsec() as i128 + md.ctime() as i128 * 1_000_000_000;
+    assert!(after > before, "chown(-1, -1) did not update ctime");
     m.umount();
 }
 
