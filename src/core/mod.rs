@@ -483,7 +483,11 @@ impl Core {
 
     pub fn open(&self, ino: u64, flags: i32) -> R<u64> {
         let i = self.inode(ino)?;
-        let mut fl = flags & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
+        // O_DIRECT stays with the kernel's side of the mount (it bypasses the FUSE page
+        // cache): the daemon's buffers carry no alignment, and O_DIRECT on the lower
+        // descriptor would fail such writes with EINVAL. It never promised durability.
+        let mut fl = flags
+            & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC | libc::O_DIRECT);
         // Write-only handles are opened read-write when permitted, so fsync can read back the
         // dirty bytes to log them.
         if fl & libc::O_ACCMODE == libc::O_WRONLY {
@@ -493,7 +497,12 @@ impl Core {
             Ok(fd) => fd,
             Err(_) if fl != flags => self.lower.reopen(
                 i.node.as_raw_fd(),
-                flags & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC),
+                flags
+                    & !(libc::O_APPEND
+                        | libc::O_CREAT
+                        | libc::O_EXCL
+                        | libc::O_TRUNC
+                        | libc::O_DIRECT),
             )?,
             Err(e) => return Err(e),
         };
@@ -1135,7 +1144,7 @@ impl Core {
             if self.hidden(&p, name) {
                 return Err(errno(libc::EPERM));
             }
-            let mut fl = flags & !libc::O_APPEND;
+            let mut fl = flags & !(libc::O_APPEND | libc::O_DIRECT); // see `open`
             if fl & libc::O_ACCMODE == libc::O_WRONLY {
                 fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
             }
