@@ -1064,6 +1064,20 @@ impl Core {
         }
     }
 
+    /// Run the steps that follow the creation of `name` in `p`; if one fails (EMFILE, say),
+    /// remove what was created, so the caller's error leaves no half-made object behind.
+    fn undo_on_error<T>(
+        &self,
+        p: &Inode,
+        name: &OsStr,
+        is_dir: bool,
+        f: impl FnOnce() -> R<T>,
+    ) -> R<T> {
+        f().inspect_err(|_| {
+            let _ = self.lower.unlink(p.node.as_raw_fd(), name, is_dir);
+        })
+    }
+
     fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
         let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
@@ -1120,10 +1134,13 @@ impl Core {
                         libc::S_IFLNK => self.lower.symlink(p.node.as_raw_fd(), name, t)?,
                         _ => self.lower.mknod(p.node.as_raw_fd(), name, mode, rdev)?,
                     }
-                    let (i, _) = self.created(&p, name)?;
-                    self.own(&i, uid, gid);
-                    let st = self.stat_of(&i)?;
-                    Ok((i, st))
+                    let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+                    self.undo_on_error(&p, name, is_dir, || {
+                        let (i, _) = self.created(&p, name)?;
+                        self.own(&i, uid, gid);
+                        let st = self.stat_of(&i)?;
+                        Ok((i, st))
+                    })
                 },
                 |(i, st)| Some((Self::create_rec(&p, name, i, st, t), Some(i.clone()))),
             )
@@ -1151,12 +1168,38 @@ impl Core {
             let (i, st, fd) = self.ns_op(
                 &[&p],
                 || {
-                    let fd = self
-                        .lower
-                        .create_file(p.node.as_raw_fd(), name, fl, mode & 0o7777)?;
-                    let (i, _) = self.created(&p, name)?;
-                    self.own(&i, uid, gid);
-                    let st = self.stat_of(&i)?;
+                    // O_EXCL first, so a failure below undoes only a file made here.
+                    let (fd, made) = match self.lower.create_file(
+                        p.node.as_raw_fd(),
+                        name,
+                        fl | libc::O_EXCL,
+                        mode & 0o7777,
+                    ) {
+                        Ok(fd) => (fd, true),
+                        Err(e)
+                            if e.raw_os_error() == Some(libc::EEXIST) && fl & libc::O_EXCL == 0 =>
+                        {
+                            let fd = self.lower.create_file(
+                                p.node.as_raw_fd(),
+                                name,
+                                fl,
+                                mode & 0o7777,
+                            )?;
+                            (fd, false)
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    let post = || {
+                        let (i, _) = self.created(&p, name)?;
+                        self.own(&i, uid, gid);
+                        let st = self.stat_of(&i)?;
+                        Ok((i, st))
+                    };
+                    let (i, st) = if made {
+                        self.undo_on_error(&p, name, false, post)?
+                    } else {
+                        post()?
+                    };
                     Ok((i, st, fd))
                 },
                 |(i, st, _)| Some((Self::create_rec(&p, name, i, st, b""), Some(i.clone()))),
