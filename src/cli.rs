@@ -1120,6 +1120,14 @@ fn serve(
 fn stats_json(core: &Core, rec: &Option<RecoverySummary>) -> serde_json::Value {
     let mut m = core.stats.to_json();
     m.insert("latency_us".into(), core.latency.to_json());
+    // Inode descriptors are a bounded cache (reopened by file handle when evicted).
+    m.insert("node_fds_max".into(), core.node_fds_max.into());
+    m.insert(
+        "node_fds_open".into(),
+        pmstack::core::node::NODE_FDS_OPEN
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .into(),
+    );
     if let Some(l) = &core.log {
         let s = &l.stats;
         use std::sync::atomic::Ordering::Relaxed;

@@ -4,6 +4,7 @@
 pub mod adaptive;
 #[cfg(test)]
 mod crash_tests;
+pub mod node;
 pub mod recover;
 #[cfg(test)]
 mod regress_tests;
@@ -93,7 +94,7 @@ struct FileState {
 pub struct Inode {
     pub ino: u64,
     pub fid: u64,
-    pub node: OwnedFd,
+    pub node: node::Node,
     pub kind: u32,
     dev_ino: (u64, u64),
     nlookup: AtomicU64,
@@ -159,6 +160,10 @@ pub struct Core {
     /// (kind, a descriptor of the object). Bounded by what one write-back interval touches.
     to_sync: Mutex<HashMap<(u64, u64), (u32, OwnedFd)>>,
     wb_gen: AtomicU64,
+    /// Objects can be reopened by their file handles (open_by_handle_at works here): inode
+    /// descriptors are then a bounded cache (`node`), at most this many open.
+    reopen_ok: bool,
+    pub node_fds_max: usize,
     pub stats: Stats,
     /// Request latency per kind, recorded by the FUSE adapter.
     pub latency: Latency,
@@ -186,13 +191,25 @@ impl Core {
         let root_node = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY)?;
         let root_handle = lower.handle(lower.root_fd()).unwrap_or_default();
         let syncfs_ok = lower.syncfs_reliable();
+        let reopen_ok = !root_handle.is_empty() && lower.open_handle(&root_handle).is_ok();
+        // A quarter of the descriptor limit (the rest is for open files, the log, FUSE), at
+        // most 65,536 and at least 256.
+        let node_fds_max = {
+            let mut r = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: valid out-pointer.
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) };
+            ((r.rlim_cur / 4) as usize).clamp(256, 65_536)
+        };
         if !syncfs_ok {
             tracing::info!("the lower file system does not honour syncfs (a FUSE or network file system): write-back makes each changed object durable with its own fsync");
         }
         let root = Arc::new(Inode {
             ino: 1,
             fid: ROOT_FID,
-            node: root_node,
+            node: node::Node::new(root_node, Vec::new()), // never evicted
             kind: libc::S_IFDIR,
             dev_ino: (st.st_dev, st.st_ino),
             nlookup: AtomicU64::new(u64::MAX / 2),
@@ -225,6 +242,8 @@ impl Core {
             syncfs_ok,
             to_sync: Mutex::new(HashMap::new()),
             wb_gen: AtomicU64::new(1),
+            reopen_ok,
+            node_fds_max,
             stats: Stats::default(),
             latency: Latency::default(),
             flusher_wake: (Mutex::new(false), Condvar::new()),
@@ -282,6 +301,12 @@ impl Core {
         } else {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
+        // The handle, for reopening once the cached descriptor is evicted (and for binds).
+        let handle = if self.reopen_ok {
+            self.lower.handle(fd.as_raw_fd()).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         let (fid, state) = match self.adopt_orphan(&mut t, key, fd.as_raw_fd()) {
             Some(o) => (o.fid, o.state),
             None => (
@@ -293,7 +318,7 @@ impl Core {
         let inode = Arc::new(Inode {
             ino,
             fid,
-            node: fd,
+            node: node::Node::new(fd, handle),
             kind: kind_of(st.st_mode),
             dev_ino: key,
             nlookup: AtomicU64::new(1),
@@ -302,11 +327,66 @@ impl Core {
         });
         t.by_ino.insert(ino, inode.clone());
         t.by_dev_ino.insert(key, ino);
+        drop(t);
+        self.bound_node_fds();
         inode
     }
 
+    /// A descriptor (O_PATH) of `i`'s lower object: the cached one, or reopened by handle.
+    pub fn nfd(&self, i: &Inode) -> R<Arc<OwnedFd>> {
+        if let Some(f) = i.node.cached() {
+            return Ok(f);
+        }
+        let f = i.node.fill(self.lower.open_handle(&i.node.handle)?);
+        self.bound_node_fds();
+        Ok(f)
+    }
+
+    /// The lower file handle of `i` (for Bind records): cached in its node when the lower
+    /// has handles.
+    fn handle_of(&self, i: &Inode) -> Vec<u8> {
+        if !i.node.handle.is_empty() {
+            return i.node.handle.clone();
+        }
+        self.nfd(i)
+            .and_then(|f| self.lower.handle(f.as_raw_fd()))
+            .unwrap_or_default()
+    }
+
+    /// Keep cached inode descriptors at or below `node_fds_max`: close the least recently
+    /// used ones of inodes no request and no open file is using (the table holds the only
+    /// reference), down to three quarters of the bound.
+    fn bound_node_fds(&self) {
+        use node::NODE_FDS_OPEN;
+        let open = NODE_FDS_OPEN.load(Ordering::Relaxed);
+        if open <= self.node_fds_max || !self.reopen_ok {
+            return;
+        }
+        let t = self.table.read();
+        let mut idle: Vec<(u64, u64)> = t
+            .by_ino
+            .values()
+            .filter(|i| i.ino != 1 && Arc::strong_count(i) == 1 && i.node.evictable())
+            .map(|i| (i.node.last_use(), i.ino))
+            .collect();
+        let excess = open.saturating_sub(self.node_fds_max * 3 / 4);
+        if idle.len() > excess {
+            idle.select_nth_unstable(excess);
+            idle.truncate(excess);
+        }
+        let mut closed = 0;
+        for (_, ino) in idle {
+            if let Some(i) = t.by_ino.get(&ino) {
+                closed += i.node.evict() as u64;
+            }
+        }
+        self.stats
+            .node_fds_evicted
+            .fetch_add(closed, Ordering::Relaxed);
+    }
+
     pub fn stat_of(&self, i: &Inode) -> R<Stat> {
-        let mut st = fstat(i.node.as_raw_fd())?;
+        let mut st = fstat(self.nfd(&i)?.as_raw_fd())?;
         st.st_ino = i.ino;
         Ok(st)
     }
@@ -316,7 +396,7 @@ impl Core {
         if self.hidden(&p, name) {
             return Err(errno(libc::ENOENT));
         }
-        let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
         let st = self.stat_of(&i)?;
         Ok((i, st))
@@ -388,7 +468,7 @@ impl Core {
             return Ok(());
         }
         if self.needs_bind(st) {
-            let handle = self.lower.handle(i.node.as_raw_fd()).unwrap_or_default();
+            let handle = self.handle_of(i);
             st.bind_lsn = a.append(
                 &Record::Bind {
                     fid: i.fid,
@@ -493,10 +573,10 @@ impl Core {
         if fl & libc::O_ACCMODE == libc::O_WRONLY {
             fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
         }
-        let fd = match self.lower.reopen(i.node.as_raw_fd(), fl) {
+        let fd = match self.lower.reopen(self.nfd(&i)?.as_raw_fd(), fl) {
             Ok(fd) => fd,
             Err(_) if fl != flags => self.lower.reopen(
-                i.node.as_raw_fd(),
+                self.nfd(&i)?.as_raw_fd(),
                 flags
                     & !(libc::O_APPEND
                         | libc::O_CREAT
@@ -656,7 +736,9 @@ impl Core {
             let Some(log) = self.logging() else {
                 let fd = match fh.and_then(|f| self.handle(f).ok()) {
                     Some(h) => return real::fsync(h.fd.as_raw_fd(), datasync),
-                    None => self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+                    None => self
+                        .lower
+                        .reopen(self.nfd(&i)?.as_raw_fd(), libc::O_RDONLY)?,
                 };
                 return real::fsync(fd.as_raw_fd(), datasync);
             };
@@ -694,7 +776,9 @@ impl Core {
                 Some(h) => h,
                 None => Arc::new(Handle {
                     ino: i.clone(),
-                    fd: self.lower.reopen(i.node.as_raw_fd(), libc::O_RDONLY)?,
+                    fd: self
+                        .lower
+                        .reopen(self.nfd(&i)?.as_raw_fd(), libc::O_RDONLY)?,
                     sync_writes: false,
                 }),
             };
@@ -799,7 +883,7 @@ impl Core {
         if i.queued.swap(g, Ordering::AcqRel) == g {
             return;
         }
-        if let Ok(fd) = i.node.try_clone() {
+        if let Ok(fd) = self.nfd(i).and_then(|f| f.try_clone()) {
             self.to_sync.lock().insert(i.dev_ino, (i.kind, fd));
         }
     }
@@ -838,13 +922,13 @@ impl Core {
         } else {
             return self.lower.syncfs();
         };
-        let fd = self.lower.reopen(i.node.as_raw_fd(), fl)?;
+        let fd = self.lower.reopen(self.nfd(&i)?.as_raw_fd(), fl)?;
         real::fsync(fd.as_raw_fd(), false)
     }
 
     fn setattr_size(&self, i: &Arc<Inode>, size: u64) -> R<()> {
         let _g = self.gate.read();
-        self.lower.truncate(i.node.as_raw_fd(), size)?;
+        self.lower.truncate(self.nfd(&i)?.as_raw_fd(), size)?;
         {
             let mut st = i.st.lock();
             // Dirty bytes past the new end no longer exist.
@@ -881,7 +965,8 @@ impl Core {
             {
                 // A change of nothing but ctime (chown(f, -1, -1)): the lower updates ctime
                 // the same way. Nothing to log: ctime is not part of the contract.
-                self.lower.chown(i.node.as_raw_fd(), u32::MAX, u32::MAX)?;
+                self.lower
+                    .chown(self.nfd(&i)?.as_raw_fd(), u32::MAX, u32::MAX)?;
                 return self.stat_of(&i);
             }
             if let Some(s) = size {
@@ -889,18 +974,19 @@ impl Core {
             }
             let _g = self.gate.read();
             if let Some(m) = mode {
-                self.lower.chmod(i.node.as_raw_fd(), m)?;
+                self.lower.chmod(self.nfd(&i)?.as_raw_fd(), m)?;
                 self.log_attr(&i, AttrOp::Chmod(m & 0o7777))?;
             }
             if uid.is_some() || gid.is_some() {
                 let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
-                self.lower.chown(i.node.as_raw_fd(), u, g)?;
+                self.lower.chown(self.nfd(&i)?.as_raw_fd(), u, g)?;
                 self.log_attr(&i, AttrOp::Chown(u, g))?;
             }
             if atime.is_some() || mtime.is_some() {
-                self.lower.utimens(i.node.as_raw_fd(), atime, mtime)?;
+                self.lower
+                    .utimens(self.nfd(&i)?.as_raw_fd(), atime, mtime)?;
                 // Log the resulting times, so "now" replays as the same instant.
-                let st = fstat(i.node.as_raw_fd())?;
+                let st = fstat(self.nfd(&i)?.as_raw_fd())?;
                 let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
                 let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
                 self.log_attr(
@@ -936,7 +1022,7 @@ impl Core {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
             self.lower
-                .setxattr(i.node.as_raw_fd(), name, value, flags)?;
+                .setxattr(self.nfd(&i)?.as_raw_fd(), name, value, flags)?;
             self.log_attr(
                 &i,
                 AttrOp::SetXattr {
@@ -952,7 +1038,7 @@ impl Core {
         self.settled(|| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
-            self.lower.removexattr(i.node.as_raw_fd(), name)?;
+            self.lower.removexattr(self.nfd(&i)?.as_raw_fd(), name)?;
             self.log_attr(
                 &i,
                 AttrOp::RemoveXattr {
@@ -964,12 +1050,12 @@ impl Core {
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: usize) -> R<Vec<u8>> {
         let i = self.inode(ino)?;
-        self.lower.getxattr(i.node.as_raw_fd(), name, size)
+        self.lower.getxattr(self.nfd(&i)?.as_raw_fd(), name, size)
     }
 
     pub fn listxattr(&self, ino: u64, size: usize) -> R<Vec<u8>> {
         let i = self.inode(ino)?;
-        self.lower.listxattr(i.node.as_raw_fd(), size)
+        self.lower.listxattr(self.nfd(&i)?.as_raw_fd(), size)
     }
 
     // ---------- namespace ----------
@@ -1004,7 +1090,7 @@ impl Core {
                 && self.needs_bind(&i.st.lock())
                 && !binds.iter().any(|(b, _)| b.fid == i.fid)
             {
-                binds.push((i, self.lower.handle(i.node.as_raw_fd()).unwrap_or_default()));
+                binds.push((i, self.handle_of(i)));
             }
         }
         let mut a = log.area();
@@ -1074,12 +1160,14 @@ impl Core {
         f: impl FnOnce() -> R<T>,
     ) -> R<T> {
         f().inspect_err(|_| {
-            let _ = self.lower.unlink(p.node.as_raw_fd(), name, is_dir);
+            if let Ok(pf) = self.nfd(p) {
+                let _ = self.lower.unlink(pf.as_raw_fd(), name, is_dir);
+            }
         })
     }
 
     fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
-        let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
         let st = self.stat_of(&i)?;
         Ok((i, st))
@@ -1103,7 +1191,9 @@ impl Core {
     /// calling user).
     fn own(&self, i: &Inode, uid: u32, gid: u32) {
         if rustix::process::geteuid().is_root() && (uid != 0 || gid != 0) {
-            let _ = self.lower.chown(i.node.as_raw_fd(), uid, gid);
+            if let Ok(f) = self.nfd(i) {
+                let _ = self.lower.chown(f.as_raw_fd(), uid, gid);
+            }
         }
     }
 
@@ -1129,10 +1219,13 @@ impl Core {
                 || {
                     match mode & libc::S_IFMT {
                         libc::S_IFDIR => {
-                            self.lower.mkdir(p.node.as_raw_fd(), name, mode & 0o7777)?
+                            self.lower
+                                .mkdir(self.nfd(&p)?.as_raw_fd(), name, mode & 0o7777)?
                         }
-                        libc::S_IFLNK => self.lower.symlink(p.node.as_raw_fd(), name, t)?,
-                        _ => self.lower.mknod(p.node.as_raw_fd(), name, mode, rdev)?,
+                        libc::S_IFLNK => self.lower.symlink(self.nfd(&p)?.as_raw_fd(), name, t)?,
+                        _ => self
+                            .lower
+                            .mknod(self.nfd(&p)?.as_raw_fd(), name, mode, rdev)?,
                     }
                     let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
                     self.undo_on_error(&p, name, is_dir, || {
@@ -1170,7 +1263,7 @@ impl Core {
                 || {
                     // O_EXCL first, so a failure below undoes only a file made here.
                     let (fd, made) = match self.lower.create_file(
-                        p.node.as_raw_fd(),
+                        self.nfd(&p)?.as_raw_fd(),
                         name,
                         fl | libc::O_EXCL,
                         mode & 0o7777,
@@ -1180,7 +1273,7 @@ impl Core {
                             if e.raw_os_error() == Some(libc::EEXIST) && fl & libc::O_EXCL == 0 =>
                         {
                             let fd = self.lower.create_file(
-                                p.node.as_raw_fd(),
+                                self.nfd(&p)?.as_raw_fd(),
                                 name,
                                 fl,
                                 mode & 0o7777,
@@ -1222,7 +1315,7 @@ impl Core {
             };
             self.ns_op(
                 &[&p],
-                || self.lower.unlink(p.node.as_raw_fd(), name, dir),
+                || self.lower.unlink(self.nfd(&p)?.as_raw_fd(), name, dir),
                 |_| {
                     Some((
                         NsOp::Remove {
@@ -1241,7 +1334,7 @@ impl Core {
     /// The inode of `name` in `p` (the kernel has usually looked it up already; otherwise a
     /// transient inode, not counted as a kernel lookup).
     fn object_at(&self, p: &Inode, name: &OsStr) -> R<Arc<Inode>> {
-        let (fd, st) = self.lower.lookup(p.node.as_raw_fd(), name)?;
+        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
         {
             let t = self.table.read();
             if let Some(i) = t
@@ -1260,7 +1353,7 @@ impl Core {
         Ok(Arc::new(Inode {
             ino: 0,
             fid,
-            node: fd,
+            node: node::Node::new(fd, Vec::new()),
             kind: kind_of(st.st_mode),
             dev_ino: (st.st_dev, st.st_ino),
             nlookup: AtomicU64::new(0),
@@ -1301,9 +1394,9 @@ impl Core {
                     .collect::<Vec<_>>(),
                 || {
                     self.lower.rename(
-                        p.node.as_raw_fd(),
+                        self.nfd(&p)?.as_raw_fd(),
                         name,
-                        np.node.as_raw_fd(),
+                        self.nfd(&np)?.as_raw_fd(),
                         newname,
                         flags,
                     )
@@ -1336,8 +1429,11 @@ impl Core {
             self.ns_op(
                 &[&i, &np],
                 || {
-                    self.lower
-                        .link(i.node.as_raw_fd(), np.node.as_raw_fd(), newname)?;
+                    self.lower.link(
+                        self.nfd(&i)?.as_raw_fd(),
+                        self.nfd(&np)?.as_raw_fd(),
+                        newname,
+                    )?;
                     i.nlookup.fetch_add(1, Ordering::Relaxed);
                     Ok(())
                 },
@@ -1359,12 +1455,12 @@ impl Core {
 
     pub fn readlink(&self, ino: u64) -> R<Vec<u8>> {
         let i = self.inode(ino)?;
-        self.lower.readlink(i.node.as_raw_fd())
+        self.lower.readlink(self.nfd(&i)?.as_raw_fd())
     }
 
     pub fn opendir(&self, ino: u64) -> R<u64> {
         let i = self.inode(ino)?;
-        let mut entries = self.lower.read_dir(i.node.as_raw_fd())?;
+        let mut entries = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
         if ino == 1 {
             entries.retain(|(n, _, _)| n != MARKER.as_bytes());
         }
@@ -1407,15 +1503,16 @@ impl Core {
             return Ok(());
         }
         let i = self.inode(ino)?;
-        let fd = self
-            .lower
-            .reopen(i.node.as_raw_fd(), libc::O_RDONLY | libc::O_DIRECTORY)?;
+        let fd = self.lower.reopen(
+            self.nfd(&i)?.as_raw_fd(),
+            libc::O_RDONLY | libc::O_DIRECTORY,
+        )?;
         real::fsync(fd.as_raw_fd(), datasync)
     }
 
     pub fn statfs(&self, ino: u64) -> R<libc::statvfs> {
         let i = self.inode(ino)?;
-        self.lower.statfs(i.node.as_raw_fd())
+        self.lower.statfs(self.nfd(&i)?.as_raw_fd())
     }
 
     pub fn lseek(&self, fh: u64, off: i64, whence: i32) -> R<i64> {

@@ -35,6 +35,7 @@ counters!(
     adaptive_wasted,
     adaptive_to_eager,
     adaptive_to_lazy,
+    node_fds_evicted,
 );
 
 /// Request kinds timed by the FUSE adapter (one latency histogram each).

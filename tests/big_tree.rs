@@ -1,0 +1,105 @@
+//! A tree of 200,000 files copied onto the mount (what rsync or cp -a of a source tree does)
+//! and read back through it, with the daemon's descriptor count bounded: inode descriptors
+//! are a cache that is reopened by file handle (`core::node`), so a mount serves trees far
+//! larger than its descriptor limit. It used to keep one descriptor per inode the kernel
+//! remembered and failed with "Too many open files".
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const DIRS: usize = 200;
+const FILES: usize = 1000;
+
+fn content(d: usize, f: usize) -> Vec<u8> {
+    format!("{d}/{f}\n").repeat((d * 7 + f) % 40).into_bytes()
+}
+
+fn fd_count(pid: i32) -> usize {
+    fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |r| r.count())
+}
+
+#[test]
+fn a_tree_of_200000_files_copies_with_bounded_descriptors() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    let src = m.base.path().join("src");
+    for d in 0..DIRS {
+        let dir = src.join(format!("d{d:03}"));
+        fs::create_dir_all(&dir).unwrap();
+        for f in 0..FILES {
+            fs::write(dir.join(format!("f{f:04}")), content(d, f)).unwrap();
+        }
+    }
+    m.mount(&[]);
+    let pid = m.daemon_pid();
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let sampler = {
+        let (stop, peak) = (stop.clone(), peak.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(fd_count(pid), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(&src)
+        .arg(m.mnt.join("dst"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "cp -a onto the mount failed");
+    // Read everything back through the mount (evicted inodes are reopened by handle).
+    let mut n = 0;
+    for d in 0..DIRS {
+        for f in 0..FILES {
+            let p = m.mnt.join(format!("dst/d{d:03}/f{f:04}"));
+            assert_eq!(
+                fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+                content(d, f)
+            );
+            n += 1;
+        }
+    }
+    peak.fetch_max(fd_count(pid), Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let out = Command::new(common::bin())
+        .args(["stat", "--json"])
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bound = v["node_fds_max"].as_u64().unwrap() as usize;
+    let peak = peak.load(Ordering::Relaxed);
+    eprintln!(
+        "{n} files copied and read back; daemon descriptors: peak {peak}, inode cache bound {bound}, evicted {}",
+        v["node_fds_evicted"]
+    );
+    assert_eq!(n, DIRS * FILES);
+    assert!(
+        bound < DIRS * FILES && v["node_fds_evicted"].as_u64().unwrap_or(0) > 0,
+        "the test must make the inode cache evict: bound {bound}"
+    );
+    // The cache bound plus what is not inode descriptors (FUSE device, region, open files).
+    assert!(
+        peak <= bound + 512,
+        "the daemon held {peak} descriptors (inode cache bound {bound})"
+    );
+    m.umount();
+    assert_eq!(
+        fs::read(m.lower.join("dst/d123/f0456")).unwrap(),
+        content(123, 456)
+    );
+    let _ = fs::remove_dir_all(&src);
+    let _ = fs::remove_dir_all(m.lower.join("dst"));
+}
