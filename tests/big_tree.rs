@@ -7,7 +7,6 @@
 mod common;
 
 use std::fs;
-use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -386,7 +386,7 @@ impl Core {
     }
 
     pub fn stat_of(&self, i: &Inode) -> R<Stat> {
-        let mut st = fstat(self.nfd(&i)?.as_raw_fd())?;
+        let mut st = fstat(self.nfd(i)?.as_raw_fd())?;
         st.st_ino = i.ino;
         Ok(st)
     }
@@ -922,13 +922,13 @@ impl Core {
         } else {
             return self.lower.syncfs();
         };
-        let fd = self.lower.reopen(self.nfd(&i)?.as_raw_fd(), fl)?;
+        let fd = self.lower.reopen(self.nfd(i)?.as_raw_fd(), fl)?;
         real::fsync(fd.as_raw_fd(), false)
     }
 
     fn setattr_size(&self, i: &Arc<Inode>, size: u64) -> R<()> {
         let _g = self.gate.read();
-        self.lower.truncate(self.nfd(&i)?.as_raw_fd(), size)?;
+        self.lower.truncate(self.nfd(i)?.as_raw_fd(), size)?;
         {
             let mut st = i.st.lock();
             // Dirty bytes past the new end no longer exist.
@@ -1167,7 +1167,7 @@ impl Core {
     }
 
     fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
-        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
+        let (fd, st) = self.lower.lookup(self.nfd(p)?.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
         let st = self.stat_of(&i)?;
         Ok((i, st))
@@ -1334,7 +1334,7 @@ impl Core {
     /// The inode of `name` in `p` (the kernel has usually looked it up already; otherwise a
     /// transient inode, not counted as a kernel lookup).
     fn object_at(&self, p: &Inode, name: &OsStr) -> R<Arc<Inode>> {
-        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
+        let (fd, st) = self.lower.lookup(self.nfd(p)?.as_raw_fd(), name)?;
         {
             let t = self.table.read();
             if let Some(i) = t
