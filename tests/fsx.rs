@@ -10,10 +10,7 @@ mod common;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
 const CONFIG: &str = "flen = 1048576
 [opsize]
@@ -35,23 +32,6 @@ posix_fadvise = 1
 copy_file_range = 1
 ";
 
-fn fsx() -> Option<PathBuf> {
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let found = std::env::var("PATH")
-        .unwrap_or_default()
-        .split(':')
-        .map(PathBuf::from)
-        .chain([PathBuf::from(home).join(".cargo/bin")])
-        .map(|d| d.join("fsx"))
-        .find(|p| p.exists());
-    if found.is_none() {
-        let why = "fsx is not installed (cargo install --locked fsx; .ci/run does)";
-        assert!(!std::env::var("CI").is_ok_and(|v| v == "true"), "CI: {why}");
-        eprintln!("SKIPPED: {why}");
-    }
-    found
-}
-
 /// Run `ops` operations of seed `seed` on `file` (optionally under `pmstack run --root`).
 fn exercise(bin: &Path, cfg: &Path, file: &Path, seed: u64, ops: u64, run_root: Option<&Path>) {
     let artifacts = file.parent().unwrap().join(format!(
@@ -59,15 +39,7 @@ fn exercise(bin: &Path, cfg: &Path, file: &Path, seed: u64, ops: u64, run_root: 
         file.file_name().unwrap().to_string_lossy()
     ));
     let _ = fs::create_dir_all(&artifacts);
-    let mut c = match run_root {
-        Some(root) => {
-            let mut c = Command::new(common::bin());
-            c.arg("run").arg("--root").arg(root).arg("--").arg(bin);
-            c
-        }
-        None => Command::new(bin),
-    };
-    let out = c
+    let out = common::maybe_run(bin, run_root)
         .arg("-f")
         .arg(cfg)
         .arg("-N")
@@ -96,7 +68,9 @@ fn fsx_runs_clean_through_the_mount_in_every_mode_and_under_pmstack_run() {
     if !common::can_mount() {
         return;
     }
-    let Some(bin) = fsx() else { return };
+    let Some(bin) = common::cargo_tool("fsx") else {
+        return;
+    };
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let cfg = d.path().join("fsx.toml");
     fs::write(&cfg, CONFIG).unwrap();
@@ -112,38 +86,9 @@ fn fsx_runs_clean_through_the_mount_in_every_mode_and_under_pmstack_run() {
     // pmstack run
     let root = fs::canonicalize(d.path()).unwrap().join("served");
     fs::create_dir(&root).unwrap();
-    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    c.args(["build", "-p", "pmstack-preload"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if Path::new(common::bin())
-        .parent()
-        .is_some_and(|p| p.ends_with("release"))
-    {
-        c.arg("--release");
-    }
-    assert!(c.status().unwrap().success());
-    let mut serve = Command::new(common::bin())
-        .arg("serve")
-        .arg(&root)
-        .arg("--pm")
-        .arg(d.path().join("served.pm"))
-        .args(["--log-level", "warn"])
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let sock = pmstack::front::paths(&root).0;
-    let t0 = Instant::now();
-    while UnixStream::connect(&sock).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "serve did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let serve = common::start_serve(&root, &d.path().join("served.pm"), &[]);
     exercise(&bin, &cfg, &root.join("f"), seed, ops, Some(&root));
-    // SAFETY: signalling our child.
-    unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
-    assert!(serve.wait().unwrap().success());
+    common::stop_serve(serve);
 }
 
 /// O_DIRECT reads and writes (aligned, as O_DIRECT requires) work through the mount in every

@@ -8,10 +8,8 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// (test name, result through pmstack, which front end): differences POSIX permits.
 const ALLOWED: &[(&str, &str, &str)] = &[
@@ -24,25 +22,6 @@ const ALLOWED: &[(&str, &str, &str)] = &[
 fn ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
 }
-
-fn pjdfstest() -> Option<PathBuf> {
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let candidates = std::env::var("PATH")
-        .unwrap_or_default()
-        .split(':')
-        .map(PathBuf::from)
-        .chain([PathBuf::from(home).join(".cargo/bin")])
-        .map(|d| d.join("pjdfstest"))
-        .collect::<Vec<_>>();
-    let found = candidates.into_iter().find(|p| p.exists());
-    if found.is_none() {
-        let why = "pjdfstest is not installed (cargo install --locked pjdfstest; .ci/run does)";
-        assert!(!ci(), "CI: {why}");
-        eprintln!("SKIPPED: {why}");
-    }
-    found
-}
-
 /// The suite's dummy users must exist (`.ci/run` creates `tests`).
 fn users_exist() -> bool {
     let ok = ["nobody", "tests"].iter().all(|u| {
@@ -85,15 +64,7 @@ fn config(dir: &Path) -> PathBuf {
 
 /// Run the suite in `dir` (optionally under `pmstack run`): test name -> ok/FAILED/skipped.
 fn suite(bin: &Path, cfg: &Path, dir: &Path, run_root: Option<&Path>) -> BTreeMap<String, String> {
-    let mut c = match run_root {
-        Some(root) => {
-            let mut c = Command::new(common::bin());
-            c.arg("run").arg("--root").arg(root).arg("--").arg(bin);
-            c
-        }
-        None => Command::new(bin),
-    };
-    let out = c
+    let out = common::maybe_run(bin, run_root)
         .arg("-c")
         .arg(cfg)
         .arg("-p")
@@ -142,26 +113,12 @@ fn compare(front: &str, base: &BTreeMap<String, String>, got: &BTreeMap<String, 
     );
 }
 
-fn preload_built() {
-    let bin = Path::new(common::bin());
-    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    c.args(["build", "-p", "pmstack-preload"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if bin.parent().is_some_and(|p| p.ends_with("release")) {
-        c.arg("--release");
-    }
-    assert!(
-        c.status().unwrap().success(),
-        "building the preload library"
-    );
-}
-
 #[test]
 fn pjdfstest_results_equal_the_plain_lower_in_every_mode_and_under_pmstack_run() {
     if !common::can_mount() {
         return;
     }
-    let (Some(bin), true) = (pjdfstest(), users_exist()) else {
+    let (Some(bin), true) = (common::cargo_tool("pjdfstest"), users_exist()) else {
         return;
     };
     let base_dir = tempfile::Builder::new()
@@ -184,32 +141,10 @@ fn pjdfstest_results_equal_the_plain_lower_in_every_mode_and_under_pmstack_run()
         compare(&format!("mount --mode {mode}"), &base, &got);
     }
     // pmstack run over a served directory.
-    preload_built();
     let root = fs::canonicalize(base_dir.path()).unwrap().join("served");
     fs::create_dir(&root).unwrap();
-    let pm = base_dir.path().join("served.pm");
-    let mut serve = Command::new(common::bin())
-        .arg("serve")
-        .arg(&root)
-        .arg("--pm")
-        .arg(&pm)
-        .args(["--log-level", "warn"])
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let sock = pmstack::front::paths(&root).0;
-    let t0 = Instant::now();
-    while UnixStream::connect(&sock).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "serve did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let serve = common::start_serve(&root, &base_dir.path().join("served.pm"), &[]);
     let got = suite(&bin, &cfg, &root, Some(&root));
-    // SAFETY: signalling our child.
-    unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
-    let st = serve.wait().unwrap();
-    assert!(st.success(), "serve exited with {st}");
+    common::stop_serve(serve);
     compare("pmstack run", &base, &got);
 }

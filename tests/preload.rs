@@ -18,7 +18,7 @@ use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{power_cut, snapshot, LoopFs};
@@ -26,26 +26,6 @@ use rand::{Rng, SeedableRng};
 
 fn ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
-/// Build the preload library beside the pmstack binary (`cargo test` builds binaries, not
-/// the workspace's cdylib).
-fn preload_built() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        let bin = Path::new(common::bin());
-        let release = bin.parent().is_some_and(|p| p.ends_with("release"));
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut c = Command::new(cargo);
-        c.args(["build", "-p", "pmstack-preload"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
-        if release {
-            c.arg("--release");
-        }
-        let st = c.status().expect("running cargo build");
-        assert!(st.success(), "building libpmstack_preload.so failed");
-        assert!(bin.with_file_name("libpmstack_preload.so").exists());
-    });
 }
 
 fn have(tool: &str) -> bool {
@@ -69,27 +49,8 @@ struct Serve {
 
 impl Serve {
     fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Serve {
-        preload_built();
         let dir = fs::canonicalize(dir).unwrap();
-        let child = Command::new(common::bin())
-            .arg("serve")
-            .arg(&dir)
-            .arg("--pm")
-            .arg(pm)
-            .args(extra)
-            .args(["--log-level", "warn"])
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
-        let sock = pmstack::front::paths(&dir).0;
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "serve did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = common::start_serve(&dir, pm, extra);
         Serve {
             child: Some(child),
             dir,
@@ -106,11 +67,8 @@ impl Serve {
 
     /// SIGTERM and wait: the final write-back leaves the lower complete.
     fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: signalling our child.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let st = c.wait().unwrap();
-            assert!(st.success(), "serve exited with {st}");
+        if let Some(c) = self.child.take() {
+            common::stop_serve(c);
         }
     }
 

@@ -127,15 +127,7 @@ fn pm_full_fallbacks_are_never_rolled_back_by_replay() {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let lower = dir.path().join("lower");
         fs::create_dir(&lower).unwrap();
-        let sim = Arc::new(SimPmem::new(64 * 4096));
-        let log = Arc::new(Log::format(sim.clone(), [5; 16], 2).unwrap());
-        log.set_clean(false);
-        let opts = Options {
-            mode: Mode::Sync,
-            flush_interval: std::time::Duration::from_secs(3600),
-            ..Options::default()
-        };
-        let core = Core::new(RealLower::open(&lower).unwrap(), opts, Some(log)).unwrap();
+        let (sim, core) = crate::sim::core_on_sim_pm(&lower, 64, 2, Mode::Sync);
         let fallbacks = |c: &Core| c.stats.fallbacks.load(std::sync::atomic::Ordering::Relaxed);
         let mut k = 0;
         while fallbacks(&core) == 0 {

@@ -469,13 +469,7 @@ impl Core {
         }
         if self.needs_bind(st) {
             let handle = self.handle_of(i);
-            st.bind_lsn = a.append(
-                &Record::Bind {
-                    fid: i.fid,
-                    handle: handle.clone(),
-                },
-                None,
-            )?;
+            st.bind_lsn = crate::policy::append_bind(a, i.fid, &handle)?;
             st.handle = handle;
         }
         Ok(())
@@ -492,13 +486,7 @@ impl Core {
         {
             return Ok(());
         }
-        let l = a.append(
-            &Record::Bind {
-                fid: ROOT_FID,
-                handle: self.root_handle.clone(),
-            },
-            None,
-        )?;
+        let l = crate::policy::append_bind(a, ROOT_FID, &self.root_handle)?;
         self.root_bind_lsn.fetch_max(l, Ordering::SeqCst);
         Ok(())
     }
@@ -1097,13 +1085,7 @@ impl Core {
         let mut bound = Vec::new();
         let mut r = self.bind_root(&mut a).map(|_| 0);
         for (i, handle) in binds.into_iter().take_while(|_| r.is_ok()) {
-            match a.append(
-                &Record::Bind {
-                    fid: i.fid,
-                    handle: handle.clone(),
-                },
-                None,
-            ) {
+            match crate::policy::append_bind(&mut a, i.fid, &handle) {
                 Ok(l) => bound.push((i, l, handle)),
                 Err(e) => {
                     r = Err(e);

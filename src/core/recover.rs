@@ -627,13 +627,7 @@ pub fn recover(
     let plan = scan.plan(&**log.pm())?;
     let rebind = |fid: u64, handle: &[u8]| -> Result<(), String> {
         let mut a = log.area();
-        let r = a.append(
-            &crate::engine::Record::Bind {
-                fid,
-                handle: handle.to_vec(),
-            },
-            None,
-        );
+        let r = crate::policy::append_bind(&mut a, fid, handle);
         a.commit();
         r.map(|_| ())
             .map_err(|e| format!("binding a re-created object: {e}"))

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::recover::{recover, RecoverySummary};
-use super::{Core, Mode, Options};
+use super::{Core, Mode};
 use crate::engine::{Log, Record};
 use crate::lower::RealLower;
 use crate::pmem::sim::SimPmem;
@@ -26,15 +26,7 @@ fn rig() -> Rig {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let lower = dir.path().join("lower");
     fs::create_dir(&lower).unwrap();
-    let sim = Arc::new(SimPmem::new(512 * 4096));
-    let log = Arc::new(Log::format(sim.clone(), [9; 16], 2).unwrap());
-    log.set_clean(false);
-    let opts = Options {
-        mode: Mode::Sync,
-        flush_interval: std::time::Duration::from_secs(3600),
-        ..Options::default()
-    };
-    let core = Core::new(RealLower::open(&lower).unwrap(), opts, Some(log)).unwrap();
+    let (sim, core) = crate::sim::core_on_sim_pm(&lower, 512, 2, Mode::Sync);
     Rig {
         _dir: dir,
         lower,

@@ -463,15 +463,7 @@ impl Client {
         self.bind_root(a, false)?;
         let b = slot.w(S_BIND_LSN).load(Ordering::Acquire);
         if b == 0 || b < self.log.checkpoint_lsn() {
-            let l = a
-                .append(
-                    &Record::Bind {
-                        fid,
-                        handle: handle.to_vec(),
-                    },
-                    None,
-                )
-                .map_err(|_| ())?;
+            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| ())?;
             slot.w(S_BIND_LSN).store(l, Ordering::Release);
         }
         Ok(fid)
@@ -494,15 +486,7 @@ impl Client {
         }
         if busy || slot.w(S_BIND_LSN).load(Ordering::Acquire) < cp {
             let fid = slot.w(S_FID).load(Ordering::Acquire);
-            let l = a
-                .append(
-                    &Record::Bind {
-                        fid,
-                        handle: handle.to_vec(),
-                    },
-                    None,
-                )
-                .map_err(|_| ())?;
+            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| ())?;
             slot.w(S_BIND_LSN).store(l, Ordering::Release);
         }
         Ok(())
@@ -518,14 +502,7 @@ impl Client {
         if self.root_handle.is_empty() || (!force && b != 0 && b >= self.log.checkpoint_lsn()) {
             return Ok(());
         }
-        let l = a
-            .append(
-                &Record::Bind {
-                    fid: crate::engine::ROOT_FID,
-                    handle: self.root_handle.clone(),
-                },
-                None,
-            )
+        let l = crate::policy::append_bind(a, crate::engine::ROOT_FID, &self.root_handle)
             .map_err(|_| ())?;
         self.root_bind_lsn.fetch_max(l, Ordering::AcqRel);
         Ok(())

@@ -25,6 +25,19 @@ pub fn must_log_first(durable_on_return: bool, touches_live: bool) -> bool {
     durable_on_return || touches_live
 }
 
+/// Append a binding of `fid` to the lower object with file handle `handle`. Every live record
+/// of a fid needs a binding that outlives the checkpoint (or a creation record); a binding
+/// appended after the records it serves is as good as one before them.
+pub fn append_bind(a: &mut AreaGuard<'_>, fid: u64, handle: &[u8]) -> Result<u64, LogError> {
+    a.append(
+        &Record::Bind {
+            fid,
+            handle: handle.to_vec(),
+        },
+        None,
+    )
+}
+
 /// Append `data`, to be written at file offset `off` of `fid`, as log entries: whole aligned
 /// pages out of place (a fresh data page each), the rest in place at its exact length, split
 /// at page boundaries so a following whole page can go out of place. `on_entry(off, len, lsn)`

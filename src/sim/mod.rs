@@ -109,6 +109,27 @@ impl Drop for ScratchDir {
     }
 }
 
+/// A core in `mode` over the lower directory `lower` and a fresh crash-simulating PM region
+/// of `pages` pages with `areas` append areas (write-back only when asked: a one-hour
+/// flush interval). For crash tests.
+pub fn core_on_sim_pm(
+    lower: &Path,
+    pages: usize,
+    areas: u32,
+    mode: Mode,
+) -> (Arc<SimPmem>, Arc<Core>) {
+    let sim = Arc::new(SimPmem::new(pages * 4096));
+    let log = Arc::new(Log::format(sim.clone(), [3; 16], areas).unwrap());
+    log.set_clean(false);
+    let opts = Options {
+        mode,
+        flush_interval: std::time::Duration::from_secs(3600),
+        ..Options::default()
+    };
+    let core = Core::new(RealLower::open(lower).unwrap(), opts, Some(log)).unwrap();
+    (sim, core)
+}
+
 /// Run one seeded history in `mode` with `nops` operations, crash it, recover, and check the
 /// contract. Err: the violation (or harness failure), with the command that reproduces it.
 pub fn run_history(seed: u64, nops: usize, mode: Mode) -> Result<Coverage, String> {
@@ -221,15 +242,7 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
     let dir = ScratchDir::new();
     let lower_path = dir.0.join("lower");
     fs::create_dir(&lower_path).unwrap();
-    let sim = Arc::new(SimPmem::new(2048 * 4096));
-    let log = Arc::new(Log::format(sim.clone(), [3; 16], 4).unwrap());
-    log.set_clean(false);
-    let opts = Options {
-        mode,
-        flush_interval: std::time::Duration::from_secs(3600),
-        ..Options::default()
-    };
-    let core = Core::new(RealLower::open(&lower_path).unwrap(), opts, Some(log)).unwrap();
+    let (sim, core) = core_on_sim_pm(&lower_path, 2048, 4, mode);
     let mut r = Run {
         core,
         sim: sim.clone(),

@@ -324,3 +324,87 @@ pub fn power_cut(root: &Path, old: &BTreeMap<String, Vec<u8>>, rng: &mut impl Rn
     // Sync our own rewinding so the remount sees it (this is the test harness, not pmstack).
     Command::new("sync").status().unwrap();
 }
+
+/// An installed test tool (`cargo install --locked NAME`): on PATH or in ~/.cargo/bin. In CI
+/// a missing tool is a failure.
+pub fn cargo_tool(name: &str) -> Option<PathBuf> {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let found = std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .map(PathBuf::from)
+        .chain([PathBuf::from(home).join(".cargo/bin")])
+        .map(|d| d.join(name))
+        .find(|p| p.exists());
+    if found.is_none() {
+        let why = format!("{name} is not installed (cargo install --locked {name}; .ci/run does)");
+        assert!(!std::env::var("CI").is_ok_and(|v| v == "true"), "CI: {why}");
+        eprintln!("SKIPPED: {why}");
+    }
+    found
+}
+
+/// Build the preload library beside the pmstack binary (`cargo test` builds binaries, not
+/// the workspace's cdylib).
+pub fn preload_built() {
+    static ONCE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| {
+        let bin = Path::new(bin());
+        let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        c.args(["build", "-p", "pmstack-preload"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if bin.parent().is_some_and(|p| p.ends_with("release")) {
+            c.arg("--release");
+        }
+        assert!(
+            c.status().expect("running cargo build").success(),
+            "building libpmstack_preload.so failed"
+        );
+        assert!(bin.with_file_name("libpmstack_preload.so").exists());
+    });
+}
+
+/// `pmstack serve DIR --pm PM EXTRA…`, returned once its socket accepts connections.
+pub fn start_serve(dir: &Path, pm: &Path, extra: &[&str]) -> std::process::Child {
+    preload_built();
+    let child = Command::new(bin())
+        .arg("serve")
+        .arg(dir)
+        .arg("--pm")
+        .arg(pm)
+        .args(extra)
+        .args(["--log-level", "warn"])
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let sock = pmstack::front::paths(dir).0;
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "serve did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+/// SIGTERM a `serve` and check that it stopped cleanly (the final write-back ran).
+pub fn stop_serve(mut child: std::process::Child) {
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let st = child.wait().unwrap();
+    assert!(st.success(), "serve exited with {st}");
+}
+
+/// A command running `program` plain, or under `pmstack run --root ROOT` when given.
+pub fn maybe_run(program: &Path, run_root: Option<&Path>) -> Command {
+    match run_root {
+        Some(root) => {
+            let mut c = Command::new(bin());
+            c.arg("run").arg("--root").arg(root).arg("--").arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
