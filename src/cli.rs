@@ -396,6 +396,11 @@ fn mount_helper(args: &[String]) -> Result<()> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
+            "-h" | "--help" => {
+                println!("usage: mount.fuse.pmstack LOWER MOUNTPOINT [-sfnv] [-o OPTIONS]\n\nCalled by mount(8) for `mount -t fuse.pmstack` and fstab lines of type fuse.pmstack.\nOPTIONS are pmstack's settings as key=value (pm=/dev/dax0.0,mode=sync,...: see `pmstack mount --help`);\nmount(8)'s generic options (rw, defaults, nofail, _netdev, x-*) are accepted and ignored.\n-f: check the arguments, mount nothing. -s -n -v: accepted, ignored.");
+                return Ok(());
+            }
+            "--" => {}
             "-o" => opts.push(
                 it.next()
                     .ok_or_else(|| anyhow!("-o needs an option string"))?
@@ -559,6 +564,21 @@ fn mount_type(p: &Path) -> Option<String> {
         .find_map(|l| l.split(" - ").nth(1)?.split(' ').next().map(String::from))
 }
 
+/// The pmstack mount that `p` is in (stacking pmstack on itself is refused).
+fn pmstack_mount_containing(p: &Path) -> Option<PathBuf> {
+    let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    s.lines()
+        .filter(|l| {
+            l.split(" - ")
+                .nth(1)
+                .is_some_and(|t| t.starts_with("fuse.pmstack "))
+        })
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(m.replace("\\040", " ")))
+        .filter(|m| p.starts_with(m))
+        .max_by_key(|m| m.as_os_str().len())
+}
+
 fn dead_connection(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED))
 }
@@ -621,7 +641,12 @@ fn lock_region(path: &Path) -> Result<fs::File> {
 /// bytes. An flock on a file named after the lower's marker, holding the owner's pid.
 fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File> {
     let dir = Path::new("/run/pmstack");
-    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    fs::create_dir_all(dir).map_err(|e| {
+        anyhow!(
+            "cannot create {}: {e} (run pmstack as root, or create it writable for this user)",
+            dir.display()
+        )
+    })?;
     let p = dir.join(format!("lower-{}.lock", uuid::Uuid::from_bytes(*id)));
     let mut f = fs::OpenOptions::new()
         .read(true)
@@ -629,7 +654,13 @@ fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File> {
         .create(true)
         .truncate(false)
         .open(&p)
-        .with_context(|| format!("opening {}", p.display()))?;
+        .map_err(|e| {
+            anyhow!(
+                "cannot take the lower directory's lock {}: {e} (pmstack keeps one owner per lower directory there: run it as root, or let this user write {})",
+                p.display(),
+                dir.display()
+            )
+        })?;
     // SAFETY: plain flock on an owned fd.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let mut who = String::new();
@@ -848,6 +879,19 @@ fn mount(m: Mount) -> Result<()> {
     }
     if !mp.is_dir() {
         bail!("mountpoint {} is not a directory", mp.display());
+    }
+    if let Some(m) = pmstack_mount_containing(&lower) {
+        bail!(
+            "lower {} is inside the pmstack mount at {}: stacking pmstack on pmstack is not supported; give that mount's lower directory instead",
+            lower.display(),
+            m.display()
+        );
+    }
+    if let Some(n) = fs::read_dir(&mp).ok().map(|d| d.count()).filter(|n| *n > 0) {
+        warn_user(&format!(
+            "mountpoint {} is not empty: its {n} entries are hidden while pmstack is mounted there (mount on an empty directory to keep them in sight)",
+            mp.display()
+        ));
     }
     if is_mountpoint(&mp) {
         bail!(
@@ -1549,6 +1593,13 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         signal_hook::flag::register(sig, stop.clone())?;
     }
     let root = check_lower(&a.dir)?;
+    if let Some(m) = pmstack_mount_containing(&root) {
+        bail!(
+            "{} is inside the pmstack mount at {}: serve that mount's lower directory instead",
+            root.display(),
+            m.display()
+        );
+    }
     let (sock, table, stats) = pmstack::front::paths(&root);
     check_previous(&table)?;
     let pm = a.pm.clone().unwrap_or_else(|| default_pm(&root));
@@ -1668,20 +1719,26 @@ fn run_cmd(a: RunArgs) -> Result<()> {
     let root = fs::canonicalize(&a.root).with_context(|| format!("--root {}", a.root.display()))?;
     let lib = preload_lib()?;
     let (sock, _, stats) = pmstack::front::paths(&root);
-    let served = std::os::unix::net::UnixStream::connect(&sock).is_ok();
-    if !served && a.require_daemon {
-        bail!(
+    let conn = std::os::unix::net::UnixStream::connect(&sock);
+    let served = conn.is_ok();
+    // Why there is no daemon to attach to, as precisely as the error tells.
+    let why = match &conn {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => format!(
+            "the pmstack daemon of {} does not let this user attach (permission denied on {}): the PM region holds file data, so only the daemon's user may attach",
+            root.display(),
+            sock.display()
+        ),
+        _ => format!(
             "no pmstack daemon serves {} (start `pmstack serve {}`)",
             root.display(),
             root.display()
-        );
+        ),
+    };
+    if !served && a.require_daemon {
+        bail!("{why}");
     }
     if !served {
-        warn_user(&format!(
-            "no pmstack daemon serves {}: the program runs natively (start `pmstack serve {}`)",
-            root.display(),
-            root.display()
-        ));
+        warn_user(&format!("{why}; the program runs natively"));
     } else if let Some(pm) = &a.pm {
         let want = fs::canonicalize(pm)?;
         let info: serde_json::Value = fs::read_to_string(&stats)

@@ -293,7 +293,15 @@ impl Settings {
         let table: toml::Table = text.parse().map_err(|e: toml::de::Error| SettingError {
             source: source.to_string(),
             key: String::new(),
-            msg: format!("not valid TOML: {}", e.message().trim()),
+            msg: match e.span() {
+                // 1-based line of the error, as editors number them.
+                Some(sp) => format!(
+                    "not valid TOML at line {}: {}",
+                    text[..sp.start.min(text.len())].matches('\n').count() + 1,
+                    e.message().trim()
+                ),
+                None => format!("not valid TOML: {}", e.message().trim()),
+            },
         })?;
         for (k, v) in &table {
             let err = |msg: String| SettingError {

@@ -5,7 +5,7 @@ mod common;
 
 use std::fs;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn run(args: &[&str]) -> (bool, String) {
@@ -497,4 +497,109 @@ fn a_region_larger_than_its_file_system_is_refused_and_nothing_is_left() {
         .collect();
     let _ = std::process::Command::new("umount").arg(p("shm")).status();
     assert!(left.is_empty(), "a refused command left {left:?}");
+}
+
+/// Operator mistakes get one line naming the problem and the fix, and leave nothing behind:
+/// a region in a missing directory, a TOML syntax error (with its line), the mount helper's
+/// --help, stacking pmstack on a pmstack mount, a mount by a user who may not take the lock.
+#[test]
+fn operator_mistakes_get_one_line_with_the_fix() {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let p = |s: &str| d.path().join(s).to_string_lossy().to_string();
+    for s in ["lower", "mnt", "mnt2"] {
+        fs::create_dir(p(s)).unwrap();
+    }
+    one_line_error(
+        &["mount", "--pm", &p("missing/r.pm"), &p("lower"), &p("mnt")],
+        "directory does not exist",
+    );
+    assert_eq!(
+        fs::read_dir(p("lower")).unwrap().count(),
+        0,
+        "a marker was left"
+    );
+    fs::write(p("bad.toml"), "mode = \"sync\"\nflush_interval_ms = = 3\n").unwrap();
+    one_line_error(
+        &["mount", "--config", &p("bad.toml"), &p("lower"), &p("mnt")],
+        "at line 2",
+    );
+    let helper = d.path().join("mount.fuse.pmstack");
+    std::os::unix::fs::symlink(common::bin(), &helper).unwrap();
+    let out = Command::new(&helper).arg("--help").output().unwrap();
+    assert!(
+        out.status.success()
+            && String::from_utf8_lossy(&out.stdout).contains("usage: mount.fuse.pmstack"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(Some(d.path().join("lower")));
+    m.mount(&[]);
+    fs::create_dir(m.mnt.join("sub")).unwrap();
+    one_line_error(
+        &[
+            "mount",
+            "--pm",
+            &p("r2.pm"),
+            &m.mnt.join("sub").to_string_lossy(),
+            &p("mnt2"),
+        ],
+        "stacking pmstack on pmstack is not supported",
+    );
+    m.umount();
+    // A user who may not write /run/pmstack: refused, and no region or marker is left. The
+    // binary and the directories must be reachable for that user: copies in a fresh 0755
+    // directory.
+    let other = PathBuf::from(format!(
+        "/var/tmp/pmstack-test-nobody-{}",
+        std::process::id()
+    ));
+    let _ = fs::remove_dir_all(&other);
+    fs::create_dir_all(&other).unwrap();
+    let exe = other.join("pmstack");
+    fs::copy(common::bin(), &exe).unwrap();
+    for s in ["l", "m"] {
+        fs::create_dir_all(other.join(s)).unwrap();
+    }
+    let st = Command::new("chown")
+        .args(["-R", "nobody"])
+        .arg(&other)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let region = format!("/dev/shm/pmstack-test-nobody-{}.pm", std::process::id());
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .arg(&exe)
+        .args(["mount", "--pm", &region])
+        .arg(other.join("l"))
+        .arg(other.join("m"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(other.join("m"))
+            .status();
+        let _ = fs::remove_file(&region);
+        return; // this machine lets nobody mount and lock: nothing to refuse
+    }
+    assert!(
+        err.contains("run it as root")
+            || err.contains("run pmstack as root")
+            || err.contains("may not"),
+        "{err}"
+    );
+    assert!(
+        !Path::new(&region).exists(),
+        "a refused mount left its region"
+    );
+    assert_eq!(
+        fs::read_dir(other.join("l")).unwrap().count(),
+        0,
+        "a refused mount left a marker"
+    );
 }

@@ -12,12 +12,8 @@ use super::{Durability, Pmem};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
-    #[error("PM region {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("PM region {path}: {err}{}", io_hint(err))]
+    Io { path: PathBuf, err: std::io::Error },
     #[error(
         "PM region {path} is {len} bytes; at least {min} bytes are needed (use a larger --size)"
     )]
@@ -26,6 +22,19 @@ pub enum MapError {
         "PM region {path}: {want} bytes asked for, but its file system has only {free} bytes free; use a smaller --pm-size/--size or free space there (nothing was created)"
     )]
     NoSpace { path: PathBuf, want: u64, free: u64 },
+}
+
+/// What to do about an I/O error on the region's path.
+fn io_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            " (its directory does not exist: create it, or give --pm a path in an existing directory)"
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            " (this user may not open it: run as the region's owner, or give another --pm)"
+        }
+        _ => "",
+    }
 }
 
 pub struct MappedRegion {
@@ -48,9 +57,9 @@ const MAP_SYNC: i32 = 0x80000;
 impl MappedRegion {
     /// Create (0600) or resize an ordinary file region of `size` bytes.
     pub fn create(path: &Path, size: u64) -> Result<Self, MapError> {
-        let io = |source| MapError::Io {
+        let io = |err| MapError::Io {
             path: path.to_owned(),
-            source,
+            err,
         };
         let existed = path.exists();
         let f = OpenOptions::new()
@@ -108,9 +117,9 @@ impl MappedRegion {
 
     /// Map an existing region. `min_len` guards against truncated files.
     pub fn open(path: &Path, min_len: u64) -> Result<Self, MapError> {
-        let io = |source| MapError::Io {
+        let io = |err| MapError::Io {
             path: path.to_owned(),
-            source,
+            err,
         };
         let f = OpenOptions::new()
             .read(true)
