@@ -37,14 +37,20 @@ enum Cmd {
     /// Stack pmstack over LOWER at MOUNTPOINT. Recovers a crashed log first.
     Mount(Box<MountArgs>),
     /// Unmount, wait until the log is drained into LOWER, report.
-    Umount { mountpoint: PathBuf },
+    Umount {
+        /// A pmstack mount point (other file systems are refused).
+        mountpoint: PathBuf,
+    },
     /// Create a PM region bound to a lower directory.
     Format {
+        /// The region: a devdax device, a file on an fsdax mount, or any file (emulated PM).
+        /// An existing file that is not a region is refused without --force.
         #[arg(long)]
         pm: PathBuf,
-        /// Region size, e.g. 256M, 1G.
+        /// Region size, e.g. 256M, 1G (a device's size is its own). The space is reserved.
         #[arg(long, default_value = "256M", value_parser = parse_size)]
         size: u64,
+        /// The lower directory the region is bound to (a `.pmstack-id` marker is written).
         #[arg(long)]
         lower: PathBuf,
         /// Overwrite a region that still holds live entries (their data is lost).
@@ -53,8 +59,10 @@ enum Cmd {
     },
     /// Validate a region and summarize it. Writes nothing.
     Check {
+        /// The region to check.
         #[arg(long)]
         pm: PathBuf,
+        /// Print the report as JSON.
         #[arg(long)]
         json: bool,
         /// Also list every live entry.
@@ -63,13 +71,17 @@ enum Cmd {
     },
     /// Replay a region's live entries onto LOWER offline, then empty the log.
     Recover {
+        /// The region whose log is replayed.
         #[arg(long)]
         pm: PathBuf,
+        /// The lower directory the region is bound to (a copy of it is refused).
         lower: PathBuf,
     },
     /// Counters of a mounted pmstack.
     Stat {
+        /// A pmstack mount point, or a directory served by `pmstack serve`.
         mountpoint: PathBuf,
+        /// Print the counters as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -79,8 +91,10 @@ enum Cmd {
         /// Parent of the temporary lower directory (on the disk, not tmpfs).
         #[arg(long, default_value = "/var/tmp")]
         dir: PathBuf,
+        /// Synchronous writes per run.
         #[arg(long, default_value_t = 400)]
         ops: usize,
+        /// Interleaved repetitions (the median is reported).
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
