@@ -341,7 +341,20 @@ fn crash_round(base_dir: &Path, seed: u64) {
     for k in &mut kids {
         writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
     }
+    // The kernel drops its inode and dentry caches while the load runs.
+    let dropping = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let dropper = {
+        let dropping = dropping.clone();
+        std::thread::spawn(move || {
+            while dropping.load(std::sync::atomic::Ordering::Relaxed) {
+                fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+                std::thread::sleep(Duration::from_millis(30));
+            }
+        })
+    };
     std::thread::sleep(Duration::from_millis(rng.gen_range(200..900)));
+    dropping.store(false, std::sync::atomic::Ordering::Relaxed);
+    dropper.join().unwrap();
     let daemon_first = rng.gen_bool(0.5);
     if daemon_first {
         s.kill9();
