@@ -157,8 +157,9 @@ pub struct Core {
     /// write-back fsyncs each object changed since the last write-back: `to_sync`.
     syncfs_ok: bool,
     /// Objects changed since the last write-back (only when `!syncfs_ok`): (dev, ino) ->
-    /// (kind, a descriptor of the object). Bounded by what one write-back interval touches.
-    to_sync: Mutex<HashMap<(u64, u64), (u32, OwnedFd)>>,
+    /// (kind, how to reach the object). Held as file handles, so a large copy between two
+    /// write-backs costs memory, not descriptors.
+    to_sync: Mutex<HashMap<(u64, u64), (u32, SyncRef)>>,
     wb_gen: AtomicU64,
     /// Objects can be reopened by their file handles (open_by_handle_at works here): inode
     /// descriptors are then a bounded cache (`node`), at most this many open.
@@ -174,6 +175,13 @@ pub struct Core {
 }
 
 pub type R<T> = io::Result<T>;
+
+/// An object queued for write-back's fsync: its file handle, or (lowers without handles) a
+/// descriptor.
+enum SyncRef {
+    Handle(Vec<u8>),
+    Fd(OwnedFd),
+}
 
 thread_local! {
     /// Set by a fallback that could not append its write-back record (PM reserve exhausted);
@@ -871,14 +879,20 @@ impl Core {
         if i.queued.swap(g, Ordering::AcqRel) == g {
             return;
         }
-        if let Ok(fd) = self.nfd(i).and_then(|f| f.try_clone()) {
-            self.to_sync.lock().insert(i.dev_ino, (i.kind, fd));
-        }
+        let r = if i.node.handle.is_empty() {
+            match self.nfd(i).and_then(|f| f.try_clone()) {
+                Ok(fd) => SyncRef::Fd(fd),
+                Err(_) => return,
+            }
+        } else {
+            SyncRef::Handle(i.node.handle.clone())
+        };
+        self.to_sync.lock().insert(i.dev_ino, (i.kind, r));
     }
 
     /// Make durable in the lower file system everything the objects of `set` hold (their
     /// data, attributes and, for directories, entries), or everything, where syncfs does it.
-    fn make_durable(&self, set: &HashMap<(u64, u64), (u32, OwnedFd)>) -> R<()> {
+    fn make_durable(&self, set: &HashMap<(u64, u64), (u32, SyncRef)>) -> R<()> {
         if self.syncfs_ok {
             return self.lower.syncfs();
         }
@@ -890,7 +904,14 @@ impl Core {
                 // are queued with them.
                 _ => continue,
             };
-            match self.lower.reopen(node.as_raw_fd(), fl) {
+            let fd = match node {
+                SyncRef::Fd(n) => self.lower.reopen(n.as_raw_fd(), fl),
+                SyncRef::Handle(h) => self
+                    .lower
+                    .open_handle(h)
+                    .and_then(|n| self.lower.reopen(n.as_raw_fd(), fl)),
+            };
+            match fd {
                 Ok(fd) => real::fsync(fd.as_raw_fd(), false)?,
                 // Deleted since: nothing of it needs to be durable.
                 Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {}
