@@ -966,6 +966,12 @@ fn mount(m: Mount) -> Result<()> {
         if let Err(e) = real.handle(real.root_fd()) {
             bail!("lower {} does not support file handles ({e}); the PM modes need them to find files after a crash: use --mode passthrough", lower.display());
         }
+        if !real.syncfs_reliable() {
+            warn_user(&format!(
+                "lower {} is a FUSE or network file system: syncfs is not honoured there, so write-back fsyncs each changed object (slower write-back, same guarantees); `pmstack serve` is not available on it",
+                lower.display()
+            ));
+        }
         let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
         let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real)?;
         if log.pm().durability() != Durability::PowerFailSafe {
