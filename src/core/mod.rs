@@ -562,8 +562,14 @@ impl Core {
         // O_DIRECT stays with the kernel's side of the mount (it bypasses the FUSE page
         // cache): the daemon's buffers carry no alignment, and O_DIRECT on the lower
         // descriptor would fail such writes with EINVAL. It never promised durability.
-        let mut fl = flags
-            & !(libc::O_APPEND | libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC | libc::O_DIRECT);
+        let base = flags
+            & !(libc::O_APPEND
+                | libc::O_CREAT
+                | libc::O_EXCL
+                | libc::O_TRUNC
+                | libc::O_DIRECT
+                | self.absorbed_sync_flags());
+        let mut fl = base;
         // Write-only handles are opened read-write when permitted, so fsync can read back the
         // dirty bytes to log them.
         if fl & libc::O_ACCMODE == libc::O_WRONLY {
@@ -571,21 +577,26 @@ impl Core {
         }
         let fd = match self.lower.reopen(self.nfd(&i)?.as_raw_fd(), fl) {
             Ok(fd) => fd,
-            Err(_) if fl != flags => self.lower.reopen(
-                self.nfd(&i)?.as_raw_fd(),
-                flags
-                    & !(libc::O_APPEND
-                        | libc::O_CREAT
-                        | libc::O_EXCL
-                        | libc::O_TRUNC
-                        | libc::O_DIRECT),
-            )?,
+            Err(_) if fl != base => self.lower.reopen(self.nfd(&i)?.as_raw_fd(), base)?,
             Err(e) => return Err(e),
         };
         if flags & libc::O_TRUNC != 0 {
             self.setattr_size(&i, 0)?;
         }
         Ok(self.add_handle(i, fd, flags))
+    }
+
+    /// O_SYNC/O_DSYNC of a handle are the log's to honour in the PM modes (every write
+    /// through such a handle is logged and committed before it returns; a write the log
+    /// cannot take is made durable with an fsync): kept off the lower descriptor, where each
+    /// write would otherwise also wait for the disk. Without the log (passthrough, where the
+    /// kernel may write to the lower descriptor directly) they stay.
+    fn absorbed_sync_flags(&self) -> i32 {
+        if self.logging().is_some() {
+            libc::O_SYNC | libc::O_DSYNC
+        } else {
+            0
+        }
     }
 
     fn add_handle(&self, ino: Arc<Inode>, fd: OwnedFd, flags: i32) -> u64 {
@@ -1257,7 +1268,7 @@ impl Core {
             if self.hidden(&p, name) {
                 return Err(errno(libc::EPERM));
             }
-            let mut fl = flags & !(libc::O_APPEND | libc::O_DIRECT); // see `open`
+            let mut fl = flags & !(libc::O_APPEND | libc::O_DIRECT | self.absorbed_sync_flags()); // see `open`
             if fl & libc::O_ACCMODE == libc::O_WRONLY {
                 fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
             }
