@@ -1370,6 +1370,8 @@ fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
         "live_bytes": plan.as_ref().map(|p| p.live_bytes()).unwrap_or(0),
         "pages_used": used,
         "per_file_entries": per_file,
+        // Live records that name no lower object: recovery reports and saves them.
+        "unbound_fids": plan.as_ref().map(|p| p.unbound.clone()).unwrap_or_default(),
         "problems": problems,
     });
     if json {
@@ -1394,6 +1396,15 @@ fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
         );
         for p in &problems {
             println!("  problem: {p}");
+        }
+        if let Ok(p) = &plan {
+            if !p.unbound.is_empty() {
+                println!(
+                    "  warning: live records of {} object(s) name no lower object (file ids {:?}); recovery applies everything else and saves these",
+                    p.unbound.len(),
+                    p.unbound
+                );
+            }
         }
         if entries {
             for e in &live {
