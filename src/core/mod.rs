@@ -79,10 +79,6 @@ struct FileState {
     dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
-    /// The lower file handle the latest Bind record holds: after the kernel forgot the inode,
-    /// an object found again at the same (dev, ino) is the same object only if its handle
-    /// (which carries the inode generation) is this one.
-    handle: Vec<u8>,
     /// adaptive mode: the per-block eager/lazy predictor.
     predictor: Option<Box<adaptive::Predictor>>,
     /// Active sync: bytes written and pages dirtied since the last sync.
@@ -126,6 +122,9 @@ struct Table {
 
 struct Orphan {
     fid: u64,
+    /// The object's file handle: an object found again at the same (dev, ino) is the same
+    /// object only if its handle (which carries the inode generation) is this one.
+    handle: Vec<u8>,
     state: FileState,
 }
 
@@ -309,13 +308,8 @@ impl Core {
         } else {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
-        // The handle, for reopening once the cached descriptor is evicted (and for binds).
-        let handle = if self.reopen_ok {
-            self.lower.handle(fd.as_raw_fd()).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let (fid, state) = match self.adopt_orphan(&mut t, key, fd.as_raw_fd()) {
+        let handle = self.handle_at(fd.as_raw_fd());
+        let (fid, state) = match self.adopt_orphan(&mut t, key, &handle) {
             Some(o) => (o.fid, o.state),
             None => (
                 self.log.as_ref().map_or(ino, |l| l.next_lsn()),
@@ -348,17 +342,6 @@ impl Core {
         let f = i.node.fill(self.lower.open_handle(&i.node.handle)?);
         self.bound_node_fds();
         Ok(f)
-    }
-
-    /// The lower file handle of `i` (for Bind records): cached in its node when the lower
-    /// has handles.
-    fn handle_of(&self, i: &Inode) -> Vec<u8> {
-        if !i.node.handle.is_empty() {
-            return i.node.handle.clone();
-        }
-        self.nfd(i)
-            .and_then(|f| self.lower.handle(f.as_raw_fd()))
-            .unwrap_or_default()
     }
 
     /// Keep cached inode descriptors at or below `node_fds_max`: close the least recently
@@ -420,7 +403,7 @@ impl Core {
                 .fetch_sub(n.min(i.nlookup.load(Ordering::Relaxed)), Ordering::Relaxed)
                 <= n
             {
-                let (key, fid) = (i.dev_ino, i.fid);
+                let (key, fid, handle) = (i.dev_ino, i.fid, i.node.handle.clone());
                 let state = std::mem::take(&mut *i.st.lock());
                 t.by_ino.remove(&ino);
                 t.by_dev_ino.remove(&key);
@@ -431,7 +414,7 @@ impl Core {
                     || !state.live_pages.is_empty()
                     || state.live_attr
                 {
-                    t.orphans.insert(key, Orphan { fid, state });
+                    t.orphans.insert(key, Orphan { fid, handle, state });
                 }
             }
         }
@@ -440,20 +423,25 @@ impl Core {
     /// The orphan of `key`, if the object at `fd` is the same object (same file handle).
     /// An orphan whose object is gone (its inode number reused) is dropped: its records
     /// belong to a deleted object.
-    fn adopt_orphan(&self, t: &mut Table, key: (u64, u64), fd: RawFd) -> Option<Orphan> {
+    fn adopt_orphan(&self, t: &mut Table, key: (u64, u64), handle: &[u8]) -> Option<Orphan> {
         let o = t.orphans.remove(&key)?;
-        if o.state.handle.is_empty() || self.lower.handle(fd).ok()? == o.state.handle {
-            return Some(o);
-        }
-        None
+        (o.handle == handle).then_some(o)
     }
 
-    /// The orphaned fid of the object at `fd`, without adopting it (transient lookups).
-    fn orphan_fid(&self, key: (u64, u64), fd: RawFd) -> Option<u64> {
+    /// The orphaned fid of the object with `handle`, without adopting it (transient lookups).
+    fn orphan_fid(&self, key: (u64, u64), handle: &[u8]) -> Option<u64> {
         let t = self.table.read();
         let o = t.orphans.get(&key)?;
-        (o.state.handle.is_empty() || self.lower.handle(fd).ok()? == o.state.handle)
-            .then_some(o.fid)
+        (o.handle == handle).then_some(o.fid)
+    }
+
+    /// The file handle of the object at `fd` (empty where the lower has none): kept in its
+    /// node for reopening after eviction, for Bind records, and to recognize it after FORGET.
+    fn handle_at(&self, fd: RawFd) -> Vec<u8> {
+        if self.root_handle.is_empty() {
+            return Vec::new(); // the lower gives no handles
+        }
+        self.lower.handle(fd).unwrap_or_default()
     }
 
     pub fn getattr(&self, ino: u64) -> R<Stat> {
@@ -476,9 +464,7 @@ impl Core {
             return Ok(());
         }
         if self.needs_bind(st) {
-            let handle = self.handle_of(i);
-            st.bind_lsn = crate::policy::append_bind(a, i.fid, &handle)?;
-            st.handle = handle;
+            st.bind_lsn = crate::policy::append_bind(a, i.fid, &i.node.handle)?;
         }
         Ok(())
     }
@@ -488,9 +474,9 @@ impl Core {
         &self,
         a: &mut crate::engine::AreaGuard<'_>,
     ) -> Result<(), crate::engine::LogError> {
+        let bound = self.root_bind_lsn.load(Ordering::SeqCst);
         if self.root_handle.is_empty()
-            || self.root_bind_lsn.load(Ordering::SeqCst) >= self.horizon.load(Ordering::SeqCst)
-                && self.root_bind_lsn.load(Ordering::SeqCst) != 0
+            || (bound != 0 && bound >= self.horizon.load(Ordering::SeqCst))
         {
             return Ok(());
         }
@@ -1104,21 +1090,21 @@ impl Core {
         }
         // Bind records first (inode locks taken one at a time, never while holding an area:
         // writers lock inode then area, so the reverse order here could deadlock).
-        let mut binds: Vec<(&Inode, Vec<u8>)> = Vec::new();
+        let mut binds: Vec<&Inode> = Vec::new();
         for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
             if i.fid != ROOT_FID
                 && self.needs_bind(&i.st.lock())
-                && !binds.iter().any(|(b, _)| b.fid == i.fid)
+                && !binds.iter().any(|b| b.fid == i.fid)
             {
-                binds.push((i, self.handle_of(i)));
+                binds.push(i);
             }
         }
         let mut a = log.area();
         let mut bound = Vec::new();
         let mut r = self.bind_root(&mut a).map(|_| 0);
-        for (i, handle) in binds.into_iter().take_while(|_| r.is_ok()) {
-            match crate::policy::append_bind(&mut a, i.fid, &handle) {
-                Ok(l) => bound.push((i, l, handle)),
+        for i in binds.into_iter().take_while(|_| r.is_ok()) {
+            match crate::policy::append_bind(&mut a, i.fid, &i.node.handle) {
+                Ok(l) => bound.push((i, l)),
                 Err(e) => {
                     r = Err(e);
                     break;
@@ -1130,12 +1116,9 @@ impl Core {
         }
         a.commit();
         drop(a);
-        for (i, l, handle) in bound {
+        for (i, l) in bound {
             let mut st = i.st.lock();
-            if l > st.bind_lsn {
-                st.bind_lsn = l;
-                st.handle = handle;
-            }
+            st.bind_lsn = st.bind_lsn.max(l);
         }
         match r {
             Ok(_) => {
@@ -1360,14 +1343,15 @@ impl Core {
             }
         }
         let key = (st.st_dev, st.st_ino);
-        let fid = match self.orphan_fid(key, fd.as_raw_fd()) {
+        let handle = self.handle_at(fd.as_raw_fd());
+        let fid = match self.orphan_fid(key, &handle) {
             Some(f) => f,
             None => self.log.as_ref().map_or(0, |l| l.next_lsn()),
         };
         Ok(Arc::new(Inode {
             ino: 0,
             fid,
-            node: node::Node::new(fd, Vec::new()),
+            node: node::Node::new(fd, handle),
             kind: kind_of(st.st_mode),
             dev_ino: (st.st_dev, st.st_ino),
             nlookup: AtomicU64::new(0),
