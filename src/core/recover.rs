@@ -96,6 +96,13 @@ impl Replayer<'_> {
         Some((fd, (st.st_dev, st.st_ino)))
     }
 
+    /// Whether the object at `name` in `dir` is a directory; None if there is none.
+    fn is_dir_at(&self, dir: i32, name: &[u8]) -> Option<bool> {
+        let (fd, _) = self.at(dir, name)?;
+        let st = real::fstat(fd.as_raw_fd()).ok()?;
+        Some(st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+    }
+
     /// The live object of `fid` and its identity (None: it no longer exists).
     fn object(&mut self, fid: u64) -> Option<(i32, (u64, u64))> {
         let fd = self.resolve(fid)?;
@@ -281,10 +288,7 @@ impl Replayer<'_> {
         }
         // Objects displaced to temporary names and never placed: removed by the log.
         for (dir, tmp, _) in stash {
-            let is_dir = self
-                .at(dir, &tmp)
-                .and_then(|(fd, _)| real::fstat(fd.as_raw_fd()).ok())
-                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+            let is_dir = self.is_dir_at(dir, &tmp) == Some(true);
             if let Err(e) = self.lower.unlink(dir, OsStr::from_bytes(&tmp), is_dir) {
                 self.sum
                     .errors
@@ -412,12 +416,8 @@ impl Replayer<'_> {
         } else {
             name
         };
-        if self.rebind.is_some() && self.at(p, &tmp).is_some() {
+        if let Some(is_dir) = self.rebind.and_then(|_| self.is_dir_at(p, &tmp)) {
             // A leftover of an interrupted recovery that never got bound: nothing refers to it.
-            let is_dir = self
-                .at(p, &tmp)
-                .and_then(|(fd, _)| real::fstat(fd.as_raw_fd()).ok())
-                .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
             l.unlink(p, made, is_dir)?;
         }
         match kind {
