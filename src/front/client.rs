@@ -481,9 +481,7 @@ impl Client {
         std::sync::atomic::fence(Ordering::SeqCst);
         let busy = self.table.w(H_CKPT_BUSY).load(Ordering::SeqCst) != 0;
         let cp = self.log.checkpoint_lsn();
-        if busy || self.root_bind_lsn.load(Ordering::Acquire) < cp {
-            self.bind_root(a, true)?;
-        }
+        self.bind_root(a, busy)?;
         if busy || slot.w(S_BIND_LSN).load(Ordering::Acquire) < cp {
             let fid = slot.w(S_FID).load(Ordering::Acquire);
             let l = crate::policy::append_bind(a, fid, handle).map_err(|_| ())?;
