@@ -963,7 +963,7 @@ fn mount(m: Mount) -> Result<()> {
     let (log, lock, summary) = if a.mode == Mode::Passthrough {
         (None, None, None)
     } else {
-        if let Err(e) = real.handle(real.root_fd()) {
+        if let Err(e) = real.handle(real.root_fd(), 0) {
             bail!("lower {} does not support file handles ({e}); the PM modes need them to find files after a crash: use --mode passthrough", lower.display());
         }
         if !real.syncfs_reliable() {

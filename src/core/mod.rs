@@ -196,7 +196,7 @@ impl Core {
     pub fn new(lower: RealLower, opts: Options, log: Option<Arc<Log>>) -> io::Result<Arc<Core>> {
         let st = fstat(lower.root_fd())?;
         let root_node = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY)?;
-        let root_handle = lower.handle(lower.root_fd()).unwrap_or_default();
+        let root_handle = lower.handle(lower.root_fd(), st.st_ino).unwrap_or_default();
         let syncfs_ok = lower.syncfs_reliable();
         let reopen_ok = !root_handle.is_empty() && lower.open_handle(&root_handle).is_ok();
         // A quarter of the descriptor limit (the rest is for open files, the log, FUSE), at
@@ -308,7 +308,7 @@ impl Core {
         } else {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
-        let handle = self.handle_at(fd.as_raw_fd());
+        let handle = self.handle_at(fd.as_raw_fd(), st.st_ino);
         let (fid, state) = match self.adopt_orphan(&mut t, key, &handle) {
             Some(o) => (o.fid, o.state),
             None => (
@@ -437,11 +437,11 @@ impl Core {
 
     /// The file handle of the object at `fd` (empty where the lower has none): kept in its
     /// node for reopening after eviction, for Bind records, and to recognize it after FORGET.
-    fn handle_at(&self, fd: RawFd) -> Vec<u8> {
+    fn handle_at(&self, fd: RawFd, ino: u64) -> Vec<u8> {
         if self.root_handle.is_empty() {
             return Vec::new(); // the lower gives no handles
         }
-        self.lower.handle(fd).unwrap_or_default()
+        self.lower.handle(fd, ino).unwrap_or_default()
     }
 
     pub fn getattr(&self, ino: u64) -> R<Stat> {
@@ -1343,7 +1343,7 @@ impl Core {
             }
         }
         let key = (st.st_dev, st.st_ino);
-        let handle = self.handle_at(fd.as_raw_fd());
+        let handle = self.handle_at(fd.as_raw_fd(), st.st_ino);
         let fid = match self.orphan_fid(key, &handle) {
             Some(f) => f,
             None => self.log.as_ref().map_or(0, |l| l.next_lsn()),

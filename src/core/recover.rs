@@ -49,6 +49,11 @@ struct Replayer<'a> {
     wanted: std::collections::HashSet<(u64, u64)>,
     /// Identities of objects the log removed and wants nowhere.
     doomed: std::collections::HashSet<(u64, u64)>,
+    /// Whether a handle that does not open means its object is gone (`handles_persistent`).
+    handles_persistent: bool,
+    /// Where handles do not survive a remount of the lower: the bound objects found in LOWER
+    /// by inode number, searched once, on the first handle that did not open.
+    by_ino: Option<HashMap<u64, OwnedFd>>,
     sum: RecoverySummary,
 }
 
@@ -83,11 +88,53 @@ impl Replayer<'_> {
                 Ok(fd) => {
                     self.nodes.insert(fid, fd);
                 }
-                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+                Err(e) if e.raw_os_error() == Some(libc::ESTALE) && self.handles_persistent => {
+                    return Ok(None)
+                }
+                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {
+                    let h = h.clone();
+                    match self.find_by_ino(&h)? {
+                        Some(fd) => {
+                            self.nodes.insert(fid, fd);
+                        }
+                        None => return Ok(None),
+                    }
+                }
                 Err(e) => return Err(e),
             }
         }
         Ok(self.nodes.get(&fid).map(|f| f.as_raw_fd()))
+    }
+
+    /// The object of identity `h` found in LOWER by its inode number, for lowers whose handles
+    /// do not survive a remount of their client. None: no name in LOWER has that inode number
+    /// (the object was deleted). An identity without an inode number (written by an older
+    /// version) cannot be found: an error, so the log is kept.
+    fn find_by_ino(&mut self, h: &[u8]) -> std::io::Result<Option<OwnedFd>> {
+        let Some(ino) = real::split_identity(h).0 else {
+            return Err(std::io::Error::other(
+                "its file handle is stale (the lower's client was remounted) and the log has no inode number to find it by; run this version's `pmstack recover` before remounting the lower's client next time",
+            ));
+        };
+        if self.by_ino.is_none() {
+            let wanted: std::collections::HashSet<u64> = self
+                .plan
+                .binds
+                .iter()
+                .filter(|(&fid, _)| fid != ROOT_FID)
+                .filter_map(|(_, h)| real::split_identity(h).0)
+                .collect();
+            let (found, errors) = search_by_ino(self.lower, &wanted);
+            if !errors.is_empty() {
+                self.sum.errors.extend(errors);
+            }
+            self.by_ino = Some(found);
+        }
+        let found = self.by_ino.as_ref().and_then(|m| m.get(&ino));
+        match found {
+            Some(fd) => Ok(Some(self.lower.reopen(fd.as_raw_fd(), libc::O_PATH)?)),
+            None => Ok(None),
+        }
     }
 
     /// The object at `name` in directory `dir` (descriptor and identity), if any.
@@ -434,7 +481,7 @@ impl Replayer<'_> {
                 l.mknod(p, made, t | *mode, *rdev)?
             }
         }
-        let (fd, _) = l.lookup(p, made)?;
+        let (fd, st) = l.lookup(p, made)?;
         let _ = l.chown(fd.as_raw_fd(), *uid, *gid);
         if *kind != NodeKind::Symlink {
             let _ = l.chmod(fd.as_raw_fd(), *mode);
@@ -444,7 +491,7 @@ impl Replayer<'_> {
             if let Ok(dfd) = l.reopen(p, libc::O_RDONLY | libc::O_DIRECTORY) {
                 real::fsync(dfd.as_raw_fd(), false)?;
             }
-            let h = l.handle(fd.as_raw_fd())?;
+            let h = l.handle(fd.as_raw_fd(), st.st_ino)?;
             rebind(want, &h).map_err(std::io::Error::other)?;
             l.rename(p, made, p, name, 0)?;
         }
@@ -510,6 +557,63 @@ fn new_name(fid: u64) -> Vec<u8> {
     format!(".pmstack-new-{fid}").into_bytes()
 }
 
+/// Search LOWER's whole tree for the objects whose inode numbers are in `wanted` (one name
+/// each; hard links are one object). Every entry is looked at with its own stat, since FUSE
+/// file systems need not report the same number in a directory listing. Directories that
+/// cannot be read are returned as errors: an object not found must mean it is not there.
+fn search_by_ino(
+    lower: &RealLower,
+    wanted: &std::collections::HashSet<u64>,
+) -> (HashMap<u64, OwnedFd>, Vec<String>) {
+    let mut found = HashMap::new();
+    let mut errors = Vec::new();
+    let Ok(root) = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY) else {
+        errors.push("searching LOWER by inode number: cannot open its root".to_string());
+        return (found, errors);
+    };
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        if found.len() == wanted.len() {
+            break;
+        }
+        let entries = match lower.read_dir(dir.as_raw_fd()) {
+            Ok(e) => e,
+            Err(e) => {
+                errors.push(format!("searching LOWER by inode number: a directory: {e}"));
+                continue;
+            }
+        };
+        for (name, _, _) in entries {
+            let (fd, st) = match lower.lookup(dir.as_raw_fd(), OsStr::from_bytes(&name)) {
+                Ok(x) => x,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => {
+                    errors.push(format!(
+                        "searching LOWER by inode number: {}: {e}",
+                        String::from_utf8_lossy(&name)
+                    ));
+                    continue;
+                }
+            };
+            let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
+            if wanted.contains(&st.st_ino) && !found.contains_key(&st.st_ino) {
+                if is_dir {
+                    if let Ok(again) = lower.reopen(fd.as_raw_fd(), libc::O_PATH) {
+                        found.insert(st.st_ino, again);
+                    }
+                } else {
+                    found.insert(st.st_ino, fd);
+                    continue;
+                }
+            }
+            if is_dir {
+                dirs.push(fd);
+            }
+        }
+    }
+    (found, errors)
+}
+
 /// Whether the log's handles name objects of `lower` itself: the root binding (recorded in
 /// every write-back interval that logged anything) must open to LOWER's root. A copy of LOWER
 /// (same marker, other inodes) or a lower whose client was remounted (stale handles) fails
@@ -523,6 +627,14 @@ pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), String
     match lower.open_handle(h).and_then(|fd| real::fstat(fd.as_raw_fd())) {
         Ok(st) if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino) => Ok(()),
         Ok(_) => Err("the log's file handles name objects of another directory on this file system: this lower directory is a copy of (or other than) the one the log was written for; recover onto the original directory".into()),
+        // A FUSE or network client remounted since: its handles are stale, but the root has
+        // the inode number it had; objects are found again by theirs (`find_by_ino`).
+        Err(_)
+            if !lower.handles_persistent()
+                && real::split_identity(h).0 == Some(root.st_ino) =>
+        {
+            Ok(())
+        }
         Err(e) => Err(format!("the log's file handles do not resolve in this lower directory ({e}): it is a copy, or its file system was re-created or remounted with other handles; recover onto the original directory")),
     }
 }
@@ -558,6 +670,8 @@ pub fn replay_with(
         nodes: HashMap::new(),
         wanted: Default::default(),
         doomed: Default::default(),
+        handles_persistent: lower.handles_persistent(),
+        by_ino: None,
         sum: RecoverySummary::default(),
     };
     let total = (plan.namespace.len() + plan.files.len()) as u64;

@@ -138,7 +138,9 @@ impl Client {
         let root_dev = std::os::unix::fs::MetadataExt::dev(&rmeta);
         let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
         let root_handle = std::fs::File::open(&root)
-            .and_then(|f| crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f)))
+            .and_then(|f| {
+                crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f), root_ino)
+            })
             .unwrap_or_default();
         let mut rb = root.as_os_str().as_encoded_bytes().to_vec();
         if !rb.ends_with(b"/") {
@@ -291,7 +293,7 @@ impl Client {
         if !under {
             return None;
         }
-        let (handle, gen) = object_gen(fd)?;
+        let (handle, gen) = object_gen(fd, st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |slot| {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
@@ -763,8 +765,8 @@ fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
 }
 
 /// The identity of an object for its slot: a checksum of its file handle (never 0).
-pub(super) fn object_gen(fd: i32) -> Option<(Vec<u8>, u64)> {
-    let handle = crate::lower::real::handle_of(fd).ok()?;
+pub(super) fn object_gen(fd: i32, ino: u64) -> Option<(Vec<u8>, u64)> {
+    let handle = crate::lower::real::handle_of(fd, ino).ok()?;
     let gen = crc32c::crc32c(&handle) as u64 | 1 << 40;
     Some((handle, gen))
 }
@@ -813,7 +815,7 @@ pub fn mark_unseen(table: &Table, fd: i32) {
     if st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return;
     }
-    let Some((_, gen)) = object_gen(fd) else {
+    let Some((_, gen)) = object_gen(fd, st.st_ino) else {
         return;
     };
     claim(table, &st, gen, |slot| {

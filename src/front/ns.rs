@@ -105,7 +105,7 @@ impl Client {
         if st.st_dev != self.root_dev || !self.under_root(&sys::fd_path(fd.as_raw_fd())?) {
             return None;
         }
-        let (handle, gen) = object_gen(fd.as_raw_fd())?;
+        let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
         let (idx, marked) = claim(&self.table, &st, gen, |slot| {
             let was = slot.flags() & F_MARKED != 0;
             if !was && self.watching {
@@ -170,7 +170,7 @@ impl Client {
         if st.st_dev != self.root_dev {
             return None;
         }
-        let (handle, gen) = object_gen(fd)?;
+        let (handle, gen) = object_gen(fd, st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         Some(Obj {
             slot: idx,
@@ -575,7 +575,7 @@ impl Client {
         {
             return None;
         }
-        let (_, gen) = object_gen(fd)?;
+        let (_, gen) = object_gen(fd, st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         let slot = self.table.slot(idx);
         let _ns = self.table.ns_lock();

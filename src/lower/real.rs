@@ -404,22 +404,38 @@ impl RealLower {
         }
     }
 
-    /// The lower file system's persistent handle of an object (name_to_handle_at), prefixed
-    /// with its 4-byte handle type.
-    pub fn handle(&self, node: RawFd) -> io::Result<Vec<u8>> {
-        handle_of(node)
+    /// The persistent identity of an object (see `handle_of`); `ino` is its inode number.
+    pub fn handle(&self, node: RawFd, ino: u64) -> io::Result<Vec<u8>> {
+        handle_of(node, ino)
     }
 
-    /// Open an object by its handle as an O_PATH descriptor.
+    /// Whether a file handle that no longer opens means the object was deleted. True on local
+    /// file systems (a handle names the inode and its generation for the file system's life).
+    /// Not on FUSE and network clients: there a handle names the client's in-memory node, goes
+    /// stale when the client is remounted (after any node crash) and may then even open
+    /// another object; recovery finds such objects again by inode number (`open_handle`
+    /// checks it, `core::recover` searches the tree for it).
+    pub fn handles_persistent(&self) -> bool {
+        match rustix::fs::fstatfs(&self.mount_fd) {
+            #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every target
+            Ok(st) => PERSISTENT_HANDLES.contains(&(st.f_type as i64)),
+            Err(_) => false,
+        }
+    }
+
+    /// Open an object by its identity (`handle_of`) as an O_PATH descriptor. ESTALE if the
+    /// handle opens nothing, or opens an object with another inode number than the one
+    /// recorded with the handle (a client's node reused after a remount).
     pub fn open_handle(&self, h: &[u8]) -> io::Result<OwnedFd> {
-        if h.len() < 4 || h.len() > 4 + 128 {
+        let (ino, raw) = split_identity(h);
+        if raw.len() < 4 || raw.len() > 4 + MAX_HANDLE {
             return Err(errno(libc::EINVAL));
         }
-        let n = h.len() - 4;
+        let n = raw.len() - 4;
         let mut buf = vec![0u8; 8 + n];
         buf[0..4].copy_from_slice(&(n as u32).to_ne_bytes());
-        buf[4..8].copy_from_slice(&h[0..4]);
-        buf[8..].copy_from_slice(&h[4..]);
+        buf[4..8].copy_from_slice(&raw[0..4]);
+        buf[8..].copy_from_slice(&raw[4..]);
         // SAFETY: buf is a well-formed struct file_handle.
         let fd = cvt(unsafe {
             libc::syscall(
@@ -430,7 +446,13 @@ impl RealLower {
             )
         } as i32)?;
         // SAFETY: fresh fd we own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        if let Some(ino) = ino {
+            if fstat(fd.as_raw_fd())?.st_ino != ino {
+                return Err(errno(libc::ESTALE));
+            }
+        }
+        Ok(fd)
     }
 
     /// Directory entries (name, ino, d_type) of a directory object, "." and ".." excluded.
@@ -529,10 +551,41 @@ pub fn copy_file_range(
     )
 }
 
-/// The persistent handle of an object (name_to_handle_at), prefixed with its 4-byte handle
-/// type.
-pub fn handle_of(node: RawFd) -> io::Result<Vec<u8>> {
-    const MAX: usize = 128;
+/// Local file systems whose file handles name an object for the file system's whole life
+/// (see `RealLower::handles_persistent`).
+const PERSISTENT_HANDLES: [i64; 5] = [
+    0xEF53,      // ext2/3/4
+    0x5846_5342, // XFS
+    0x9123_683E, // Btrfs
+    0xF2F5_2010, // F2FS
+    0x2FC1_2FC1, // ZFS
+];
+
+/// Largest file handle the kernel gives (MAX_HANDLE_SZ).
+const MAX_HANDLE: usize = 128;
+
+/// Tag of an identity that carries an inode number (`handle_of`). Identities written before
+/// it start with the handle type, a small number, never this.
+const IDENTITY_TAG: [u8; 4] = *b"PMI1";
+
+/// Split an identity into its inode number (None in identities written before it was
+/// recorded) and its raw handle (4-byte type, then the handle's bytes).
+pub fn split_identity(h: &[u8]) -> (Option<u64>, &[u8]) {
+    match h.strip_prefix(&IDENTITY_TAG) {
+        Some(rest) if rest.len() >= 8 => (
+            Some(u64::from_le_bytes(rest[..8].try_into().expect("8 bytes"))),
+            &rest[8..],
+        ),
+        _ => (None, h),
+    }
+}
+
+/// The persistent identity of an object: its file handle (name_to_handle_at, with its 4-byte
+/// type) and its inode number `ino`. The handle finds the object fast; the inode number
+/// checks that what it found is the object, and finds it again where handles do not survive
+/// a remount of the lower (FUSE and network clients).
+pub fn handle_of(node: RawFd, ino: u64) -> io::Result<Vec<u8>> {
+    const MAX: usize = MAX_HANDLE;
     let mut buf = vec![0u8; 8 + MAX];
     buf[0..4].copy_from_slice(&(MAX as u32).to_ne_bytes());
     let mut mount_id: libc::c_int = 0;
@@ -548,8 +601,10 @@ pub fn handle_of(node: RawFd) -> io::Result<Vec<u8>> {
             libc::AT_EMPTY_PATH,
         )
     } as i32)?;
-    let n = u32::from_ne_bytes(buf[0..4].try_into().expect("4")) as usize;
-    let mut out = buf[4..8].to_vec(); // handle_type
+    let n = (u32::from_ne_bytes(buf[0..4].try_into().expect("4")) as usize).min(MAX);
+    let mut out = IDENTITY_TAG.to_vec();
+    out.extend_from_slice(&ino.to_le_bytes());
+    out.extend_from_slice(&buf[4..8]); // handle_type
     out.extend_from_slice(&buf[8..8 + n]);
     Ok(out)
 }
@@ -565,9 +620,19 @@ mod tests {
         std::os::unix::fs::symlink("/etc", d.path().join("evil")).unwrap();
         let l = RealLower::open(d.path()).unwrap();
         let (fd, st) = l.lookup(l.root_fd(), OsStr::new("f")).unwrap();
-        let h = l.handle(fd.as_raw_fd()).unwrap();
+        let h = l.handle(fd.as_raw_fd(), st.st_ino).unwrap();
         let fd2 = l.open_handle(&h).unwrap();
         assert_eq!(fstat(fd2.as_raw_fd()).unwrap().st_ino, st.st_ino);
+        // An identity whose inode number is not the object's opens nothing.
+        let other = l.handle(fd.as_raw_fd(), st.st_ino + 1).unwrap();
+        assert_eq!(
+            l.open_handle(&other).unwrap_err().raw_os_error(),
+            Some(libc::ESTALE)
+        );
+        // Identities written before inode numbers were recorded still open.
+        let (ino, raw) = split_identity(&h);
+        assert_eq!(ino, Some(st.st_ino));
+        assert!(l.open_handle(raw).is_ok());
         // A planted symlink is an object of its own, never followed.
         let (s, sst) = l.lookup(l.root_fd(), OsStr::new("evil")).unwrap();
         assert_eq!(sst.st_mode & libc::S_IFMT, libc::S_IFLNK);
