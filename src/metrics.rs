@@ -35,6 +35,9 @@ fn help(key: &str) -> &'static str {
         "writebacks" => "write-back rounds (lower syncfs + checkpoint + GC)",
         "writeback_errors" => "failed write-back rounds (retried)",
         "writeback_us" => "time spent in write-back",
+        "readback_bytes" => {
+            "dirty bytes an fsync read back from the lower file system to log them (no copy in memory)"
+        }
         "active_sync_switches" => "files switched to eager logging by active sync",
         "throttles" => "strict mode: writers that waited for write-back (PM full)",
         "log_commits" => "log commits (one per synchronous operation)",

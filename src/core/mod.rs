@@ -79,12 +79,96 @@ struct FileState {
     dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
+    /// A copy of the dirty bytes by page, so an fsync logs them without reading them back
+    /// from the lower file system (a read costs milliseconds on a network lower). Used only
+    /// while `shadow_partial` is false: every dirty byte was copied. Bounded per file and in
+    /// all (`SHADOW_PAGES_MAX_FILE`, `SHADOW_PAGES_MAX`); past a bound, or after an
+    /// operation that changes bytes other than by writing them (fallocate), the copy is
+    /// dropped and fsync reads the dirty ranges back, as it always may.
+    shadow: BTreeMap<u64, Box<[u8]>>,
+    shadow_partial: bool,
     /// adaptive mode: the per-block eager/lazy predictor.
     predictor: Option<Box<adaptive::Predictor>>,
     /// Active sync: bytes written and pages dirtied since the last sync.
     bytes_since_sync: u64,
     pages_since_sync: BTreeSet<u64>,
     eager: bool,
+}
+
+/// Most pages of dirty bytes one file keeps a copy of (8 MiB), and all files together
+/// (256 MiB): beyond them fsync reads back.
+const SHADOW_PAGES_MAX_FILE: usize = 2048;
+const SHADOW_PAGES_MAX: usize = 65536;
+/// Pages held by every file's `shadow` in this process.
+static SHADOW_PAGES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl FileState {
+    /// Copy bytes just written at `off` into the shadow of the dirty bytes.
+    fn shadow_write(&mut self, off: u64, data: &[u8]) {
+        if self.shadow_partial || data.is_empty() {
+            return;
+        }
+        let page = PAGE as u64;
+        let (first, last) = (off / page, (off + data.len() as u64 - 1) / page);
+        let new = (first..=last)
+            .filter(|p| !self.shadow.contains_key(p))
+            .count();
+        if self.shadow.len() + new > SHADOW_PAGES_MAX_FILE
+            || SHADOW_PAGES.fetch_add(new, Ordering::Relaxed) + new > SHADOW_PAGES_MAX
+        {
+            SHADOW_PAGES.fetch_sub(new, Ordering::Relaxed);
+            self.drop_shadow(true);
+            return;
+        }
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let o = off + pos as u64;
+            let in_page = (o % page) as usize;
+            let n = (PAGE - in_page).min(data.len() - pos);
+            let buf = self
+                .shadow
+                .entry(o / page)
+                .or_insert_with(|| vec![0u8; PAGE].into_boxed_slice());
+            buf[in_page..in_page + n].copy_from_slice(&data[pos..pos + n]);
+            pos += n;
+        }
+    }
+
+    /// The bytes of dirty range `s..e` from the shadow; None if it does not hold them all.
+    fn shadow_read(&self, s: u64, e: u64) -> Option<Vec<u8>> {
+        if self.shadow_partial {
+            return None;
+        }
+        let page = PAGE as u64;
+        let mut out = Vec::with_capacity((e - s) as usize);
+        let mut o = s;
+        while o < e {
+            let in_page = (o % page) as usize;
+            let n = ((page - in_page as u64).min(e - o)) as usize;
+            out.extend_from_slice(&self.shadow.get(&(o / page))?[in_page..in_page + n]);
+            o += n as u64;
+        }
+        Some(out)
+    }
+
+    /// Forget the shadow; `partial`: some dirty bytes are (or may be) not in it any more.
+    fn drop_shadow(&mut self, partial: bool) {
+        SHADOW_PAGES.fetch_sub(self.shadow.len(), Ordering::Relaxed);
+        self.shadow.clear();
+        self.shadow_partial = partial;
+    }
+
+    /// No dirty bytes any more (logged, or made durable in the lower file system).
+    fn clear_dirty(&mut self) {
+        self.dirty.clear();
+        self.drop_shadow(false);
+    }
+}
+
+impl Drop for FileState {
+    fn drop(&mut self) {
+        SHADOW_PAGES.fetch_sub(self.shadow.len(), Ordering::Relaxed);
+    }
 }
 
 pub struct Inode {
@@ -659,6 +743,7 @@ impl Core {
                 self.note_changed(i);
                 if !eager {
                     let n = real::pwrite_all(fd, data, off)?;
+                    st.shadow_write(off, &data[..n]);
                     add_range(&mut st.dirty, off, off + n as u64);
                     st.dirty_mark = log.lsn_now();
                     st.bytes_since_sync += n as u64;
@@ -677,6 +762,11 @@ impl Core {
                             p.logged(first..=last);
                         }
                         let n = real::pwrite_all(fd, data, off)?;
+                        if !st.dirty.is_empty() {
+                            // These bytes may overwrite dirty ones: the shadow must not log
+                            // the older bytes after this write's entry.
+                            st.shadow_write(off, &data[..n]);
+                        }
                         self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
                         if self.pm_low(log) {
                             self.wake_flusher();
@@ -765,41 +855,7 @@ impl Core {
                 self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
             }
-            let rd = match fh.and_then(|f| self.handle(f).ok()) {
-                Some(h) => h,
-                None => Arc::new(Handle {
-                    ino: i.clone(),
-                    fd: self
-                        .lower
-                        .reopen(self.nfd(&i)?.as_raw_fd(), libc::O_RDONLY)?,
-                    sync_writes: false,
-                }),
-            };
-            let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
-            let mut a = log.area();
-            let mut ok = true;
-            for (s, e) in &ranges {
-                let mut buf = vec![0u8; (e - s) as usize];
-                let n = match real::pread(rd.fd.as_raw_fd(), &mut buf, *s) {
-                    Ok(n) => n,
-                    Err(_) => {
-                        ok = false;
-                        break;
-                    }
-                };
-                buf.truncate(n); // the file may have shrunk since; a truncate entry covers the rest
-                if buf.is_empty() {
-                    continue;
-                }
-                if self.log_bytes(&mut a, &i, &mut st, *s, &buf).is_err() {
-                    ok = false;
-                    break;
-                }
-            }
-            a.commit();
-            drop(a);
-            if ok {
-                st.dirty.clear();
+            if self.log_dirty(log, &i, &mut st, fh) {
                 self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
                 if self.pm_low(log) {
                     self.wake_flusher();
@@ -809,6 +865,68 @@ impl Core {
             // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
             self.fall_back_file(log, &i, &mut st)
         })
+    }
+
+    /// Log the dirty bytes of `i` (from the shadow, else read back through handle `fh` or a
+    /// descriptor of the object) and commit. False if PM is full or the bytes are unreadable:
+    /// the caller falls back to the lower file system's fsync.
+    fn log_dirty(&self, log: &Log, i: &Arc<Inode>, st: &mut FileState, fh: Option<u64>) -> bool {
+        let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
+        let mut rd: Option<Arc<Handle>> = None;
+        let mut a = log.area();
+        let mut ok = true;
+        for (s, e) in &ranges {
+            let buf = match st.shadow_read(*s, *e) {
+                Some(b) => b,
+                None => {
+                    if rd.is_none() {
+                        rd = match fh.and_then(|f| self.handle(f).ok()) {
+                            Some(h) => Some(h),
+                            None => self
+                                .nfd(i)
+                                .and_then(|n| self.lower.reopen(n.as_raw_fd(), libc::O_RDONLY))
+                                .ok()
+                                .map(|fd| {
+                                    Arc::new(Handle {
+                                        ino: i.clone(),
+                                        fd,
+                                        sync_writes: false,
+                                    })
+                                }),
+                        };
+                    }
+                    let Some(h) = &rd else {
+                        ok = false;
+                        break;
+                    };
+                    let mut buf = vec![0u8; (e - s) as usize];
+                    match real::pread(h.fd.as_raw_fd(), &mut buf, *s) {
+                        Ok(n) => buf.truncate(n), // the file may have shrunk since; a truncate entry covers the rest
+                        Err(_) => {
+                            ok = false;
+                            break;
+                        }
+                    }
+                    self.stats
+                        .readback_bytes
+                        .fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    buf
+                }
+            };
+            if buf.is_empty() {
+                continue;
+            }
+            if self.log_bytes(&mut a, i, st, *s, &buf).is_err() {
+                ok = false;
+                break;
+            }
+        }
+        a.commit();
+        drop(a);
+        if ok {
+            st.clear_dirty();
+        }
+        ok
     }
 
     // ---------- attributes ----------
@@ -849,7 +967,7 @@ impl Core {
         if log.write_back(i.fid, upto).is_err() {
             NEED_FULL_WRITE_BACK.with(|c| c.set(true));
         }
-        st.dirty.clear();
+        st.clear_dirty();
         st.live_pages.clear();
         st.live_attr = false;
         Ok(())
@@ -1011,6 +1129,14 @@ impl Core {
         self.settled(|| {
             let h = self.handle(fh)?;
             let _g = self.gate.read();
+            if let Some(log) = self.logging() {
+                // Dirty bytes are logged first: a collapse or insert moves them and a punch
+                // zeroes them, and the Fallocate entry replays that on top of them.
+                let mut st = h.ino.st.lock();
+                if !st.dirty.is_empty() && !self.log_dirty(log, &h.ino, &mut st, Some(fh)) {
+                    self.fall_back_file(log, &h.ino, &mut st)?;
+                }
+            }
             real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
             self.log_attr(
                 &h.ino,
@@ -1584,7 +1710,7 @@ impl Core {
                 st.live_attr = false;
             }
             if st.dirty_mark < upto {
-                st.dirty.clear();
+                st.clear_dirty();
             }
             if let Some(p) = st.predictor.as_mut() {
                 let o = p.on_write_back(Instant::now(), self.adaptive_decay());

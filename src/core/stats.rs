@@ -36,6 +36,7 @@ counters!(
     adaptive_to_eager,
     adaptive_to_lazy,
     node_fds_evicted,
+    readback_bytes,
 );
 
 /// Request kinds timed by the FUSE adapter (one latency histogram each).
