@@ -10,7 +10,7 @@ pub mod recover;
 mod regress_tests;
 pub mod stats;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -65,8 +65,8 @@ impl Default for Options {
 
 #[derive(Default)]
 struct FileState {
-    /// Byte ranges written to the lower page cache and not yet logged: start -> end.
-    dirty: BTreeMap<u64, u64>,
+    /// Bytes written to the lower page cache and not yet logged (with their copy).
+    dirty: crate::policy::dirty::Dirty,
     /// Pages with unexpired log entries: writes to them are logged before reaching the lower
     /// file system, so the lower FS can never persist a newer page that replay would roll back.
     live_pages: BTreeSet<u64>,
@@ -79,96 +79,12 @@ struct FileState {
     dirty_mark: u64,
     /// LSN of this file's latest Bind record (0: never bound).
     bind_lsn: u64,
-    /// A copy of the dirty bytes by page, so an fsync logs them without reading them back
-    /// from the lower file system (a read costs milliseconds on a network lower). Used only
-    /// while `shadow_partial` is false: every dirty byte was copied. Bounded per file and in
-    /// all (`SHADOW_PAGES_MAX_FILE`, `SHADOW_PAGES_MAX`); past a bound, or after an
-    /// operation that changes bytes other than by writing them (fallocate), the copy is
-    /// dropped and fsync reads the dirty ranges back, as it always may.
-    shadow: BTreeMap<u64, Box<[u8]>>,
-    shadow_partial: bool,
     /// adaptive mode: the per-block eager/lazy predictor.
     predictor: Option<Box<adaptive::Predictor>>,
     /// Active sync: bytes written and pages dirtied since the last sync.
     bytes_since_sync: u64,
     pages_since_sync: BTreeSet<u64>,
     eager: bool,
-}
-
-/// Most pages of dirty bytes one file keeps a copy of (8 MiB), and all files together
-/// (256 MiB): beyond them fsync reads back.
-const SHADOW_PAGES_MAX_FILE: usize = 2048;
-const SHADOW_PAGES_MAX: usize = 65536;
-/// Pages held by every file's `shadow` in this process.
-static SHADOW_PAGES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-impl FileState {
-    /// Copy bytes just written at `off` into the shadow of the dirty bytes.
-    fn shadow_write(&mut self, off: u64, data: &[u8]) {
-        if self.shadow_partial || data.is_empty() {
-            return;
-        }
-        let page = PAGE as u64;
-        let (first, last) = (off / page, (off + data.len() as u64 - 1) / page);
-        let new = (first..=last)
-            .filter(|p| !self.shadow.contains_key(p))
-            .count();
-        if self.shadow.len() + new > SHADOW_PAGES_MAX_FILE
-            || SHADOW_PAGES.fetch_add(new, Ordering::Relaxed) + new > SHADOW_PAGES_MAX
-        {
-            SHADOW_PAGES.fetch_sub(new, Ordering::Relaxed);
-            self.drop_shadow(true);
-            return;
-        }
-        let mut pos = 0usize;
-        while pos < data.len() {
-            let o = off + pos as u64;
-            let in_page = (o % page) as usize;
-            let n = (PAGE - in_page).min(data.len() - pos);
-            let buf = self
-                .shadow
-                .entry(o / page)
-                .or_insert_with(|| vec![0u8; PAGE].into_boxed_slice());
-            buf[in_page..in_page + n].copy_from_slice(&data[pos..pos + n]);
-            pos += n;
-        }
-    }
-
-    /// The bytes of dirty range `s..e` from the shadow; None if it does not hold them all.
-    fn shadow_read(&self, s: u64, e: u64) -> Option<Vec<u8>> {
-        if self.shadow_partial {
-            return None;
-        }
-        let page = PAGE as u64;
-        let mut out = Vec::with_capacity((e - s) as usize);
-        let mut o = s;
-        while o < e {
-            let in_page = (o % page) as usize;
-            let n = ((page - in_page as u64).min(e - o)) as usize;
-            out.extend_from_slice(&self.shadow.get(&(o / page))?[in_page..in_page + n]);
-            o += n as u64;
-        }
-        Some(out)
-    }
-
-    /// Forget the shadow; `partial`: some dirty bytes are (or may be) not in it any more.
-    fn drop_shadow(&mut self, partial: bool) {
-        SHADOW_PAGES.fetch_sub(self.shadow.len(), Ordering::Relaxed);
-        self.shadow.clear();
-        self.shadow_partial = partial;
-    }
-
-    /// No dirty bytes any more (logged, or made durable in the lower file system).
-    fn clear_dirty(&mut self) {
-        self.dirty.clear();
-        self.drop_shadow(false);
-    }
-}
-
-impl Drop for FileState {
-    fn drop(&mut self) {
-        SHADOW_PAGES.fetch_sub(self.shadow.len(), Ordering::Relaxed);
-    }
 }
 
 pub struct Inode {
@@ -743,8 +659,7 @@ impl Core {
                 self.note_changed(i);
                 if !eager {
                     let n = real::pwrite_all(fd, data, off)?;
-                    st.shadow_write(off, &data[..n]);
-                    add_range(&mut st.dirty, off, off + n as u64);
+                    st.dirty.add(off, &data[..n]);
                     st.dirty_mark = log.lsn_now();
                     st.bytes_since_sync += n as u64;
                     st.pages_since_sync.extend(first..=last);
@@ -762,11 +677,7 @@ impl Core {
                             p.logged(first..=last);
                         }
                         let n = real::pwrite_all(fd, data, off)?;
-                        if !st.dirty.is_empty() {
-                            // These bytes may overwrite dirty ones: the shadow must not log
-                            // the older bytes after this write's entry.
-                            st.shadow_write(off, &data[..n]);
-                        }
+                        st.dirty.overwritten(off, &data[..n]);
                         self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
                         if self.pm_low(log) {
                             self.wake_flusher();
@@ -846,7 +757,7 @@ impl Core {
             if let Some(p) = predictor {
                 // Dirty ranges are never empty (add_range), so e - 1 >= s.
                 let lazy = dirty
-                    .iter()
+                    .ranges()
                     .flat_map(|(s, e)| s / PAGE as u64..=(e - 1) / PAGE as u64);
                 let o = p.on_sync(lazy, Instant::now(), self.adaptive_decay());
                 self.record(o);
@@ -871,12 +782,12 @@ impl Core {
     /// descriptor of the object) and commit. False if PM is full or the bytes are unreadable:
     /// the caller falls back to the lower file system's fsync.
     fn log_dirty(&self, log: &Log, i: &Arc<Inode>, st: &mut FileState, fh: Option<u64>) -> bool {
-        let ranges: Vec<(u64, u64)> = st.dirty.iter().map(|(s, e)| (*s, *e)).collect();
+        let ranges: Vec<(u64, u64)> = st.dirty.ranges().collect();
         let mut rd: Option<Arc<Handle>> = None;
         let mut a = log.area();
         let mut ok = true;
         for (s, e) in &ranges {
-            let buf = match st.shadow_read(*s, *e) {
+            let buf = match st.dirty.bytes(*s, *e) {
                 Some(b) => b,
                 None => {
                     if rd.is_none() {
@@ -924,7 +835,7 @@ impl Core {
         a.commit();
         drop(a);
         if ok {
-            st.clear_dirty();
+            st.dirty.clear();
         }
         ok
     }
@@ -967,7 +878,7 @@ impl Core {
         if log.write_back(i.fid, upto).is_err() {
             NEED_FULL_WRITE_BACK.with(|c| c.set(true));
         }
-        st.clear_dirty();
+        st.dirty.clear();
         st.live_pages.clear();
         st.live_attr = false;
         Ok(())
@@ -1056,13 +967,7 @@ impl Core {
         {
             let mut st = i.st.lock();
             // Dirty bytes past the new end no longer exist.
-            let keep: BTreeMap<u64, u64> = st
-                .dirty
-                .iter()
-                .filter(|(s, _)| **s < size)
-                .map(|(s, e)| (*s, (*e).min(size)))
-                .collect();
-            st.dirty = keep;
+            st.dirty.clip(size);
         }
         self.log_attr(i, AttrOp::Truncate(size))
     }
@@ -1710,7 +1615,7 @@ impl Core {
                 st.live_attr = false;
             }
             if st.dirty_mark < upto {
-                st.clear_dirty();
+                st.dirty.clear();
             }
             if let Some(p) = st.predictor.as_mut() {
                 let o = p.on_write_back(Instant::now(), self.adaptive_decay());
@@ -1792,43 +1697,5 @@ impl Core {
 
     pub fn fd_of(&self, fh: u64) -> R<RawFd> {
         Ok(self.handle(fh)?.fd.as_raw_fd())
-    }
-}
-
-pub(crate) fn add_range(m: &mut BTreeMap<u64, u64>, mut s: u64, mut e: u64) {
-    if s >= e {
-        return;
-    }
-    // Merge with overlapping or adjacent ranges.
-    let overl: Vec<(u64, u64)> = m
-        .range(..=e)
-        .filter(|(_, &ee)| ee >= s)
-        .map(|(a, b)| (*a, *b))
-        .collect();
-    for (a, b) in overl {
-        m.remove(&a);
-        s = s.min(a);
-        e = e.max(b);
-    }
-    m.insert(s, e);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::add_range;
-    use std::collections::BTreeMap;
-
-    #[test]
-    fn ranges_merge() {
-        let mut m = BTreeMap::new();
-        add_range(&mut m, 10, 20);
-        add_range(&mut m, 30, 40);
-        add_range(&mut m, 20, 30);
-        assert_eq!(m.into_iter().collect::<Vec<_>>(), vec![(10, 40)]);
-        let mut m = BTreeMap::new();
-        add_range(&mut m, 10, 20);
-        add_range(&mut m, 0, 5);
-        add_range(&mut m, 4, 12);
-        assert_eq!(m.into_iter().collect::<Vec<_>>(), vec![(0, 20)]);
     }
 }

@@ -16,7 +16,7 @@
 //!   daemon that is gone, a full region. After such a real sync, a write-back record expires
 //!   the object's older entries so replay can never apply them over newer bytes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -29,7 +29,6 @@ use parking_lot::{Mutex, RwLock};
 
 use super::sys;
 use super::table::*;
-use crate::core::add_range;
 use crate::engine::{AttrOp, Log, Record};
 use crate::pmem::mapped::MappedRegion;
 use crate::pmem::Pmem;
@@ -39,8 +38,8 @@ pub const DAEMON_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Default)]
 struct Private {
-    /// This process's unlogged writes: start -> end.
-    dirty: BTreeMap<u64, u64>,
+    /// This process's unlogged writes (with their copy).
+    dirty: crate::policy::dirty::Dirty,
     /// The LSN counter after the latest of them.
     mark: u64,
     /// A read descriptor for reading dirty ranges back (the program's may be write-only).
@@ -583,6 +582,7 @@ impl Client {
                 Some(o) => sys::pwrite(fd, buf, o)?,
                 None => sys::write(fd, buf)?,
             };
+            p.dirty.overwritten(start, &buf[..n]);
             if !logged {
                 self.real_sync(&slot, fd, &mut p)?;
             } else if sync {
@@ -622,7 +622,7 @@ impl Client {
             }
             return Ok(n);
         }
-        add_range(&mut p.dirty, start, start + n as u64);
+        p.dirty.add(start, &buf[..n]);
         p.mark = self.log.lsn_now();
         if !slot.add_lazy(self.pid, p.mark) {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
@@ -640,23 +640,31 @@ impl Client {
             return self.real_sync(&slot, fd, &mut p);
         }
         if !p.dirty.is_empty() && p.mark >= cp {
-            if p.rfd.is_none() {
-                let path = format!("/proc/self/fd/{fd}\0");
-                let r = sys::openat(
-                    libc::AT_FDCWD,
-                    path.as_ptr() as *const _,
-                    libc::O_RDONLY | libc::O_CLOEXEC,
-                    0,
-                )?;
-                // SAFETY: a fresh descriptor we own.
-                p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
-            }
-            let rfd = p.rfd.as_ref().expect("set").as_raw_fd();
-            let ranges: Vec<(u64, u64)> = p.dirty.iter().map(|(s, e)| (*s, *e)).collect();
+            let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
             for (s, e) in ranges {
-                let mut buf = vec![0u8; (e - s) as usize];
-                let n = sys::pread(rfd, &mut buf, s)?;
-                buf.truncate(n); // shrunk since: a truncate entry covers the rest
+                let buf = match p.dirty.bytes(s, e) {
+                    Some(b) => b,
+                    None => {
+                        // No copy of these bytes (too many, or changed by fallocate): read
+                        // them back.
+                        if p.rfd.is_none() {
+                            let path = format!("/proc/self/fd/{fd}\0");
+                            let r = sys::openat(
+                                libc::AT_FDCWD,
+                                path.as_ptr() as *const _,
+                                libc::O_RDONLY | libc::O_CLOEXEC,
+                                0,
+                            )?;
+                            // SAFETY: a fresh descriptor we own.
+                            p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
+                        }
+                        let rfd = p.rfd.as_ref().expect("set").as_raw_fd();
+                        let mut buf = vec![0u8; (e - s) as usize];
+                        let n = sys::pread(rfd, &mut buf, s)?;
+                        buf.truncate(n); // shrunk since: a truncate entry covers the rest
+                        buf
+                    }
+                };
                 if !buf.is_empty() && self.log_data(&slot, &t.ino, s, &buf).is_err() {
                     return self.real_sync(&slot, fd, &mut p);
                 }
@@ -704,12 +712,20 @@ impl Client {
         op()?;
         let mut p = t.ino.p.lock();
         if let Some(len) = trim {
-            p.dirty = p
-                .dirty
-                .iter()
-                .filter(|(s, _)| **s < len)
-                .map(|(s, e)| (*s, (*e).min(len)))
-                .collect();
+            p.dirty.clip(len);
+        }
+        if let AttrOp::Fallocate { mode, .. } = &rec {
+            if !p.dirty.is_empty() {
+                // Punched or zeroed dirty bytes are read back at the next sync; bytes a
+                // collapse or insert moved are not where the dirty ranges say: that sync is
+                // real.
+                p.dirty.forget_copy();
+                if *mode as i32 & (libc::FALLOC_FL_COLLAPSE_RANGE | libc::FALLOC_FL_INSERT_RANGE)
+                    != 0
+                {
+                    slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+                }
+            }
         }
         // An object with live entries gets a record (replay must apply the change in order
         // with them); otherwise the next sync of the object is real, which makes the change

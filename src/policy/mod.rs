@@ -8,6 +8,8 @@
 //! Binding, namespace logging and write-back still live in each front end; see
 //! `docs/contract.md` for the contract they implement.
 
+pub mod dirty;
+
 use crate::engine::format::{MAX_PAYLOAD, PAGE};
 use crate::engine::{AreaGuard, LogError, Record};
 
