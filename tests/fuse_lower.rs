@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -143,84 +142,11 @@ fn recovery_after_the_lower_client_was_remounted_replays_everything() {
         .tempdir_in("/var/tmp")
         .unwrap();
     let src = base.path().join("src");
-    fs::create_dir_all(src.join("old")).unwrap();
-    const N: usize = 40;
-    for k in 0..N {
-        fs::write(src.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
-    }
-    let bind = BindFs::new(&src, &base.path().join("bind"));
-    let mut m = Mount::new(Some(bind.0.clone()));
-    // Write-back far away: every acknowledged operation stays live in the log.
-    m.mount(&["--mode", "sync", "--flush-interval-ms", "3600000"]);
-    let content = |k: usize, tag: u8| -> Vec<u8> {
-        (0..3000 + 97 * k)
-            .map(|i| (i as u8) ^ tag ^ k as u8)
-            .collect()
-    };
-    fs::create_dir(m.mnt.join("new")).unwrap();
-    for k in 0..N {
-        let f = fs::File::create(m.mnt.join(format!("new/{k}"))).unwrap();
-        f.write_all_at(&content(k, 1), 0).unwrap();
-        f.sync_all().unwrap();
-        let g = fs::OpenOptions::new()
-            .write(true)
-            .open(m.mnt.join(format!("old/{k}")))
-            .unwrap();
-        g.write_all_at(&content(k, 2), 100).unwrap();
-        g.sync_data().unwrap();
-    }
-    let mut want = BTreeMap::new();
-    for k in 0..N {
-        want.insert(format!("new/{k}"), content(k, 1));
-        let mut o = vec![b'o'; 5000];
-        let c = content(k, 2);
-        if o.len() < 100 + c.len() {
-            o.resize(100 + c.len(), 0);
-        }
-        o[100..100 + c.len()].copy_from_slice(&c);
-        want.insert(format!("old/{k}"), o);
-    }
-    m.kill9();
-    drop(bind);
-    // The node crashed: the file system below lost what the daemon wrote but never made
-    // durable (modelled by undoing it in the directory under the FUSE client).
-    for k in 0..N {
-        fs::write(src.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
-        if k % 4 == 0 {
-            fs::remove_file(src.join(format!("new/{k}"))).unwrap();
-        } else {
-            fs::File::create(src.join(format!("new/{k}"))).unwrap();
-        }
-    }
-    // A new client: other node numbers. Look up some names first, as programs on the node
-    // would, so old handles could open the wrong objects.
-    let bind = BindFs::new(&src, &base.path().join("bind"));
-    for k in (0..N).rev() {
-        let _ = fs::metadata(bind.0.join(format!("old/{k}")));
-    }
-    let out = Command::new(bin())
-        .args(["recover", "--pm"])
-        .arg(&m.pm)
-        .arg(&bind.0)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "recover failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for (name, bytes) in &want {
-        let got = fs::read(src.join(name)).unwrap_or_default();
-        assert!(
-            &got == bytes,
-            "{name}: {} bytes after recovery, want {} fsynced bytes; recover said: {}",
-            got.len(),
-            bytes.len(),
-            String::from_utf8_lossy(&out.stdout)
-        );
-    }
-    // Clean: the log was emptied only because everything was placed.
-    let v = m.check_json();
-    assert_eq!(v["clean"], serde_json::json!(true), "{v}");
-    drop(bind);
+    fs::create_dir_all(&src).unwrap();
+    let dst = base.path().join("bind");
+    let bind = std::cell::RefCell::new(Some(BindFs::new(&src, &dst)));
+    common::remount::recover_after_client_remount(&dst, &|| {
+        bind.borrow_mut().take();
+        *bind.borrow_mut() = Some(BindFs::new(&src, &dst));
+    });
 }

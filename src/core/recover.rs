@@ -84,6 +84,15 @@ impl Replayer<'_> {
                     _ => break,
                 }
             }
+            // Where handles are not persistent, what one opened must also have a name under
+            // LOWER; otherwise the object is searched for by its inode number.
+            if !self.handles_persistent {
+                if let Ok(fd) = &r {
+                    if !self.lower.named_beneath(fd.as_raw_fd()) {
+                        r = Err(std::io::Error::from_raw_os_error(libc::ESTALE));
+                    }
+                }
+            }
             match r {
                 Ok(fd) => {
                     self.nodes.insert(fid, fd);
@@ -571,8 +580,8 @@ fn search_by_ino(
         errors.push("searching LOWER by inode number: cannot open its root".to_string());
         return (found, errors);
     };
-    let mut dirs = vec![root];
-    while let Some(dir) = dirs.pop() {
+    let mut dirs = vec![(root, true)];
+    while let Some((dir, at_root)) = dirs.pop() {
         if found.len() == wanted.len() {
             break;
         }
@@ -584,6 +593,9 @@ fn search_by_ino(
             }
         };
         for (name, _, _) in entries {
+            if at_root && real::is_fs_trash(&name) {
+                continue;
+            }
             let (fd, st) = match lower.lookup(dir.as_raw_fd(), OsStr::from_bytes(&name)) {
                 Ok(x) => x,
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
@@ -607,7 +619,7 @@ fn search_by_ino(
                 }
             }
             if is_dir {
-                dirs.push(fd);
+                dirs.push((fd, false));
             }
         }
     }

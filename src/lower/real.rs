@@ -423,6 +423,40 @@ impl RealLower {
         }
     }
 
+    /// Whether the object at `fd` has a name under LOWER, as far as the kernel's path of the
+    /// descriptor tells: not deleted, not outside LOWER (a handle opens any object of the
+    /// file system), and not in a trash directory a FUSE file system keeps at its root
+    /// (JuiceFS's `.trash` holds deleted files, read-only, for a day). False where the path
+    /// cannot be read. Used where handles are not persistent, before trusting what one opened.
+    pub fn named_beneath(&self, fd: RawFd) -> bool {
+        let (Ok(root), Ok(p)) = (
+            std::fs::read_link(format!("/proc/self/fd/{}", self.root.as_raw_fd())),
+            std::fs::read_link(format!("/proc/self/fd/{fd}")),
+        ) else {
+            return false;
+        };
+        let (root, p) = (root.as_os_str().as_bytes(), p.as_os_str().as_bytes());
+        if p.ends_with(b" (deleted)") {
+            return false;
+        }
+        if p == root {
+            return true;
+        }
+        let Some(rest) = p.strip_prefix(root) else {
+            return false;
+        };
+        let rest = if root == b"/" {
+            rest
+        } else {
+            match rest.strip_prefix(b"/") {
+                Some(r) => r,
+                None => return false,
+            }
+        };
+        let first = rest.split(|b| *b == b'/').next().unwrap_or(rest);
+        !is_fs_trash(first)
+    }
+
     /// Open an object by its identity (`handle_of`) as an O_PATH descriptor. ESTALE if the
     /// handle opens nothing, or opens an object with another inode number than the one
     /// recorded with the handle (a client's node reused after a remount).
@@ -560,6 +594,12 @@ const PERSISTENT_HANDLES: [i64; 5] = [
     0xF2F5_2010, // F2FS
     0x2FC1_2FC1, // ZFS
 ];
+
+/// A name at a file system's root where it keeps deleted files (JuiceFS's `.trash`, hidden
+/// from listings but open by name and by handle): nothing there has a name in LOWER.
+pub fn is_fs_trash(root_entry: &[u8]) -> bool {
+    root_entry == b".trash"
+}
 
 /// Largest file handle the kernel gives (MAX_HANDLE_SZ).
 const MAX_HANDLE: usize = 128;

@@ -1,6 +1,10 @@
 //! Helpers for tests that mount for real.
 #![allow(dead_code)]
 
+pub mod crash;
+pub mod model;
+pub mod remount;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::FileExt;

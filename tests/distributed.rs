@@ -1,0 +1,121 @@
+//! pmstack over distributed file systems' client mounts: GlusterFS (a two-brick replica
+//! volume) and JuiceFS (SQLite metadata, a local bucket), set up by `scripts/lowers`. Each
+//! runs the kill -9 tests, the reference-model test and recovery after the client was
+//! remounted. In CI (CI=true) a missing file system is a failure; elsewhere the test says
+//! what is missing and returns.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// One distributed file system under a temporary directory, torn down on drop.
+struct Lower {
+    dir: PathBuf,
+    mnt: PathBuf,
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/lowers")
+}
+
+impl Lower {
+    fn up(kind: &str) -> Option<Lower> {
+        let tool = if kind == "glusterfs" {
+            "glusterd"
+        } else {
+            "juicefs"
+        };
+        let have = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !have {
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("CI: {kind} is not installed (scripts/lowers install)");
+            }
+            eprintln!("note: {kind} is not installed (scripts/lowers install); skipped");
+            return None;
+        }
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pmstack-{kind}-"))
+            .tempdir_in("/var/tmp")
+            .unwrap()
+            .keep();
+        let out = Command::new(script())
+            .args(["up", kind])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/lowers up {kind}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mnt = dir.join("mnt");
+        Some(Lower { dir, mnt })
+    }
+
+    fn remount(&self) {
+        let out = Command::new(script())
+            .arg("remount")
+            .arg(&self.dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/lowers remount: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A fresh directory on the distributed file system.
+    fn subdir(&self, name: &str) -> PathBuf {
+        let d = self.mnt.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}
+
+impl Drop for Lower {
+    fn drop(&mut self) {
+        let _ = Command::new(script()).arg("down").arg(&self.dir).status();
+    }
+}
+
+fn all_over(kind: &str) {
+    if !common::can_mount() {
+        return;
+    }
+    let Some(l) = Lower::up(kind) else {
+        return;
+    };
+    common::remount::recover_after_client_remount(&l.mnt, &|| l.remount());
+    for mode in ["sync", "strict", "adaptive"] {
+        common::model::run_mode(mode, Some(l.subdir(&format!("model-{mode}"))));
+    }
+    let seed0: u64 = rand::random();
+    let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(12)
+        / 3;
+    for r in 0..rounds.max(1) {
+        let d = l.subdir(&format!("crash-power-{r}"));
+        common::crash::run_once(seed0.wrapping_add(r), Some(d.clone()), true);
+        std::fs::remove_dir_all(d).unwrap();
+        let d = l.subdir(&format!("crash-kill-{r}"));
+        common::crash::run_once(seed0.wrapping_add(1000 + r), Some(d.clone()), false);
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn over_glusterfs() {
+    all_over("glusterfs");
+}
+
+#[test]
+fn over_juicefs() {
+    all_over("juicefs");
+}
