@@ -15,7 +15,7 @@ use pmstack::core::recover::{recover, RecoverySummary};
 use pmstack::core::{Core, Mode, Options};
 use pmstack::engine::format::PAGE;
 use pmstack::engine::{scan, Log};
-use pmstack::lower::{RealLower, MARKER};
+use pmstack::lower::{lease, RealLower, MARKER};
 use pmstack::pmem::mapped::MappedRegion;
 use pmstack::pmem::{Durability, Pmem};
 
@@ -131,6 +131,10 @@ struct ServeArgs {
     /// that every process writing DIR runs under `pmstack run`.
     #[arg(long)]
     all_writers_attached: bool,
+    /// Start although another node's pmstack left DIR without a clean shutdown, giving up
+    /// what its PM log holds that is not in DIR yet (see docs/distributed.md).
+    #[arg(long)]
+    take_over: bool,
     #[arg(long, default_value = "info")]
     log_level: String,
 }
@@ -277,6 +281,10 @@ struct MountArgs {
     /// Stay in the foreground (for systemd Type=notify units; READY=1 once live).
     #[arg(short, long)]
     foreground: bool,
+    /// Start although another node's pmstack left LOWER without a clean shutdown, giving up
+    /// what its PM log holds that is not in LOWER yet (see docs/distributed.md).
+    #[arg(long)]
+    take_over: bool,
     /// Mount options, comma separated: key=value settings, config=PATH, and flags
     /// (allow_other, ro, noatime, …).
     #[arg(short = 'o', value_name = "OPTIONS")]
@@ -289,6 +297,7 @@ struct Mount {
     lower: PathBuf,
     mountpoint: PathBuf,
     foreground: bool,
+    take_over: bool,
 }
 
 impl MountArgs {
@@ -338,6 +347,7 @@ impl MountArgs {
             lower,
             mountpoint,
             foreground: self.foreground,
+            take_over: self.take_over,
         })
     }
 }
@@ -690,10 +700,28 @@ fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File> {
     Ok(f)
 }
 
-/// What keeps a region and its lower directory ours while they are open.
+/// What keeps a region and its lower directory ours while they are open: the region's
+/// flock, the host's lock on the lower, and the lease inside the lower (across nodes), which
+/// records a clean shutdown when the region is clean as they are released.
 struct RegionLocks {
     _region: fs::File,
     _lower: fs::File,
+    lease: Option<lease::Lease>,
+    log: Option<Arc<Log>>,
+}
+
+impl Drop for RegionLocks {
+    fn drop(&mut self) {
+        if let (Some(l), Some(log)) = (self.lease.as_mut(), &self.log) {
+            if log.is_clean() {
+                if let Err(e) = l.release_clean() {
+                    warn_user(&format!(
+                        "{e}; the next start elsewhere will ask for --take-over"
+                    ));
+                }
+            }
+        }
+    }
 }
 
 /// Open (or create and format) the region bound to `lower`, recovering a crashed log.
@@ -702,8 +730,9 @@ fn open_region(
     size: u64,
     lower: &Path,
     real: &RealLower,
+    take_over: bool,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
-    open_region_areas(pm, size, lower, real, 16)
+    open_region_areas(pm, size, lower, real, 16, take_over)
 }
 
 /// `open_region`, formatting a new region with `areas` append areas (`serve` leases one to
@@ -714,10 +743,15 @@ fn open_region_areas(
     lower: &Path,
     real: &RealLower,
     areas: u32,
+    take_over: bool,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     let fresh = !pm.exists();
     let had_marker = lower.join(MARKER).exists();
-    let r = open_region_inner(pm, size, lower, real, areas, fresh);
+    let had_lease = lower.join(lease::LEASE).exists();
+    let r = open_region_inner(pm, size, lower, real, areas, fresh, take_over);
+    if r.is_err() && !had_lease {
+        let _ = fs::remove_file(lower.join(lease::LEASE));
+    }
     if r.is_err() && fresh {
         // A refused first start leaves nothing behind: not the new region, not the marker.
         let _ = fs::remove_file(pm);
@@ -735,6 +769,7 @@ fn open_region_inner(
     real: &RealLower,
     areas: u32,
     fresh: bool,
+    take_over: bool,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     if fresh {
         let id = lower_id(lower, true)?.expect("created");
@@ -758,9 +793,27 @@ fn open_region_inner(
             pm.display()
         ),
     };
-    let lock = RegionLocks {
+    let needs_recovery = !s.clean || s.live_entries().next().is_some();
+    let lease = lease::acquire(
+        lower,
+        &lease::Taker {
+            region: uuid::Uuid::from_bytes(s.sb.uuid).to_string(),
+            pm,
+            needs_recovery,
+            take_over,
+        },
+    )?;
+    if lease.unlocked {
+        warn_user(&format!(
+            "the file system of {} does not enforce locks: pmstack cannot stop another node from stacking over it too; make sure no other node does",
+            lower.display()
+        ));
+    }
+    let mut lock = RegionLocks {
         _region: lock,
         _lower: lower_lock,
+        lease: Some(lease),
+        log: None,
     };
     let (log, s) = Log::open(region).map_err(|e| {
         anyhow!(
@@ -770,6 +823,7 @@ fn open_region_inner(
         )
     })?;
     let log = Arc::new(log);
+    lock.log = Some(log.clone());
     let mut summary = None;
     if !s.clean || s.live_entries().next().is_some() {
         let n = s.live_entries().count();
@@ -973,7 +1027,7 @@ fn mount(m: Mount) -> Result<()> {
             ));
         }
         let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
-        let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real)?;
+        let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real, m.take_over)?;
         if log.pm().durability() != Durability::PowerFailSafe {
             warn_user(&format!(
                 "PM region {} is emulated (not persistent memory): it survives a pmstack crash but NOT a power loss; use a devdax device or a file on an fsdax mount for power-fail safety",
@@ -1429,7 +1483,7 @@ fn recover_cmd(pm: &Path, lower: &Path) -> Result<()> {
         bail!("PM region {} does not exist", pm.display());
     }
     let real = RealLower::open(&lower)?;
-    let (log, _lock, sum) = open_region(pm, 0, &lower, &real)?;
+    let (log, _lock, sum) = open_region(pm, 0, &lower, &real, false)?;
     log.set_clean(true);
     match sum {
         Some(s) => println!(
@@ -1646,6 +1700,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         &root,
         &real,
         pmstack::engine::format::MAX_AREAS,
+        a.take_over,
     )?;
     if log.pm().durability() != Durability::PowerFailSafe {
         warn_user(&format!(

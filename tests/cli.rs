@@ -597,3 +597,82 @@ fn operator_mistakes_get_one_line_with_the_fix() {
     assert!(!region_left, "a refused mount left its region");
     assert_eq!(left, 0, "a refused mount left a marker");
 }
+
+/// `cmd` as another node would run it: with a /run/pmstack of its own (a private mount
+/// namespace), so only the lease inside the lower directory can tell the two apart.
+fn on_other_node(script: &str) -> (bool, String) {
+    fs::create_dir_all("/run/pmstack").unwrap();
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount -t tmpfs pmstack-test /run/pmstack && {script}"
+        ))
+        .env("PMSTACK", common::bin())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// Two nodes over one directory of a shared file system would each absorb syncs the other
+/// cannot see. The lease in the lower directory refuses a second node while the first holds
+/// it, refuses to start over a node that crashed (its PM may hold acknowledged data) unless
+/// the operator takes over, and then refuses the crashed node's stale log, which would roll
+/// the newer data back.
+#[test]
+fn a_second_node_is_refused_and_a_crashed_nodes_log_is_not_replayed_over_a_take_over() {
+    if !common::can_mount() {
+        return;
+    }
+    let mut m = common::Mount::new(None);
+    m.mount(&["--mode", "sync"]);
+    fs::write(m.mnt.join("a"), b"node one").unwrap();
+    let other_pm = format!("/dev/shm/pmstack-test-other-{}.pm", std::process::id());
+    let mnt2 = m.base.path().join("mnt2");
+    fs::create_dir_all(&mnt2).unwrap();
+    let lower = m.lower.clone();
+    let start2 = |extra: &str| {
+        format!(
+            "\"$PMSTACK\" mount --pm {other_pm} {extra} {} {} && \"$PMSTACK\" umount {}",
+            lower.display(),
+            mnt2.display(),
+            mnt2.display()
+        )
+    };
+    let (ok, err) = on_other_node(&start2(""));
+    assert!(!ok, "a second node mounted a directory in use");
+    assert!(err.contains("is in use by pmstack on host"), "{err}");
+    // Node one dies with acknowledged data in its log.
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(m.mnt.join("a"))
+        .unwrap();
+    f.write_all_at(b"NODE ONE", 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    m.kill9();
+    let (ok, err) = on_other_node(&start2(""));
+    assert!(
+        !ok,
+        "a second node started over a crashed node's unreplayed log"
+    );
+    assert!(err.contains("did not shut down cleanly"), "{err}");
+    assert!(err.contains("--take-over"), "{err}");
+    // The operator gives node one's log up; node two works and leaves cleanly.
+    let (ok, err) = on_other_node(&start2("--take-over"));
+    assert!(ok, "take-over failed: {err}");
+    // Node one comes back: replaying its log now would undo node two's work.
+    let out = Command::new(common::bin())
+        .args(["mount", "--pm"])
+        .arg(&m.pm)
+        .arg(&m.lower)
+        .arg(&m.mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the stale log was replayed");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("was taken over by"), "{err}");
+    let _ = fs::remove_file(&other_pm);
+}

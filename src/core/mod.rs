@@ -24,7 +24,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::engine::format::PAGE;
 use crate::engine::{AttrOp, Log, NodeKind, NsOp, Record, ROOT_FID};
 use crate::lower::real::{self, fstat, Stat};
-use crate::lower::{errno, RealLower, MARKER};
+use crate::lower::{errno, RealLower};
 pub use stats::{Latency, Op, Stats};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -276,7 +276,7 @@ impl Core {
     }
 
     fn hidden(&self, parent: &Inode, name: &OsStr) -> bool {
-        parent.ino == 1 && name.as_bytes() == MARKER.as_bytes()
+        parent.ino == 1 && crate::lower::is_internal(name.as_bytes())
     }
 
     /// Map a lower object into the table (one inode per lower object: hard links share it).
@@ -1491,7 +1491,7 @@ impl Core {
         let i = self.inode(ino)?;
         let mut entries = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
         if ino == 1 {
-            entries.retain(|(n, _, _)| n != MARKER.as_bytes());
+            entries.retain(|(n, _, _)| !crate::lower::is_internal(n));
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.dirs

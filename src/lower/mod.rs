@@ -7,12 +7,19 @@
 //! from the object's own `O_PATH` descriptor through `/proc/self/fd`, which refers to the
 //! object itself, not to any path.
 
+pub mod lease;
 pub mod real;
 
 pub use real::RealLower;
 
 /// The lower root marker that binds a PM region to this directory.
 pub const MARKER: &str = ".pmstack-id";
+
+/// pmstack's own files in the lower directory's root (the marker and the lease), which a
+/// mount does not show.
+pub fn is_internal(root_entry: &[u8]) -> bool {
+    root_entry == MARKER.as_bytes() || root_entry == lease::LEASE.as_bytes()
+}
 
 pub fn errno(e: i32) -> std::io::Error {
     std::io::Error::from_raw_os_error(e)

@@ -186,7 +186,7 @@ fn read_tree(root: &Path) -> Tree {
     let mut t = BTreeMap::new();
     for e in fs::read_dir(root).unwrap().flatten() {
         let n = e.file_name().to_string_lossy().to_string();
-        if n != crate::lower::MARKER {
+        if !crate::lower::is_internal(n.as_bytes()) {
             t.insert(
                 e.metadata().unwrap().ino(),
                 (n, fs::read(e.path()).unwrap()),
