@@ -83,6 +83,46 @@ impl Drop for Lower {
     }
 }
 
+/// Another node (a second client of the file system, with a /run/pmstack of its own) is
+/// refused while this one holds the lease: the file system itself enforces it.
+fn second_node_is_refused(l: &Lower) {
+    let dir = l.subdir("lease");
+    let mut m = common::Mount::new(Some(dir));
+    m.mount(&["--mode", "sync"]);
+    let out = Command::new(script())
+        .arg("mount2")
+        .arg(&l.dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "scripts/lowers mount2: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mnt2 = m.base.path().join("node2");
+    std::fs::create_dir_all(&mnt2).unwrap();
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount -t tmpfs pmstack-test /run/pmstack && \"$PMSTACK\" mount --pm /dev/shm/pmstack-test-node2-{}.pm {} {}",
+            std::process::id(),
+            l.dir.join("mnt2/lease").display(),
+            mnt2.display()
+        ))
+        .env("PMSTACK", common::bin())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(format!(
+        "/dev/shm/pmstack-test-node2-{}.pm",
+        std::process::id()
+    ));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second node mounted over a held lease");
+    assert!(err.contains("is in use by pmstack on host"), "{err}");
+    m.umount();
+    let _ = Command::new("umount").arg(l.dir.join("mnt2")).status();
+}
+
 fn all_over(kind: &str) {
     if !common::can_mount() {
         return;
@@ -91,6 +131,7 @@ fn all_over(kind: &str) {
         return;
     };
     common::remount::recover_after_client_remount(&l.mnt, &|| l.remount());
+    second_node_is_refused(&l);
     for mode in ["sync", "strict", "adaptive"] {
         common::model::run_mode(mode, Some(l.subdir(&format!("model-{mode}"))));
     }
