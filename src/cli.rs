@@ -588,6 +588,20 @@ fn mount_type(p: &Path) -> Option<String> {
         .find_map(|l| l.split(" - ").nth(1)?.split(' ').next().map(String::from))
 }
 
+/// The type of the file system `p` is on (`ext4`, `fuse.glusterfs`, …): the innermost mount
+/// containing it.
+fn fs_type_containing(p: &Path) -> Option<String> {
+    let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    s.lines()
+        .filter_map(|l| {
+            let m = PathBuf::from(l.split(' ').nth(4)?.replace("\\040", " "));
+            let t = l.split(" - ").nth(1)?.split(' ').next()?.to_string();
+            p.starts_with(&m).then_some((m, t))
+        })
+        .max_by_key(|(m, _)| m.as_os_str().len())
+        .map(|(_, t)| t)
+}
+
 /// The pmstack mount that `p` is in (stacking pmstack on itself is refused).
 fn pmstack_mount_containing(p: &Path) -> Option<PathBuf> {
     let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
@@ -1020,10 +1034,20 @@ fn mount(m: Mount) -> Result<()> {
         if let Err(e) = real.handle(real.root_fd(), 0) {
             bail!("lower {} does not support file handles ({e}); the PM modes need them to find files after a crash: use --mode passthrough", lower.display());
         }
+        // What holds on this lower and what falls back, said once at mount.
+        let mut notes = Vec::new();
         if !real.syncfs_reliable() {
+            notes.push("syncfs is not honoured there, so write-back fsyncs each changed object (slower write-back, same guarantees; `pmstack serve` is not available on it)");
+        }
+        if !real.handles_persistent() {
+            notes.push("its file handles do not survive a remount of its client, so recovery checks each object's inode number and, where a handle is stale, finds objects by scanning LOWER");
+        }
+        if !notes.is_empty() {
             warn_user(&format!(
-                "lower {} is a FUSE or network file system: syncfs is not honoured there, so write-back fsyncs each changed object (slower write-back, same guarantees); `pmstack serve` is not available on it",
-                lower.display()
+                "lower {} is on {}: {}",
+                lower.display(),
+                fs_type_containing(&lower).unwrap_or_else(|| "an unknown file system".into()),
+                notes.join("; ")
             ));
         }
         let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));

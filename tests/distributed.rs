@@ -117,7 +117,10 @@ fn second_node_is_refused(l: &Lower) {
         std::process::id()
     ));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a second node mounted over a held lease");
+    assert!(
+        !out.status.success(),
+        "a second node mounted over a held lease"
+    );
     assert!(err.contains("is in use by pmstack on host"), "{err}");
     m.umount();
     let _ = Command::new("umount").arg(l.dir.join("mnt2")).status();
