@@ -579,42 +579,46 @@ fn check_lower(lower: &Path) -> Result<PathBuf> {
 }
 
 /// The file system type mounted at `p` (last mount wins), if any.
-fn mount_type(p: &Path) -> Option<String> {
-    let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let want = p.to_string_lossy().replace(' ', "\\040");
-    s.lines()
-        .rev()
-        .filter(|l| l.split(' ').nth(4) == Some(want.as_str()))
-        .find_map(|l| l.split(" - ").nth(1)?.split(' ').next().map(String::from))
-}
-
-/// The type of the file system `p` is on (`ext4`, `fuse.glusterfs`, …): the innermost mount
-/// containing it.
-fn fs_type_containing(p: &Path) -> Option<String> {
-    let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
+/// The mounts of this process's namespace, in /proc/self/mountinfo order (later mounts
+/// over earlier ones): mount point and file system type (`ext4`, `fuse.pmstack`, …).
+fn mounts() -> Vec<(PathBuf, String)> {
+    let Ok(s) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
     s.lines()
         .filter_map(|l| {
             let m = PathBuf::from(l.split(' ').nth(4)?.replace("\\040", " "));
             let t = l.split(" - ").nth(1)?.split(' ').next()?.to_string();
-            p.starts_with(&m).then_some((m, t))
+            Some((m, t))
         })
-        .max_by_key(|(m, _)| m.as_os_str().len())
+        .collect()
+}
+
+/// The type of the file system mounted at `p` (the topmost mount there), if any.
+fn mount_type(p: &Path) -> Option<String> {
+    mounts()
+        .into_iter()
+        .rev()
+        .find(|(m, _)| m == p)
         .map(|(_, t)| t)
+}
+
+/// The innermost (and topmost) mount containing `p` whose type `want` accepts.
+fn mount_containing(p: &Path, want: impl Fn(&str) -> bool) -> Option<(PathBuf, String)> {
+    mounts()
+        .into_iter()
+        .filter(|(m, t)| p.starts_with(m) && want(t))
+        .max_by_key(|(m, _)| m.as_os_str().len())
+}
+
+/// The type of the file system `p` is on (`ext4`, `fuse.glusterfs`, …).
+fn fs_type_containing(p: &Path) -> Option<String> {
+    mount_containing(p, |_| true).map(|(_, t)| t)
 }
 
 /// The pmstack mount that `p` is in (stacking pmstack on itself is refused).
 fn pmstack_mount_containing(p: &Path) -> Option<PathBuf> {
-    let s = fs::read_to_string("/proc/self/mountinfo").ok()?;
-    s.lines()
-        .filter(|l| {
-            l.split(" - ")
-                .nth(1)
-                .is_some_and(|t| t.starts_with("fuse.pmstack "))
-        })
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|m| PathBuf::from(m.replace("\\040", " ")))
-        .filter(|m| p.starts_with(m))
-        .max_by_key(|m| m.as_os_str().len())
+    mount_containing(p, |t| t == "fuse.pmstack").map(|(m, _)| m)
 }
 
 fn dead_connection(e: &std::io::Error) -> bool {

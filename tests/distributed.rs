@@ -19,6 +19,16 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/lowers")
 }
 
+/// `scripts/lowers CMD ARG DIR`, which must succeed.
+fn lowers(args: &[&str], dir: &Path) {
+    let out = Command::new(script()).args(args).arg(dir).output().unwrap();
+    assert!(
+        out.status.success(),
+        "scripts/lowers {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 impl Lower {
     fn up(kind: &str) -> Option<Lower> {
         let tool = if kind == "glusterfs" {
@@ -42,31 +52,13 @@ impl Lower {
             .tempdir_in("/var/tmp")
             .unwrap()
             .keep();
-        let out = Command::new(script())
-            .args(["up", kind])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "scripts/lowers up {kind}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        lowers(&["up", kind], &dir);
         let mnt = dir.join("mnt");
         Some(Lower { dir, mnt })
     }
 
     fn remount(&self) {
-        let out = Command::new(script())
-            .arg("remount")
-            .arg(&self.dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "scripts/lowers remount: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        lowers(&["remount"], &self.dir);
     }
 
     /// A fresh directory on the distributed file system.
@@ -89,16 +81,7 @@ fn second_node_is_refused(l: &Lower) {
     let dir = l.subdir("lease");
     let mut m = common::Mount::new(Some(dir));
     m.mount(&["--mode", "sync"]);
-    let out = Command::new(script())
-        .arg("mount2")
-        .arg(&l.dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "scripts/lowers mount2: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    lowers(&["mount2"], &l.dir);
     let mnt2 = m.base.path().join("node2");
     std::fs::create_dir_all(&mnt2).unwrap();
     let out = Command::new("unshare")

@@ -985,8 +985,7 @@ fn tree(dir: &Path) -> (BTreeMap<String, u64>, Vec<String>) {
     while let Some(rel) = stack.pop() {
         for e in fs::read_dir(dir.join(&rel)).unwrap().flatten() {
             let n = e.file_name().to_string_lossy().to_string();
-            if rel.is_empty() && (n == ".pmstack-id" || n == ".pmstack-lease" || n == "lost+found")
-            {
+            if rel.is_empty() && (pmstack::lower::is_internal(n.as_bytes()) || n == "lost+found") {
                 continue;
             }
             let name = if rel.is_empty() {

@@ -778,7 +778,7 @@ impl Core {
         })
     }
 
-    /// Log the dirty bytes of `i` (from the shadow, else read back through handle `fh` or a
+    /// Log the dirty bytes of `i` (from their copy, else read back through handle `fh` or a
     /// descriptor of the object) and commit. False if PM is full or the bytes are unreadable:
     /// the caller falls back to the lower file system's fsync.
     fn log_dirty(&self, log: &Log, i: &Arc<Inode>, st: &mut FileState, fh: Option<u64>) -> bool {

@@ -69,7 +69,8 @@ impl Replayer<'_> {
             return Ok(Some(self.lower.root_fd()));
         }
         if !self.nodes.contains_key(&fid) {
-            let Some(h) = self.plan.binds.get(&fid) else {
+            let plan = self.plan;
+            let Some(h) = plan.binds.get(&fid) else {
                 return Ok(None);
             };
             // A transient failure (seen: ENOMEM from open_by_handle_at under concurrent
@@ -100,15 +101,12 @@ impl Replayer<'_> {
                 Err(e) if e.raw_os_error() == Some(libc::ESTALE) && self.handles_persistent => {
                     return Ok(None)
                 }
-                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {
-                    let h = h.clone();
-                    match self.find_by_ino(&h)? {
-                        Some(fd) => {
-                            self.nodes.insert(fid, fd);
-                        }
-                        None => return Ok(None),
+                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => match self.find_by_ino(h)? {
+                    Some(fd) => {
+                        self.nodes.insert(fid, fd);
                     }
-                }
+                    None => return Ok(None),
+                },
                 Err(e) => return Err(e),
             }
         }

@@ -15,16 +15,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::engine::format::PAGE;
 
 /// Most pages one object keeps a copy of (8 MiB), and all objects of a process (256 MiB).
-pub const COPY_PAGES_MAX_OBJECT: usize = 2048;
-pub const COPY_PAGES_MAX: usize = 65536;
+const COPY_PAGES_MAX_OBJECT: usize = 2048;
+const COPY_PAGES_MAX: usize = 65536;
 
 /// Pages held by every `Dirty` of this process.
 static COPY_PAGES: AtomicUsize = AtomicUsize::new(0);
-
-/// Pages of dirty-byte copies this process holds.
-pub fn copy_pages() -> usize {
-    COPY_PAGES.load(Ordering::Relaxed)
-}
 
 #[derive(Default, Debug)]
 pub struct Dirty {

@@ -169,7 +169,7 @@ pub fn tree(root: &Path) -> std::collections::BTreeMap<String, String> {
         for e in ents {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap().to_string_lossy().to_string();
-            if rel == ".pmstack-id" || rel == ".pmstack-lease" {
+            if pmstack::lower::is_internal(rel.as_bytes()) {
                 continue;
             }
             let md = fs::symlink_metadata(&p).unwrap();
@@ -272,7 +272,7 @@ pub fn snapshot(root: &Path) -> BTreeMap<String, Vec<u8>> {
     let mut m = BTreeMap::new();
     for e in fs::read_dir(root).unwrap().flatten() {
         let n = e.file_name().to_string_lossy().to_string();
-        if n == ".pmstack-id" || n == ".pmstack-lease" || n == "lost+found" {
+        if pmstack::lower::is_internal(n.as_bytes()) || n == "lost+found" {
             continue;
         }
         if e.file_type().unwrap().is_file() {
