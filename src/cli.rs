@@ -15,6 +15,7 @@ use pmstack::core::recover::{recover, RecoverySummary};
 use pmstack::core::{Core, Mode, Options};
 use pmstack::engine::format::PAGE;
 use pmstack::engine::{scan, Log};
+use pmstack::lower::creds::{self, Creds};
 use pmstack::lower::{lease, RealLower, MARKER};
 use pmstack::pmem::mapped::MappedRegion;
 use pmstack::pmem::{Durability, Pmem};
@@ -135,6 +136,12 @@ struct ServeArgs {
     /// what its PM log holds that is not in DIR yet (see docs/distributed.md).
     #[arg(long)]
     take_over: bool,
+    /// Serve the programs of this user (a name or uid) instead of root's: only their
+    /// processes may attach, the region and table become theirs, and recovery replays the
+    /// log with their rights. One daemon per user: the log cannot tell whose process wrote
+    /// a record.
+    #[arg(long, value_name = "USER")]
+    user: Option<String>,
     #[arg(long, default_value = "info")]
     log_level: String,
 }
@@ -750,7 +757,32 @@ fn open_region(
     real: &RealLower,
     take_over: bool,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
-    open_region_areas(pm, size, lower, real, 16, take_over)
+    open_region_areas(pm, size, lower, real, 16, take_over, None)
+}
+
+/// Whose region a command may open: the region file's owner is whose log it is
+/// (`lower::creds`). A region of the daemon's own user is opened as is; a region of another
+/// user only by a command that acts for that user (`serve --user`, `recover`), and its log
+/// is replayed with that user's rights.
+fn region_owner(pm: &Path, acting_for: Option<&Creds>) -> Result<Option<Creds>> {
+    use std::os::unix::fs::MetadataExt;
+    let owner = fs::metadata(pm)
+        .with_context(|| format!("PM region {}", pm.display()))?
+        .uid();
+    if owner == creds::euid() {
+        return Ok(None);
+    }
+    let who = creds::user_with_id(owner)?;
+    match acting_for {
+        Some(u) if u.uid == owner => Ok(Some(who)),
+        _ => bail!(
+            "PM region {} belongs to user {} (it was served with `--user {}`): its log may hold anything that user's programs wrote, so only `pmstack serve --user {}` or `pmstack recover` opens it (both replay it with that user's rights)",
+            pm.display(),
+            who.name,
+            who.name,
+            who.name
+        ),
+    }
 }
 
 /// `open_region`, formatting a new region with `areas` append areas (`serve` leases one to
@@ -762,11 +794,13 @@ fn open_region_areas(
     real: &RealLower,
     areas: u32,
     take_over: bool,
+    serve_user: Option<&Creds>,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     let fresh = !pm.exists();
     let had_marker = lower.join(MARKER).exists();
     let had_lease = lower.join(lease::LEASE).exists();
-    let r = open_region_inner(pm, size, lower, real, areas, fresh, take_over);
+    let new = NewRegion { size, areas };
+    let r = open_region_inner(pm, &new, lower, real, fresh, take_over, serve_user);
     if r.is_err() && !had_lease {
         let _ = fs::remove_file(lower.join(lease::LEASE));
     }
@@ -780,20 +814,29 @@ fn open_region_areas(
     r
 }
 
+/// What a region created by this start looks like.
+struct NewRegion {
+    size: u64,
+    /// Append areas (`serve` leases one to every attached process).
+    areas: u32,
+}
+
 fn open_region_inner(
     pm: &Path,
-    size: u64,
+    new: &NewRegion,
     lower: &Path,
     real: &RealLower,
-    areas: u32,
     fresh: bool,
     take_over: bool,
+    serve_user: Option<&Creds>,
 ) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
     if fresh {
         let id = lower_id(lower, true)?.expect("created");
-        let region = MappedRegion::create(pm, size)?;
-        Log::format(Arc::new(region), id, areas)?;
+        let region = MappedRegion::create(pm, new.size)?;
+        Log::format(Arc::new(region), id, new.areas)?;
     }
+    // Whose log this is (its owner's rights replay it), checked before anything is written.
+    let replay_as = region_owner(pm, serve_user)?;
     let lock = lock_region(pm)?;
     let region: Arc<dyn Pmem> = Arc::new(MappedRegion::open(pm, 0)?);
     let s = scan(&*region).map_err(|e| anyhow!("PM region {}: {e}", pm.display()))?;
@@ -850,11 +893,22 @@ fn open_region_inner(
             lower.display()
         );
         let show = n > 1000;
-        let sum = recover(&log, &s, real, &|d, t| {
+        let progress = |d, t| {
             if show && (d % 256 == 0 || d == t) {
                 eprint!("\rpmstack: recovery {d}/{t}");
             }
-        })
+        };
+        let sum = match &replay_as {
+            None => recover(&log, &s, real, &progress),
+            Some(u) => {
+                eprintln!(
+                    "pmstack: the region belongs to user {}: replaying its log with that user's rights",
+                    u.name
+                );
+                u.run(|| recover(&log, &s, real, &progress))
+                    .map_err(|e| anyhow!("replaying as user {}: {e}", u.name))?
+            }
+        }
         .map_err(|e| anyhow!("recovery of {} failed: {e}", pm.display()))?;
         if show {
             eprintln!();
@@ -889,6 +943,18 @@ fn open_region_inner(
         summary = Some(sum);
     } else {
         log.reset();
+    }
+    // A region this daemon's user owned, now served to another user: theirs from here on
+    // (what it held was replayed with the owner's rights above, and is gone).
+    if let (None, Some(u)) = (&replay_as, serve_user) {
+        if u.uid != creds::euid() {
+            rustix::fs::chown(
+                pm,
+                Some(rustix::fs::Uid::from_raw(u.uid)),
+                Some(rustix::fs::Gid::from_raw(u.gid)),
+            )
+            .with_context(|| format!("giving PM region {} to user {}", pm.display(), u.name))?;
+        }
     }
     log.set_clean(false);
     Ok((log, lock, summary))
@@ -1350,8 +1416,8 @@ fn umount(mp: &Path) -> Result<()> {
     }
     if let Some(pid) = pid {
         let t0 = Instant::now();
-        // SAFETY: kill with signal 0 only probes.
-        while unsafe { libc::kill(pid as i32, 0) } == 0 {
+        // Until it exits (a zombie has: its parent may be slow to reap it).
+        while pmstack::front::table::alive(pid) {
             if t0.elapsed() > Duration::from_secs(600) {
                 bail!("pmstack daemon {pid} is still draining the log after 10 minutes");
             }
@@ -1511,7 +1577,12 @@ fn recover_cmd(pm: &Path, lower: &Path) -> Result<()> {
         bail!("PM region {} does not exist", pm.display());
     }
     let real = RealLower::open(&lower)?;
-    let (log, _lock, sum) = open_region(pm, 0, &lower, &real, false)?;
+    // `recover` acts for whoever owns the region: its log is replayed with their rights.
+    let owner = {
+        use std::os::unix::fs::MetadataExt;
+        creds::user_with_id(fs::metadata(pm)?.uid())?
+    };
+    let (log, _lock, sum) = open_region_areas(pm, 0, &lower, &real, 16, false, Some(&owner))?;
     log.set_clean(true);
     match sum {
         Some(s) => println!(
@@ -1563,12 +1634,83 @@ fn stat(mp: &Path, json: bool) -> Result<()> {
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&v)?);
-    } else if let Some(m) = v.as_object() {
-        for (k, v) in m {
-            println!("{k:24} {v}");
-        }
+    } else {
+        print!("{}", human_stats(&v, 0));
     }
     Ok(())
+}
+
+/// `pmstack stat` for people: one counter per line, bytes and durations in units, nested
+/// groups indented, one line per attached process.
+fn human_stats(v: &serde_json::Value, indent: usize) -> String {
+    use serde_json::Value;
+    fn scalar(k: &str, v: &Value) -> String {
+        match (v, v.as_u64()) {
+            (_, Some(n)) if k.contains("bytes") => human_bytes(n),
+            (_, Some(n)) if k.ends_with("_us") => human_us(n),
+            (_, Some(n)) if k.ends_with("_ms") => human_us(n.saturating_mul(1000)),
+            (Value::String(s), _) => s.clone(),
+            (Value::Null, _) => "-".into(),
+            _ => v.to_string(),
+        }
+    }
+    let mut out = String::new();
+    let pad = " ".repeat(indent);
+    let Some(m) = v.as_object() else {
+        return format!("{pad}{v}\n");
+    };
+    for (k, v) in m {
+        match v {
+            Value::Object(_) => {
+                out += &format!("{pad}{k}:\n");
+                out += &human_stats(v, indent + 2);
+            }
+            Value::Array(a) if a.iter().all(|e| e.is_object()) => {
+                out += &format!("{pad}{k}: {}\n", a.len());
+                for e in a {
+                    let line: Vec<String> = e
+                        .as_object()
+                        .into_iter()
+                        .flatten()
+                        .map(|(k, v)| format!("{k} {}", scalar(k, v)))
+                        .collect();
+                    out += &format!("{pad}  - {}\n", line.join(", "));
+                }
+            }
+            _ => {
+                out += &format!(
+                    "{pad}{:width$} {}\n",
+                    k,
+                    scalar(k, v),
+                    width = 28usize.saturating_sub(indent)
+                )
+            }
+        }
+    }
+    out
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = n as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{x:.1} {}", UNITS[u])
+    }
+}
+
+fn human_us(us: u64) -> String {
+    match us {
+        0..=999 => format!("{us} µs"),
+        1000..=999_999 => format!("{:.1} ms", us as f64 / 1e3),
+        _ => format!("{:.2} s", us as f64 / 1e6),
+    }
 }
 
 // ---------------- demo ----------------
@@ -1715,6 +1857,10 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
     }
     let (sock, table, stats) = pmstack::front::paths(&root);
     check_previous(&table)?;
+    let user = match &a.user {
+        Some(u) => Some(creds::user_named(u).map_err(|e| anyhow!("--user {u}: {e}"))?),
+        None => None,
+    };
     let pm = a.pm.clone().unwrap_or_else(|| default_pm(&root));
     let real = RealLower::open(&root)?;
     if !real.syncfs_reliable() {
@@ -1729,6 +1875,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         &real,
         pmstack::engine::format::MAX_AREAS,
         a.take_over,
+        user.as_ref(),
     )?;
     if log.pm().durability() != Durability::PowerFailSafe {
         warn_user(&format!(
@@ -1756,6 +1903,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
             region: fs::canonicalize(&pm)?,
             flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
             early_bytes: region_bytes / 4,
+            user,
         },
     )?;
     let watch_stop = std::sync::atomic::AtomicBool::new(false);
@@ -1833,14 +1981,35 @@ fn run_cmd(a: RunArgs) -> Result<()> {
     let root = fs::canonicalize(&a.root).with_context(|| format!("--root {}", a.root.display()))?;
     let lib = preload_lib()?;
     let (sock, _, stats) = pmstack::front::paths(&root);
-    let conn = std::os::unix::net::UnixStream::connect(&sock);
+    // Ask the daemon whether this user may attach (it answers `ok` or `refused WHY`).
+    let conn = std::os::unix::net::UnixStream::connect(&sock).and_then(|mut c| {
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        c.write_all(b"probe\n")?;
+        let mut answer = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(c), &mut answer)?;
+        match answer.strip_prefix("refused ") {
+            Some(why) => Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                why.trim().to_string(),
+            )),
+            None if answer.trim() == "ok" => Ok(()),
+            None => Err(std::io::Error::other("the daemon did not answer")),
+        }
+    });
     let served = conn.is_ok();
     // Why there is no daemon to attach to, as precisely as the error tells.
+    let me = creds::user_with_id(creds::euid())
+        .map(|u| u.name)
+        .unwrap_or_default();
     let why = match &conn {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && e.raw_os_error().is_none() => {
+            e.to_string()
+        }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => format!(
-            "the pmstack daemon of {} does not let this user attach (permission denied on {}): the PM region holds file data, so only the daemon's user may attach",
+            "the pmstack daemon of {} does not serve user {me} (permission denied on {}): its PM log holds file data, so a daemon serves one user's programs; if {me}'s programs own that directory, serve it with `pmstack serve {} --user {me}` instead",
             root.display(),
-            sock.display()
+            sock.display(),
+            root.display()
         ),
         _ => format!(
             "no pmstack daemon serves {} (start `pmstack serve {}`)",

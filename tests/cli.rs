@@ -676,3 +676,78 @@ fn a_second_node_is_refused_and_a_crashed_nodes_log_is_not_replayed_over_a_take_
     assert!(err.contains("was taken over by"), "{err}");
     let _ = fs::remove_file(&other_pm);
 }
+
+/// The dummy user `tests` (CI creates it: `.ci/run`); None outside CI when it is missing.
+fn user_tests() -> Option<pmstack::lower::creds::Creds> {
+    match pmstack::lower::creds::user_named("tests") {
+        Ok(u) => Some(u),
+        Err(e) => {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI needs the user `tests` (useradd -M tests): {e}"
+            );
+            eprintln!("SKIPPED: no user `tests`");
+            None
+        }
+    }
+}
+
+#[test]
+fn a_users_log_is_replayed_with_that_users_rights() {
+    if !common::can_mount() {
+        return;
+    }
+    let Some(u) = user_tests() else { return };
+    let chown = |p: &Path, uid: u32, gid: u32| {
+        rustix::fs::chown(
+            p,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        )
+        .unwrap()
+    };
+    let mut m = common::Mount::new(None);
+    chown(&m.lower, u.uid, u.gid);
+    fs::write(m.lower.join("roots"), b"safe....").unwrap();
+    fs::write(m.lower.join("theirs"), b"safe....").unwrap();
+    chown(&m.lower.join("theirs"), u.uid, u.gid);
+    m.mount(&["--mode", "sync"]);
+    for f in ["roots", "theirs"] {
+        let h = fs::OpenOptions::new()
+            .write(true)
+            .open(m.mnt.join(f))
+            .unwrap();
+        h.write_all_at(b"LOGGED!!", 0).unwrap();
+        h.sync_all().unwrap();
+    }
+    m.kill9();
+    // As if the lower's page cache had been lost with the machine: only the log has them.
+    for f in ["roots", "theirs"] {
+        fs::write(m.lower.join(f), b"safe....").unwrap();
+    }
+    // The region now belongs to `tests` (as after `serve --user tests`): its log may hold
+    // anything that user's programs wrote, so it is replayed with that user's rights.
+    chown(&m.pm, u.uid, u.gid);
+    let pm = m.pm.to_str().unwrap().to_string();
+    let lower = m.lower.to_str().unwrap().to_string();
+    let mnt = m.mnt.to_str().unwrap().to_string();
+    let (ok, err) = run(&["mount", "--pm", &pm, &lower, &mnt]);
+    assert!(!ok, "a mount opened a region that belongs to another user");
+    assert!(err.contains("belongs to user tests"), "{err}");
+    let (ok, err) = run(&["recover", "--pm", &pm, &lower]);
+    assert!(!ok, "the user's log changed a file of root's: {err}");
+    assert!(err.contains("with that user's rights"), "{err}");
+    assert!(err.contains("ermission denied"), "{err}");
+    assert_eq!(fs::read(m.lower.join("roots")).unwrap(), b"safe....");
+    assert!(
+        m.check_json()["live_entries"].as_u64().unwrap_or(0) > 0,
+        "the log was discarded"
+    );
+    // Root's own region: the same log is replayed in full.
+    chown(&m.pm, 0, 0);
+    let (ok, err) = run(&["recover", "--pm", &pm, &lower]);
+    assert!(ok, "{err}");
+    for f in ["roots", "theirs"] {
+        assert_eq!(fs::read(m.lower.join(f)).unwrap(), b"LOGGED!!", "{f}");
+    }
+}

@@ -78,7 +78,7 @@ impl Replayer<'_> {
             let mut r = self.lower.open_handle(h);
             for _ in 0..3 {
                 match &r {
-                    Err(e) if e.raw_os_error() != Some(libc::ESTALE) => {
+                    Err(e) if !matches!(e.raw_os_error(), Some(libc::ESTALE | libc::EPERM)) => {
                         std::thread::sleep(std::time::Duration::from_millis(5));
                         r = self.lower.open_handle(h);
                     }
@@ -101,12 +101,17 @@ impl Replayer<'_> {
                 Err(e) if e.raw_os_error() == Some(libc::ESTALE) && self.handles_persistent => {
                     return Ok(None)
                 }
-                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => match self.find_by_ino(h)? {
-                    Some(fd) => {
-                        self.nodes.insert(fid, fd);
+                // Stale where handles do not survive a remount, or not allowed: recovery runs
+                // without CAP_DAC_READ_SEARCH when it replays a user's log with that user's
+                // rights (`lower::creds`). Either way the object is found by inode number.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ESTALE | libc::EPERM)) => {
+                    match self.find_by_ino(h)? {
+                        Some(fd) => {
+                            self.nodes.insert(fid, fd);
+                        }
+                        None => return Ok(None),
                     }
-                    None => return Ok(None),
-                },
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -639,8 +644,10 @@ pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), String
         Ok(_) => Err("the log's file handles name objects of another directory on this file system: this lower directory is a copy of (or other than) the one the log was written for; recover onto the original directory".into()),
         // A FUSE or network client remounted since: its handles are stale, but the root has
         // the inode number it had; objects are found again by theirs (`find_by_ino`).
-        Err(_)
-            if !lower.handles_persistent()
+        // Likewise when recovery may not open by handle (it replays a user's log with that
+        // user's rights, `lower::creds`).
+        Err(e)
+            if (!lower.handles_persistent() || e.raw_os_error() == Some(libc::EPERM))
                 && real::split_identity(h).0 == Some(root.st_ino) =>
         {
             Ok(())

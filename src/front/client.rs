@@ -103,6 +103,12 @@ impl Client {
         let mut s = UnixStream::connect(sock)?;
         writeln!(s, "attach {}", my_pid())?;
         let (line, group) = recv_hello(&s)?;
+        if let Some(why) = line.strip_prefix("refused ") {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                why.trim().to_string(),
+            ));
+        }
         let hello: Hello = serde_json::from_str(line.trim())
             .map_err(|e| bad(format!("bad hello from daemon: {e}")))?;
         let mut c = Self::attach(&hello)?;

@@ -21,6 +21,7 @@ use super::client::Hello;
 use super::table::*;
 use super::watch::{self, Group, OpenEvent};
 use crate::engine::Log;
+use crate::lower::creds::{self, Creds};
 use crate::lower::RealLower;
 use parking_lot::Mutex;
 
@@ -38,6 +39,8 @@ pub struct ServeOpts {
     pub flush_interval: Duration,
     /// Write back early once this many bytes were logged since the last write-back.
     pub early_bytes: u64,
+    /// The user whose processes may attach (`serve --user`); None: the daemon's own user.
+    pub user: Option<Creds>,
 }
 
 #[derive(Default)]
@@ -47,6 +50,8 @@ pub struct ServeStats {
     pub writeback_us: AtomicU64,
     pub leases_reclaimed: AtomicU64,
     pub attaches: AtomicU64,
+    /// Connections of users the daemon does not serve.
+    pub attaches_refused: AtomicU64,
     /// Opens of watched objects the daemon answered.
     pub watched_opens: AtomicU64,
     /// Write opens by processes that are not attached (at open, or found by a scan).
@@ -137,8 +142,9 @@ impl Daemon {
         } else {
             None
         };
+        let owner = opts.user.as_ref().map(|u| (u.uid, u.gid));
         let table = Arc::new(
-            Table::create(table_path, DEFAULT_SLOTS)
+            Table::create(table_path, DEFAULT_SLOTS, owner)
                 .with_context(|| format!("creating {}", table_path.display()))?,
         );
         table
@@ -165,6 +171,25 @@ impl Daemon {
         }
         let _ = std::fs::remove_file(sock);
         let l = UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?;
+        // Only the served user may connect (the kernel checks the socket file; the daemon
+        // checks the peer again below, and says why it refuses).
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(sock, std::fs::Permissions::from_mode(0o600))?;
+            if let Some(u) = &self.opts.user {
+                rustix::fs::chown(
+                    sock,
+                    Some(rustix::fs::Uid::from_raw(u.uid)),
+                    Some(rustix::fs::Gid::from_raw(u.gid)),
+                )
+                .with_context(|| format!("giving {} to user {}", sock.display(), u.name))?;
+            }
+        }
+        let (allowed_uid, allowed_name) = match &self.opts.user {
+            Some(u) => (u.uid, u.name.clone()),
+            None => (creds::euid(), creds::user_with_id(creds::euid())?.name),
+        };
+        let root = self.opts.root.clone();
         let hello = serde_json::to_string(&Hello {
             root: self.opts.root.clone(),
             region: self.opts.region.clone(),
@@ -180,6 +205,19 @@ impl Daemon {
                     let hello = hello.clone();
                     let stats = stats.clone();
                     let group = group.clone();
+                    let refusal = match rustix::net::sockopt::socket_peercred(&c) {
+                        Ok(p) if p.uid.as_raw() == allowed_uid => None,
+                        Ok(p) => {
+                            let who = creds::user_with_id(p.uid.as_raw())
+                                .map_or_else(|_| p.uid.as_raw().to_string(), |u| u.name);
+                            Some(format!(
+                                "the pmstack daemon of {} serves the programs of user {allowed_name} only, not {who}'s (its PM log holds their file data and is replayed with their rights); if {who}'s programs own that directory, serve it with `pmstack serve {} --user {who}` instead",
+                                root.display(),
+                                root.display()
+                            ))
+                        }
+                        Err(e) => Some(format!("cannot identify the connecting process: {e}")),
+                    };
                     let _ = std::thread::Builder::new()
                         .name("pmstack-client".into())
                         .spawn(move || {
@@ -188,7 +226,24 @@ impl Daemon {
                                 Err(_) => return,
                             });
                             let mut line = String::new();
-                            if r.read_line(&mut line).is_err() || !line.starts_with("attach ") {
+                            // Nothing said (a liveness check): nothing to answer.
+                            if r.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if let Some(why) = &refusal {
+                                stats.attaches_refused.fetch_add(1, Ordering::Relaxed);
+                                let _ = std::io::Write::write_all(
+                                    &mut &c,
+                                    format!("refused {why}\n").as_bytes(),
+                                );
+                                return;
+                            }
+                            // `pmstack run` asks before it starts the program.
+                            if line.trim() == "probe" {
+                                let _ = std::io::Write::write_all(&mut &c, b"ok\n");
+                                return;
+                            }
+                            if !line.starts_with("attach ") {
                                 return;
                             }
                             let pid = line[7..].trim().to_string();
@@ -548,22 +603,26 @@ impl Daemon {
 
     pub fn stats_json(&self) -> serde_json::Value {
         let s = &self.stats;
+        let counters = |c: &[u64; PROC_WORDS]| {
+            serde_json::json!({
+                "absorbed_fsync": c[P_ABSORBED_FSYNC],
+                "absorbed_osync": c[P_ABSORBED_OSYNC],
+                "eager_writes": c[P_EAGER_WRITES],
+                "bytes_logged": c[P_BYTES_LOGGED],
+                "real_syncs": c[P_FALLBACKS],
+                "ns_ops": c[P_NS_OPS],
+                "absorbed_dir_fsync": c[P_DIR_FSYNC],
+                "ns_write_backs": c[P_NS_SYNCS],
+            })
+        };
         let procs: Vec<serde_json::Value> = self
             .table
             .procs()
             .into_iter()
             .map(|(pid, c)| {
-                serde_json::json!({
-                    "pid": pid,
-                    "absorbed_fsync": c[P_ABSORBED_FSYNC],
-                    "absorbed_osync": c[P_ABSORBED_OSYNC],
-                    "eager_writes": c[P_EAGER_WRITES],
-                    "bytes_logged": c[P_BYTES_LOGGED],
-                    "real_syncs": c[P_FALLBACKS],
-                    "ns_ops": c[P_NS_OPS],
-                    "absorbed_dir_fsync": c[P_DIR_FSYNC],
-                    "ns_write_backs": c[P_NS_SYNCS],
-                })
+                let mut v = counters(&c);
+                v["pid"] = pid.into();
+                v
             })
             .collect();
         let claimed = self.log.leases().iter().filter(|&&(_, o)| o != 0).count();
@@ -571,8 +630,11 @@ impl Daemon {
             "pid": my_pid(),
             "root": self.opts.root,
             "pm": self.opts.region,
+            "user": self.opts.user.as_ref().map_or_else(|| creds::user_with_id(creds::euid()).map(|u| u.name).unwrap_or_default(), |u| u.name.clone()),
+            "totals": counters(&self.table.totals()),
             "attached": procs,
             "attaches": s.attaches.load(Ordering::Relaxed),
+            "attaches_refused": s.attaches_refused.load(Ordering::Relaxed),
             "writebacks": s.writebacks.load(Ordering::Relaxed),
             "writeback_errors": s.writeback_errors.load(Ordering::Relaxed),
             "writeback_us": s.writeback_us.load(Ordering::Relaxed),

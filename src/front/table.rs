@@ -47,6 +47,10 @@ pub const H_NS_LOCK: usize = 10;
 pub const H_CKPT_BUSY: usize = 11;
 pub const H_RING: usize = 16;
 pub const RING: usize = 32;
+/// Counters of processes that detached or died, summed when their record was reused (word
+/// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
+/// the records in use.
+pub const H_RETIRED: usize = 48;
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
 pub const PROCS_AT: usize = 64;
@@ -69,6 +73,18 @@ pub const P_EXE: usize = 7;
 pub const P_NS_OPS: usize = 8;
 pub const P_DIR_FSYNC: usize = 9;
 pub const P_NS_SYNCS: usize = 10;
+/// The process words that count (summed into `H_RETIRED` when a record is reused).
+pub const COUNTERS: [usize; 8] = [
+    P_ABSORBED_FSYNC,
+    P_ABSORBED_OSYNC,
+    P_BYTES_LOGGED,
+    P_FALLBACKS,
+    P_EAGER_WRITES,
+    P_NS_OPS,
+    P_DIR_FSYNC,
+    P_NS_SYNCS,
+];
+const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
 
 /// Slots start at this word; each has `SLOT_WORDS` words.
 pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
@@ -151,7 +167,16 @@ pub fn alive(pid: u64) -> bool {
     }
     // SAFETY: signal 0 only checks existence.
     let r = unsafe { libc::kill(pid as i32, 0) };
-    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let exists = r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    // A killed process stays a zombie until its parent reaps it: it holds nothing any more.
+    exists
+        && !std::fs::read(format!("/proc/{pid}/stat")).is_ok_and(|st| {
+            let state = st
+                .iter()
+                .rposition(|&b| b == b')')
+                .and_then(|i| st.get(i + 2));
+            matches!(state, Some(b'Z' | b'X'))
+        })
 }
 
 static PID: AtomicU64 = AtomicU64::new(0);
@@ -178,7 +203,8 @@ pub fn forget_pid() {
 impl Table {
     /// Create a fresh table (the daemon), replacing any file at `path` (a new inode: processes
     /// still mapping the old one keep seeing it, with `H_RUNNING` 0).
-    pub fn create(path: &Path, nslots: usize) -> io::Result<Table> {
+    /// `owner` (uid, gid): the served user, who must map it too.
+    pub fn create(path: &Path, nslots: usize, owner: Option<(u32, u32)>) -> io::Result<Table> {
         let tmp = path.with_extension("new");
         let _ = std::fs::remove_file(&tmp);
         let f = OpenOptions::new()
@@ -187,6 +213,13 @@ impl Table {
             .create_new(true)
             .mode(0o600)
             .open(&tmp)?;
+        if let Some((uid, gid)) = owner {
+            rustix::fs::fchown(
+                &f,
+                Some(rustix::fs::Uid::from_raw(uid)),
+                Some(rustix::fs::Gid::from_raw(gid)),
+            )?;
+        }
         let words = SLOTS_AT + nslots * SLOT_WORDS;
         f.set_len((words * 8) as u64)?;
         let t = Self::map(f, words)?;
@@ -354,9 +387,15 @@ impl Table {
                 && w.compare_exchange(cur, pid, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
             {
+                // The previous holder's counters go to the totals (it can no longer count:
+                // it is gone, and the record is ours now).
                 for k in 1..PROC_WORDS {
-                    self.w(PROCS_AT + i * PROC_WORDS + k)
-                        .store(0, Ordering::Relaxed);
+                    let v = self
+                        .w(PROCS_AT + i * PROC_WORDS + k)
+                        .swap(0, Ordering::AcqRel);
+                    if cur != 0 && COUNTERS.contains(&k) {
+                        self.w(H_RETIRED + k).fetch_add(v, Ordering::AcqRel);
+                    }
                 }
                 return Some(i);
             }
@@ -366,6 +405,20 @@ impl Table {
 
     pub fn proc_word(&self, rec: usize, k: usize) -> &AtomicU64 {
         self.w(PROCS_AT + rec * PROC_WORDS + k)
+    }
+
+    /// Every process's counters since the table was made, the exited ones' included.
+    pub fn totals(&self) -> [u64; PROC_WORDS] {
+        let mut t = [0u64; PROC_WORDS];
+        for &k in &COUNTERS {
+            t[k] = self.w(H_RETIRED + k).load(Ordering::Acquire);
+            for i in 0..MAX_PROCS {
+                if self.proc_word(i, P_PID).load(Ordering::Acquire) != 0 {
+                    t[k] += self.proc_word(i, k).load(Ordering::Relaxed);
+                }
+            }
+        }
+        t
     }
 
     /// Attached processes that are still alive: (pid, counters).
@@ -511,7 +564,7 @@ mod tests {
     fn slots_are_found_again_and_a_dead_owners_lock_is_taken_over() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("t");
-        let t = Table::create(&p, 64).unwrap();
+        let t = Table::create(&p, 64, None).unwrap();
         let a = t.find_or_insert(1, 100).unwrap();
         let b = t.find_or_insert(1, 101).unwrap();
         assert_ne!(a, b);
@@ -531,8 +584,38 @@ mod tests {
         s.clear_lazy(Some(10));
         assert!(!s.others_lazy(11, 0));
         // A full table says so.
-        let full = Table::create(&d.path().join("f"), 2).unwrap();
+        let full = Table::create(&d.path().join("f"), 2, None).unwrap();
         assert!(full.find_or_insert(1, 1).is_some() && full.find_or_insert(1, 2).is_some());
         assert!(full.find_or_insert(1, 3).is_none());
+    }
+
+    #[test]
+    fn totals_keep_the_counts_of_processes_whose_record_was_reused() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Table::create(&d.path().join("t"), 8, None).unwrap();
+        let gone = i32::MAX as u64 - 9;
+        assert!(!alive(gone));
+        // Fill every record with processes that are gone, each with counts.
+        for i in 0..MAX_PROCS {
+            t.proc_word(i, P_PID).store(gone, Ordering::Relaxed);
+            t.proc_word(i, P_ABSORBED_FSYNC).store(2, Ordering::Relaxed);
+            t.proc_word(i, P_BYTES_LOGGED)
+                .store(4096, Ordering::Relaxed);
+            t.proc_word(i, P_START).store(77, Ordering::Relaxed);
+        }
+        let before = t.totals();
+        assert_eq!(before[P_ABSORBED_FSYNC], 2 * MAX_PROCS as u64);
+        assert_eq!(before[P_START], 0, "not a counter");
+        // A new process takes a record over: the totals stay, its own counts add.
+        let rec = t.register(my_pid()).unwrap();
+        assert_eq!(
+            t.proc_word(rec, P_ABSORBED_FSYNC).load(Ordering::Relaxed),
+            0
+        );
+        assert_eq!(t.totals(), before);
+        t.proc_word(rec, P_ABSORBED_FSYNC)
+            .fetch_add(5, Ordering::Relaxed);
+        assert_eq!(t.totals()[P_ABSORBED_FSYNC], before[P_ABSORBED_FSYNC] + 5);
+        assert_eq!(t.totals()[P_BYTES_LOGGED], before[P_BYTES_LOGGED]);
     }
 }

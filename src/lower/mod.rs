@@ -7,6 +7,7 @@
 //! from the object's own `O_PATH` descriptor through `/proc/self/fd`, which refers to the
 //! object itself, not to any path.
 
+pub mod creds;
 pub mod lease;
 pub mod real;
 
