@@ -142,6 +142,9 @@ struct ServeArgs {
     /// a record.
     #[arg(long, value_name = "USER")]
     user: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9465 (default off).
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<String>,
     #[arg(long, default_value = "info")]
     log_level: String,
 }
@@ -1284,7 +1287,8 @@ fn serve(
                 for req in server.incoming_requests() {
                     let path = req.url().split('?').next().unwrap_or("");
                     let resp = if path == "/metrics" && *req.method() == tiny_http::Method::Get {
-                        let body = pmstack::metrics::render(&stats_json(&c, &sum), &c.latency);
+                        let body =
+                            pmstack::metrics::render(&stats_json(&c, &sum), Some(&c.latency));
                         tiny_http::Response::from_string(body).with_header(
                             tiny_http::Header::from_bytes(
                                 &b"Content-Type"[..],
@@ -1861,6 +1865,14 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         Some(u) => Some(creds::user_named(u).map_err(|e| anyhow!("--user {u}: {e}"))?),
         None => None,
     };
+    // Bound before anything else happens, so that a taken port fails cleanly.
+    let metrics = match &a.metrics_addr {
+        Some(addr) => Some(
+            tiny_http::Server::http(addr.as_str())
+                .map_err(|e| anyhow!("--metrics-addr {addr}: cannot listen ({e}); choose another port or leave metrics off"))?,
+        ),
+        None => None,
+    };
     let pm = a.pm.clone().unwrap_or_else(|| default_pm(&root));
     let real = RealLower::open(&root)?;
     if !real.syncfs_reliable() {
@@ -1904,12 +1916,36 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
             flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
             early_bytes: region_bytes / 4,
             user,
+            recovery: serde_json::to_value(&sum).unwrap_or_default(),
         },
     )?;
     let watch_stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|sc| -> Result<()> {
         // Answers opens of watched files until after the last write-back.
         sc.spawn(|| d.watch_opens(&watch_stop));
+        if let Some(server) = &metrics {
+            sc.spawn(|| {
+                while !watch_stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(200)) else {
+                        continue;
+                    };
+                    let path = req.url().split('?').next().unwrap_or("");
+                    let resp = if path == "/metrics" && *req.method() == tiny_http::Method::Get {
+                        tiny_http::Response::from_string(d.metrics()).with_header(
+                            tiny_http::Header::from_bytes(
+                                &b"Content-Type"[..],
+                                &b"text/plain; version=0.0.4; charset=utf-8"[..],
+                            )
+                            .expect("static header"),
+                        )
+                    } else {
+                        tiny_http::Response::from_string("pmstack: metrics are at /metrics\n")
+                            .with_status_code(404)
+                    };
+                    let _ = req.respond(resp);
+                }
+            });
+        }
         let r = serve_loop(&d, &root, &pm, &sock, &table, &stats, &stop);
         watch_stop.store(true, std::sync::atomic::Ordering::Relaxed);
         r

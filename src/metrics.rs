@@ -20,7 +20,14 @@ const GAUGES: &[&str] = &[
     "adaptive_blocks_lazy",
     "adaptive_prediction_hit_rate",
     "open_inodes",
+    "areas_leased",
+    "attached_processes",
+    "lsn",
+    "checkpoint_lsn",
 ];
+
+/// Keys that are identities, not measurements.
+const NOT_METRICS: &[&str] = &["pid"];
 
 fn help(key: &str) -> &'static str {
     match key {
@@ -62,8 +69,9 @@ fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// Render the stats map (as `pmstack stat --json` prints it) and the latency histograms.
-pub fn render(stats: &serde_json::Value, latency: &Latency) -> String {
+/// Render the stats map (as `pmstack stat --json` prints it) and the FUSE request latency
+/// histograms (a mount's; `pmstack serve` has no requests of its own to time).
+pub fn render(stats: &serde_json::Value, latency: Option<&Latency>) -> String {
     let mut out = String::new();
     let empty = serde_json::Map::new();
     let m = stats.as_object().unwrap_or(&empty);
@@ -81,6 +89,9 @@ pub fn render(stats: &serde_json::Value, latency: &Latency) -> String {
     );
     for (k, v) in m {
         let Some(x) = v.as_f64() else { continue };
+        if NOT_METRICS.contains(&k.as_str()) {
+            continue;
+        }
         if GAUGES.contains(&k.as_str()) {
             let _ = writeln!(out, "# HELP pmstack_{k} {}.", help(k));
             let _ = writeln!(out, "# TYPE pmstack_{k} gauge");
@@ -95,7 +106,13 @@ pub fn render(stats: &serde_json::Value, latency: &Latency) -> String {
             let _ = writeln!(out, "pmstack_{k}_total {x}");
         }
     }
-    if let Some(r) = m.get("recovery").and_then(|v| v.as_object()) {
+    // Exported as 0 before any recovery happened, so that dashboards and alerts see them.
+    {
+        let none = serde_json::Map::new();
+        let r = m
+            .get("recovery")
+            .and_then(|v| v.as_object())
+            .unwrap_or(&none);
         let g = |name: &str, help: &str, v: f64, out: &mut String| {
             let _ = writeln!(out, "# HELP pmstack_{name} {help}.");
             let _ = writeln!(out, "# TYPE pmstack_{name} gauge");
@@ -104,29 +121,32 @@ pub fn render(stats: &serde_json::Value, latency: &Latency) -> String {
         let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
         g(
             "recovery_duration_seconds",
-            "Duration of the recovery run at mount",
+            "Duration of the recovery run at start (0: none was needed)",
             f("duration_ms") / 1e3,
             &mut out,
         );
         g(
             "recovery_file_ops",
-            "Data and attribute records replayed at mount",
+            "Data and attribute records replayed at start",
             f("file_ops"),
             &mut out,
         );
         g(
             "recovery_namespace_ops",
-            "Namespace records evaluated at mount",
+            "Namespace records evaluated at start",
             f("namespace_ops"),
             &mut out,
         );
         g(
             "recovery_bytes",
-            "Bytes replayed onto the lower file system at mount",
+            "Bytes replayed onto the lower file system at start",
             f("bytes_replayed"),
             &mut out,
         );
     }
+    let Some(latency) = latency else {
+        return out;
+    };
     let name = "pmstack_request_duration_seconds";
     let _ = writeln!(
         out,
@@ -176,7 +196,7 @@ mod tests {
             "pm_bytes_used": 8192, "adaptive_prediction_hit_rate": 0.75,
             "recovery": {"duration_ms": 12, "file_ops": 3, "namespace_ops": 2, "bytes_replayed": 4096, "namespace_skipped": 0},
         });
-        let text = render(&stats, &lat);
+        let text = render(&stats, Some(&lat));
         let lines = text.lines().map(|l| Ok(l.to_string()));
         let scrape = prometheus_parse::Scrape::parse(lines).expect("parsable");
         let get = |n: &str| {
@@ -220,5 +240,21 @@ mod tests {
             }
             o => panic!("not a histogram: {o:?}"),
         }
+    }
+
+    #[test]
+    fn recovery_metrics_are_zero_before_any_recovery_and_serve_renders_without_histograms() {
+        let stats = serde_json::json!({"pid": 42, "writebacks": 3, "lsn": 9});
+        let text = render(&stats, None);
+        let lines = text.lines().map(|l| Ok(l.to_string()));
+        let scrape = prometheus_parse::Scrape::parse(lines).expect("parsable");
+        let has = |n: &str| scrape.samples.iter().any(|s| s.metric == n);
+        assert!(has("pmstack_recovery_duration_seconds"), "{text}");
+        assert!(has("pmstack_recovery_bytes"), "{text}");
+        assert!(
+            has("pmstack_writebacks_total") && has("pmstack_lsn"),
+            "{text}"
+        );
+        assert!(!has("pmstack_pid_total") && !has("pmstack_request_duration_seconds"));
     }
 }

@@ -462,3 +462,61 @@ fn remount_after_kill9_detaches_the_dead_mount_and_recovers() {
         b"acknowledged before the crash"
     );
 }
+
+#[test]
+fn serve_metrics_count_every_attached_process_and_export_recovery_from_the_start() {
+    if !can_mount() {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    let pm = d.path().join("r.pm");
+    let serve = common::start_serve(&root, &pm, &["--metrics-addr", &addr]);
+    let parse = |body: &str| {
+        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+            .expect("parsable Prometheus text")
+    };
+    let (code, body) = scrape(&addr, "/metrics");
+    assert_eq!(code, 200);
+    let before = parse(&body);
+    // Recovery metrics exist (as 0) although no recovery happened.
+    assert_eq!(sample(&before, "pmstack_recovery_file_ops", None), 0.0);
+    // Two programs, each 25 write+fsync, both gone before the scrape.
+    for k in 0..2 {
+        let out = Command::new(bin())
+            .args(["run", "--require-daemon", "--root"])
+            .arg(&root)
+            .args(["--", "python3", "-c"])
+            .arg(format!(
+                "import os\nf=os.open('{}/f{k}', os.O_CREAT|os.O_WRONLY, 0o644)\nfor i in range(25):\n  os.pwrite(f, b'x'*4096, i*4096); os.fsync(f)\n",
+                root.display()
+            ))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (_, body) = scrape(&addr, "/metrics");
+    let after = parse(&body);
+    let d = |n: &str| sample(&after, n, None) - sample(&before, n, None);
+    // Every fsync is counted once: absorbed or real.
+    assert_eq!(
+        d("pmstack_absorbed_fsync_total") + d("pmstack_real_syncs_total"),
+        50.0,
+        "{body}"
+    );
+    assert!(d("pmstack_absorbed_fsync_total") >= 48.0, "{body}");
+    assert!(d("pmstack_bytes_logged_total") >= 48.0 * 4096.0, "{body}");
+    assert_eq!(scrape(&addr, "/other").0, 404);
+    common::stop_serve(serve);
+}

@@ -41,6 +41,8 @@ pub struct ServeOpts {
     pub early_bytes: u64,
     /// The user whose processes may attach (`serve --user`); None: the daemon's own user.
     pub user: Option<Creds>,
+    /// What the recovery at start did (null: the region was clean).
+    pub recovery: serde_json::Value,
 }
 
 #[derive(Default)]
@@ -648,6 +650,24 @@ impl Daemon {
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),
+            "recovery": self.opts.recovery,
         })
+    }
+
+    /// The stats as Prometheus metrics: the totals of every process that attached, and the
+    /// daemon's own counters.
+    pub fn metrics(&self) -> String {
+        let mut v = self.stats_json();
+        if let Some(m) = v.as_object_mut() {
+            let attached = m
+                .remove("attached")
+                .and_then(|a| a.as_array().map(|a| a.len()))
+                .unwrap_or(0);
+            m.insert("attached_processes".into(), attached.into());
+            if let Some(serde_json::Value::Object(t)) = m.remove("totals") {
+                m.extend(t);
+            }
+        }
+        crate::metrics::render(&v, None)
     }
 }
