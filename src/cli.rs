@@ -3,6 +3,7 @@
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -705,6 +706,7 @@ fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File> {
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o644)
         .open(&p)
         .map_err(|e| {
             anyhow!(
@@ -927,9 +929,11 @@ fn open_region_inner(
             ));
             let saved = fs::create_dir_all(dir)
                 .and_then(|_| {
-                    pmstack::lower::write_atomic(
+                    // It holds file data: root's only.
+                    pmstack::lower::write_atomic_mode(
                         &file,
                         &serde_json::to_string_pretty(&sum.unplaced).unwrap_or_default(),
+                        0o600,
                     )
                 })
                 .map_or_else(
@@ -1251,6 +1255,7 @@ fn serve(
             let logf = fs::OpenOptions::new()
                 .create(true)
                 .append(true)
+                .mode(0o640)
                 .open(state.with_extension("log"));
             // SAFETY: dup2 onto the standard descriptors.
             unsafe {
@@ -1429,6 +1434,11 @@ fn umount(mp: &Path) -> Result<()> {
         }
         let stats = fs::read_to_string(state.with_extension("stats")).unwrap_or_default();
         let _ = fs::remove_file(state.with_extension("stats"));
+        // The daemon's log file, unless it has something to say.
+        let log = state.with_extension("log");
+        if fs::metadata(&log).is_ok_and(|m| m.len() == 0) {
+            let _ = fs::remove_file(&log);
+        }
         let v: serde_json::Value = serde_json::from_str(&stats).unwrap_or_default();
         eprintln!(
             "pmstack: unmounted {}; log drained: {} bytes of live log written back to the lower file system in {} ms ({} write-backs while mounted, {} syncs absorbed)",

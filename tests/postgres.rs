@@ -252,7 +252,7 @@ fn postgresql_under_pmstack_run_as_its_own_user_keeps_every_transaction() {
     let sock = postgres_dir(b.path().join("sock"), &u);
     let pm = b.path().join("region.pm");
     let _rm = RemoveOnDrop(pm.clone());
-    let serve = common::start_serve(&root, &pm, &["--user", "postgres"]);
+    let serve = common::Served::start(&root, &pm, &["--user", "postgres"]);
     let pg = Pg {
         bin: bin.clone(),
         data: root.join("data"),
@@ -286,7 +286,7 @@ fn postgresql_under_pmstack_run_as_its_own_user_keeps_every_transaction() {
         );
     }
     pg.stop();
-    common::stop_serve(serve);
+    serve.stop();
     let st = served_stats(&root);
     let t = &st["totals"];
     let absorbed = t["absorbed_fsync"].as_u64().unwrap() + t["absorbed_osync"].as_u64().unwrap();
@@ -332,7 +332,7 @@ fn postgresql_killed_with_its_pmstack_daemon_keeps_every_acknowledged_insert() {
     let sock = postgres_dir(b.path().join("sock"), &u);
     let pm = b.path().join("region.pm");
     let _rm = RemoveOnDrop(pm.clone());
-    let mut serve = common::start_serve(&root, &pm, &["--user", "postgres"]);
+    let mut serve = common::Served::start(&root, &pm, &["--user", "postgres"]);
     let pg = Pg {
         bin,
         data: root.join("data"),
@@ -369,13 +369,11 @@ fn postgresql_killed_with_its_pmstack_daemon_keeps_every_acknowledged_insert() {
     }
     // Everything dies at once: PostgreSQL, its client and the pmstack daemon.
     pg.kill9();
-    serve.kill().unwrap();
-    serve.wait().unwrap();
+    serve.kill9();
     let _ = psql.kill();
     let _ = psql.wait();
     // The next daemon replays the log (with postgres's rights), then stops cleanly.
-    let serve = common::start_serve(&root, &pm, &["--user", "postgres"]);
-    common::stop_serve(serve);
+    common::Served::start(&root, &pm, &["--user", "postgres"]).stop();
     let plain = Pg {
         run_root: None,
         ..pg

@@ -21,6 +21,7 @@
 use std::fs;
 use std::io::{self, Read, Seek, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// The lease file in the lower directory's root.
@@ -124,6 +125,7 @@ pub fn acquire(lower: &Path, taker: &Taker<'_>) -> Result<Lease, LeaseError> {
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o644)
         .open(&path)
         .map_err(io_err(&path))?;
     let mut unlocked = false;

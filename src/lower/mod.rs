@@ -48,11 +48,28 @@ pub fn id_of(p: &std::path::Path) -> String {
 
 /// Replace a runtime file (stats, state) atomically: readers such as `pmstack stat` see the
 /// old or the new content, never a truncated file.
+/// Readable by everyone (`pmstack stat` runs as any user), writable by pmstack only.
 pub fn write_atomic(path: &std::path::Path, contents: &str) -> std::io::Result<()> {
+    write_atomic_mode(path, contents, 0o644)
+}
+
+/// `write_atomic` with an explicit mode. Explicit because the daemon runs with umask 0 once
+/// it created a lower object (`real::exact_modes`: lower objects get exactly the mode their
+/// creator asked for), so a default mode would be world-writable.
+pub fn write_atomic_mode(path: &std::path::Path, contents: &str, mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension(format!(
         "{}.tmp",
         path.extension().and_then(|e| e.to_str()).unwrap_or("")
     ));
-    std::fs::write(&tmp, contents)?;
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)?;
+    f.write_all(contents.as_bytes())?;
+    drop(f);
     std::fs::rename(&tmp, path)
 }

@@ -412,3 +412,33 @@ pub fn maybe_run(program: &Path, run_root: Option<&Path>) -> Command {
         None => Command::new(program),
     }
 }
+
+/// A `serve` that is killed if the test fails before it stops it (nothing left running).
+pub struct Served(pub Option<std::process::Child>);
+
+impl Served {
+    pub fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Served {
+        Served(Some(start_serve(dir, pm, extra)))
+    }
+
+    /// SIGTERM and a clean exit (`stop_serve`).
+    pub fn stop(mut self) {
+        if let Some(c) = self.0.take() {
+            stop_serve(c);
+        }
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
