@@ -1290,22 +1290,9 @@ fn serve(
             .name("pmstack-metrics".into())
             .spawn(move || {
                 for req in server.incoming_requests() {
-                    let path = req.url().split('?').next().unwrap_or("");
-                    let resp = if path == "/metrics" && *req.method() == tiny_http::Method::Get {
-                        let body =
-                            pmstack::metrics::render(&stats_json(&c, &sum), Some(&c.latency));
-                        tiny_http::Response::from_string(body).with_header(
-                            tiny_http::Header::from_bytes(
-                                &b"Content-Type"[..],
-                                &b"text/plain; version=0.0.4; charset=utf-8"[..],
-                            )
-                            .expect("static header"),
-                        )
-                    } else {
-                        tiny_http::Response::from_string("pmstack: metrics are at /metrics\n")
-                            .with_status_code(404)
-                    };
-                    let _ = req.respond(resp);
+                    answer_metrics(req, || {
+                        pmstack::metrics::render(&stats_json(&c, &sum), Some(&c.latency))
+                    });
                 }
             })?;
     }
@@ -1854,6 +1841,24 @@ fn tempfile_dir(parent: &Path) -> Result<PathBuf> {
 
 // ---------------- serve / run ----------------
 
+/// Answer one request to a metrics endpoint (`mount` and `serve --metrics-addr`): GET
+/// /metrics gets the Prometheus text `body` makes, anything else a 404 that says where it is.
+fn answer_metrics(req: tiny_http::Request, body: impl FnOnce() -> String) {
+    let path = req.url().split('?').next().unwrap_or("");
+    let resp = if path == "/metrics" && *req.method() == tiny_http::Method::Get {
+        tiny_http::Response::from_string(body()).with_header(
+            tiny_http::Header::from_bytes(
+                &b"Content-Type"[..],
+                &b"text/plain; version=0.0.4; charset=utf-8"[..],
+            )
+            .expect("static header"),
+        )
+    } else {
+        tiny_http::Response::from_string("pmstack: metrics are at /metrics\n").with_status_code(404)
+    };
+    let _ = req.respond(resp);
+}
+
 fn serve_cmd(a: ServeArgs) -> Result<()> {
     use pmstack::front::serve::{check_previous, Daemon, ServeOpts};
     // Signals first: a SIGTERM at any point from here on is a clean stop, not a kill.
@@ -1925,7 +1930,10 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
             region: fs::canonicalize(&pm)?,
             flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
             early_bytes: region_bytes / 4,
-            user,
+            user: match user {
+                Some(u) => u,
+                None => creds::user_with_id(creds::euid())?,
+            },
             recovery: serde_json::to_value(&sum).unwrap_or_default(),
         },
     )?;
@@ -1936,23 +1944,9 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         if let Some(server) = &metrics {
             sc.spawn(|| {
                 while !watch_stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(200)) else {
-                        continue;
-                    };
-                    let path = req.url().split('?').next().unwrap_or("");
-                    let resp = if path == "/metrics" && *req.method() == tiny_http::Method::Get {
-                        tiny_http::Response::from_string(d.metrics()).with_header(
-                            tiny_http::Header::from_bytes(
-                                &b"Content-Type"[..],
-                                &b"text/plain; version=0.0.4; charset=utf-8"[..],
-                            )
-                            .expect("static header"),
-                        )
-                    } else {
-                        tiny_http::Response::from_string("pmstack: metrics are at /metrics\n")
-                            .with_status_code(404)
-                    };
-                    let _ = req.respond(resp);
+                    if let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(200)) {
+                        answer_metrics(req, || d.metrics());
+                    }
                 }
             });
         }
@@ -2044,19 +2038,23 @@ fn run_cmd(a: RunArgs) -> Result<()> {
     });
     let served = conn.is_ok();
     // Why there is no daemon to attach to, as precisely as the error tells.
-    let me = creds::user_with_id(creds::euid())
-        .map(|u| u.name)
-        .unwrap_or_default();
     let why = match &conn {
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && e.raw_os_error().is_none() => {
+        Err(e)
+            if e.kind() == std::io::ErrorKind::PermissionDenied && e.raw_os_error().is_none() =>
+        {
             e.to_string()
         }
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => format!(
-            "the pmstack daemon of {} does not serve user {me} (permission denied on {}): its PM log holds file data, so a daemon serves one user's programs; if {me}'s programs own that directory, serve it with `pmstack serve {} --user {me}` instead",
-            root.display(),
-            sock.display(),
-            root.display()
-        ),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let me = creds::user_with_id(creds::euid())
+                .map(|u| u.name)
+                .unwrap_or_default();
+            format!(
+                "the pmstack daemon of {} does not serve user {me} (permission denied on {}): its PM log holds file data, so a daemon serves one user's programs; if {me}'s programs own that directory, serve it with `pmstack serve {} --user {me}` instead",
+                root.display(),
+                sock.display(),
+                root.display()
+            )
+        }
         _ => format!(
             "no pmstack daemon serves {} (start `pmstack serve {}`)",
             root.display(),

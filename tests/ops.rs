@@ -315,6 +315,25 @@ fn scrape(addr: &str, path: &str) -> (u16, String) {
     (code, body)
 }
 
+/// A local address no one listens on now.
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+/// GET /metrics (must answer 200): the parsed samples and the text.
+fn metrics(addr: &str) -> (prometheus_parse::Scrape, String) {
+    let (code, body) = scrape(addr, "/metrics");
+    assert_eq!(code, 200, "{body}");
+    let parsed = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+        .expect("parsable Prometheus text");
+    (parsed, body)
+}
+
 fn sample(scrape: &prometheus_parse::Scrape, name: &str, op: Option<&str>) -> f64 {
     let s = scrape
         .samples
@@ -339,30 +358,17 @@ fn metrics_endpoint_serves_prometheus_text_that_moves_under_load() {
     if !can_mount() {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let mut m = Mount::new(None);
     m.mount(&["--metrics-addr", &addr]);
-    let parse = |body: &str| {
-        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
-            .expect("parsable Prometheus text")
-    };
-    let (code, body) = scrape(&addr, "/metrics");
-    assert_eq!(code, 200);
-    let before = parse(&body);
+    let (before, _) = metrics(&addr);
     let f = fs::File::create(m.mnt.join("data")).unwrap();
     for i in 0..50u64 {
         f.write_all_at(&[i as u8; 4096], i * 4096).unwrap();
         f.sync_data().unwrap();
     }
     drop(f);
-    let (code, body) = scrape(&addr, "/metrics");
-    assert_eq!(code, 200);
-    let after = parse(&body);
+    let (after, _) = metrics(&addr);
     let d = |n: &str, op: Option<&str>| sample(&after, n, op) - sample(&before, n, op);
     assert!(d("pmstack_absorbed_fsync_total", None) >= 50.0);
     assert!(d("pmstack_log_commits_total", None) >= 50.0);
@@ -468,12 +474,7 @@ fn serve_metrics_count_every_attached_process_and_export_recovery_from_the_start
     if !can_mount() {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap().join("root");
     fs::create_dir(&root).unwrap();
@@ -485,13 +486,7 @@ fn serve_metrics_count_every_attached_process_and_export_recovery_from_the_start
         &pm,
         &["--metrics-addr", &addr, "--all-writers-attached"],
     );
-    let parse = |body: &str| {
-        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
-            .expect("parsable Prometheus text")
-    };
-    let (code, body) = scrape(&addr, "/metrics");
-    assert_eq!(code, 200);
-    let before = parse(&body);
+    let (before, _) = metrics(&addr);
     // Recovery metrics exist (as 0) although no recovery happened.
     assert_eq!(sample(&before, "pmstack_recovery_file_ops", None), 0.0);
     // Two programs, each 25 write+fsync, both gone before the scrape.
@@ -512,8 +507,7 @@ fn serve_metrics_count_every_attached_process_and_export_recovery_from_the_start
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let (_, body) = scrape(&addr, "/metrics");
-    let after = parse(&body);
+    let (after, body) = metrics(&addr);
     let d = |n: &str| sample(&after, n, None) - sample(&before, n, None);
     // Every fsync of both (exited) processes is counted, once: absorbed or real.
     let absorbed = d("pmstack_absorbed_fsync_total");

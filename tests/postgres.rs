@@ -232,33 +232,28 @@ fn postgres_dir(p: PathBuf, u: &Creds) -> PathBuf {
     p
 }
 
-struct RemoveOnDrop(PathBuf);
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.0);
-    }
-}
-
-fn served_stats(root: &Path) -> serde_json::Value {
-    let s = fs::read_to_string(pmstack::front::paths(root).2).unwrap();
-    serde_json::from_str(&s).unwrap()
+/// A directory of postgres's served by `pmstack serve --user postgres` (its region inside the
+/// test's directory), and a cluster in it whose programs run under `pmstack run`.
+fn served_cluster(bin: PathBuf, u: &Creds) -> (tempfile::TempDir, common::Served, Pg) {
+    let b = base();
+    let root = postgres_dir(b.path().join("db"), u);
+    let sock = postgres_dir(b.path().join("sock"), u);
+    let serve = common::Served::start(&root, &b.path().join("region.pm"), &["--user", "postgres"]);
+    let pg = Pg {
+        bin,
+        data: root.join("data"),
+        sock,
+        run_root: Some(root),
+    };
+    (b, serve, pg)
 }
 
 #[test]
 fn postgresql_under_pmstack_run_as_its_own_user_keeps_every_transaction() {
     let Some((bin, u)) = postgres() else { return };
-    let b = base();
-    let root = postgres_dir(b.path().join("db"), &u);
-    let sock = postgres_dir(b.path().join("sock"), &u);
+    let (b, serve, pg) = served_cluster(bin, &u);
+    let root = pg.run_root.clone().unwrap();
     let pm = b.path().join("region.pm");
-    let _rm = RemoveOnDrop(pm.clone());
-    let serve = common::Served::start(&root, &pm, &["--user", "postgres"]);
-    let pg = Pg {
-        bin: bin.clone(),
-        data: root.join("data"),
-        sock: sock.clone(),
-        run_root: Some(root.clone()),
-    };
     pg.initdb();
     pg.start();
     let n = pgbench_and_check(&pg);
@@ -287,7 +282,7 @@ fn postgresql_under_pmstack_run_as_its_own_user_keeps_every_transaction() {
     }
     pg.stop();
     serve.stop();
-    let st = served_stats(&root);
+    let st = common::served_stats(&root);
     let t = &st["totals"];
     let absorbed = t["absorbed_fsync"].as_u64().unwrap() + t["absorbed_osync"].as_u64().unwrap();
     assert!(
@@ -327,18 +322,10 @@ fn pgbench_and_check(pg: &Pg) -> u64 {
 #[test]
 fn postgresql_killed_with_its_pmstack_daemon_keeps_every_acknowledged_insert() {
     let Some((bin, u)) = postgres() else { return };
-    let b = base();
-    let root = postgres_dir(b.path().join("db"), &u);
-    let sock = postgres_dir(b.path().join("sock"), &u);
+    let (b, mut serve, pg) = served_cluster(bin, &u);
+    let root = pg.run_root.clone().unwrap();
     let pm = b.path().join("region.pm");
-    let _rm = RemoveOnDrop(pm.clone());
-    let mut serve = common::Served::start(&root, &pm, &["--user", "postgres"]);
-    let pg = Pg {
-        bin,
-        data: root.join("data"),
-        sock: sock.clone(),
-        run_root: Some(root.clone()),
-    };
+    let sock = pg.sock.clone();
     pg.initdb();
     pg.start();
     pg.sql("create table acks (i int primary key)");

@@ -73,8 +73,7 @@ impl Serve {
     }
 
     fn stats(&self) -> serde_json::Value {
-        let s = fs::read_to_string(pmstack::front::paths(&self.dir).2).unwrap_or_default();
-        serde_json::from_str(&s).unwrap_or_default()
+        common::served_stats(&self.dir)
     }
 
     /// Wait until the daemon's stats show `f` true (they are written every 500 ms).

@@ -39,8 +39,8 @@ pub struct ServeOpts {
     pub flush_interval: Duration,
     /// Write back early once this many bytes were logged since the last write-back.
     pub early_bytes: u64,
-    /// The user whose processes may attach (`serve --user`); None: the daemon's own user.
-    pub user: Option<Creds>,
+    /// The user whose processes may attach: `serve --user`, or the daemon's own.
+    pub user: Creds,
     /// What the recovery at start did (null: the region was clean).
     pub recovery: serde_json::Value,
 }
@@ -144,7 +144,8 @@ impl Daemon {
         } else {
             None
         };
-        let owner = opts.user.as_ref().map(|u| (u.uid, u.gid));
+        // Another user's table is theirs (they map it).
+        let owner = (opts.user.uid != creds::euid()).then_some((opts.user.uid, opts.user.gid));
         let table = Arc::new(
             Table::create(table_path, DEFAULT_SLOTS, owner)
                 .with_context(|| format!("creating {}", table_path.display()))?,
@@ -178,7 +179,8 @@ impl Daemon {
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(sock, std::fs::Permissions::from_mode(0o600))?;
-            if let Some(u) = &self.opts.user {
+            let u = &self.opts.user;
+            if u.uid != creds::euid() {
                 rustix::fs::chown(
                     sock,
                     Some(rustix::fs::Uid::from_raw(u.uid)),
@@ -187,10 +189,7 @@ impl Daemon {
                 .with_context(|| format!("giving {} to user {}", sock.display(), u.name))?;
             }
         }
-        let (allowed_uid, allowed_name) = match &self.opts.user {
-            Some(u) => (u.uid, u.name.clone()),
-            None => (creds::euid(), creds::user_with_id(creds::euid())?.name),
-        };
+        let (allowed_uid, allowed_name) = (self.opts.user.uid, self.opts.user.name.clone());
         let root = self.opts.root.clone();
         let hello = serde_json::to_string(&Hello {
             root: self.opts.root.clone(),
@@ -632,7 +631,7 @@ impl Daemon {
             "pid": my_pid(),
             "root": self.opts.root,
             "pm": self.opts.region,
-            "user": self.opts.user.as_ref().map_or_else(|| creds::user_with_id(creds::euid()).map(|u| u.name).unwrap_or_default(), |u| u.name.clone()),
+            "user": self.opts.user.name,
             "totals": counters(&self.table.totals()),
             "attached": procs,
             "attaches": s.attaches.load(Ordering::Relaxed),

@@ -393,6 +393,12 @@ pub fn start_serve(dir: &Path, pm: &Path, extra: &[&str]) -> std::process::Child
     child
 }
 
+/// The stats a `serve` of `dir` writes (null until it wrote them).
+pub fn served_stats(dir: &Path) -> serde_json::Value {
+    let s = fs::read_to_string(pmstack::front::paths(dir).2).unwrap_or_default();
+    serde_json::from_str(&s).unwrap_or_default()
+}
+
 /// SIGTERM a `serve` and check that it stopped cleanly (the final write-back ran).
 pub fn stop_serve(mut child: std::process::Child) {
     // SAFETY: signalling our child.
