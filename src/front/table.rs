@@ -169,13 +169,17 @@ pub fn alive(pid: u64) -> bool {
     let r = unsafe { libc::kill(pid as i32, 0) };
     let exists = r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
     // A killed process stays a zombie until its parent reaps it: it holds nothing any more.
+    // (A thread group whose leader exited first also shows the leader as a zombie while its
+    // other threads run: only a zombie that is the last of its group is gone.)
     exists
-        && !std::fs::read(format!("/proc/{pid}/stat")).is_ok_and(|st| {
-            let state = st
-                .iter()
-                .rposition(|&b| b == b')')
-                .and_then(|i| st.get(i + 2));
-            matches!(state, Some(b'Z' | b'X'))
+        && !std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| {
+            let field = |name: &str| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(|v| v.trim().to_string())
+            };
+            field("State:").is_some_and(|v| v.starts_with('Z') || v.starts_with('X'))
+                && field("Threads:").as_deref() == Some("1")
         })
 }
 
@@ -587,6 +591,22 @@ mod tests {
         let full = Table::create(&d.path().join("f"), 2, None).unwrap();
         assert!(full.find_or_insert(1, 1).is_some() && full.find_or_insert(1, 2).is_some());
         assert!(full.find_or_insert(1, 3).is_none());
+    }
+
+    #[test]
+    fn a_zombie_is_gone_and_a_running_process_is_not() {
+        assert!(alive(my_pid()));
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id() as u64;
+        // Not reaped yet: a zombie once it exited.
+        while std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .is_ok_and(|s| !s.contains("State:\tZ"))
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!alive(pid));
+        c.wait().unwrap();
+        assert!(!alive(pid));
     }
 
     #[test]
