@@ -1941,6 +1941,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
     std::thread::scope(|sc| -> Result<()> {
         // Answers opens of watched files until after the last write-back.
         sc.spawn(|| d.watch_opens(&watch_stop));
+        sc.spawn(|| d.beat(&watch_stop));
         if let Some(server) = &metrics {
             sc.spawn(|| {
                 while !watch_stop.load(std::sync::atomic::Ordering::Relaxed) {

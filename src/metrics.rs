@@ -38,6 +38,9 @@ fn help(key: &str) -> &'static str {
             "writes logged at write time (O_SYNC, active sync, live pages, adaptive eager)"
         }
         "ns_ops" => "namespace operations logged (create, unlink, rename, link, ...)",
+        "unserved" => {
+            "operations of attached processes that found the daemon not serving and ran on the lower file system alone"
+        }
         "fallbacks" => "syncs that fell back to the lower file system's fsync (PM full)",
         "writebacks" => "write-back rounds (lower syncfs + checkpoint + GC)",
         "writeback_errors" => "failed write-back rounds (retried)",

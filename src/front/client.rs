@@ -183,9 +183,15 @@ impl Client {
     }
 
     /// The daemon that owns the region is alive and still the one we attached to.
+    /// Each `false` is counted (`unserved`): the caller then runs the operation on the lower
+    /// file system alone.
     pub fn serving(&self) -> bool {
-        self.table.epoch() == self.epoch
-            && self.table.daemon_alive(DAEMON_TIMEOUT.as_nanos() as u64)
+        let s = self.table.epoch() == self.epoch
+            && self.table.daemon_alive(DAEMON_TIMEOUT.as_nanos() as u64);
+        if !s {
+            self.count(P_UNSERVED, 1);
+        }
+        s
     }
 
     pub fn tracked(&self, fd: i32) -> Option<Arc<Tracked>> {
@@ -598,6 +604,15 @@ impl Client {
             }
             return Ok(n);
         }
+        if crate::policy::must_write_back_first(
+            self.live(&slot),
+            serving && self.loggable(slot.flags()),
+        ) {
+            // On the lower file system alone from here: its live entries go first (replay
+            // must never apply them over this write, which the lower may make durable by
+            // itself).
+            self.real_sync(&slot, fd, &mut p)?;
+        }
         let n = match off {
             Some(o) => sys::pwrite(fd, buf, o)?,
             None => sys::write(fd, buf)?,
@@ -687,6 +702,7 @@ impl Client {
     pub fn ftruncate(&self, t: &Tracked, fd: i32, len: u64) -> io::Result<()> {
         self.attr_op(
             t,
+            fd,
             || sys::ftruncate(fd, len),
             AttrOp::Truncate(len),
             Some(len),
@@ -696,6 +712,7 @@ impl Client {
     pub fn fallocate(&self, t: &Tracked, fd: i32, mode: i32, off: u64, len: u64) -> io::Result<()> {
         self.attr_op(
             t,
+            fd,
             || sys::fallocate(fd, mode, off, len),
             AttrOp::Fallocate {
                 mode: mode as u32,
@@ -709,14 +726,21 @@ impl Client {
     fn attr_op(
         &self,
         t: &Tracked,
+        fd: i32,
         op: impl FnOnce() -> io::Result<()>,
         rec: AttrOp,
         trim: Option<u64>,
     ) -> io::Result<()> {
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
-        op()?;
         let mut p = t.ino.p.lock();
+        let will_log = self.loggable(slot.flags()) && self.serving();
+        if crate::policy::must_write_back_first(self.live(&slot), will_log) {
+            // Not logged in order with them: the live entries go first (replay must never
+            // apply them over this change, which the lower may make durable by itself).
+            self.real_sync(&slot, fd, &mut p)?;
+        }
+        op()?;
         if let Some(len) = trim {
             p.dirty.clip(len);
         }
@@ -736,12 +760,11 @@ impl Client {
         // An object with live entries gets a record (replay must apply the change in order
         // with them); otherwise the next sync of the object is real, which makes the change
         // durable without putting files nobody syncs into the log.
-        if !self.loggable(slot.flags())
-            || !self.live(&slot)
-            || !self.serving()
-            || self.log_attr(&slot, &t.ino, rec).is_err()
-        {
+        if !self.loggable(slot.flags()) || !self.live(&slot) || !self.serving() {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        } else if self.log_attr(&slot, &t.ino, rec).is_err() {
+            // The log is full: make the change and everything before it durable now.
+            self.real_sync(&slot, fd, &mut p)?;
         }
         Ok(())
     }

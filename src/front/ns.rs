@@ -179,6 +179,12 @@ impl Client {
         })
     }
 
+    /// Some namespace record is not expired yet.
+    fn ns_live(&self) -> bool {
+        let last = self.table.w(H_NS_LAST_LSN).load(Ordering::Acquire);
+        last > self.table.w(H_NS_WB_LSN).load(Ordering::Acquire) && last > self.log.checkpoint_lsn()
+    }
+
     /// Whether every change of `d` since it was last made durable was logged.
     fn clean(&self, d: &Dir) -> bool {
         let want = self
@@ -202,7 +208,9 @@ impl Client {
         self.log.next_lsn();
         let upto = self.log.lsn_now();
         sys::syncfs(fd)?;
-        if self.log.write_back(NAMESPACE_FID, upto).is_err() {
+        if self.log.write_back(NAMESPACE_FID, upto).is_ok() {
+            self.table.w(H_NS_WB_LSN).fetch_max(upto, Ordering::AcqRel);
+        } else {
             // Not even the reserve has room: wait (bounded) for the daemon's write-back.
             self.table.w(H_WAKE).store(1, Ordering::Relaxed);
             let t0 = Instant::now();
@@ -260,6 +268,11 @@ impl Client {
             Ok(())
         })();
         a.commit();
+        if r.is_ok() {
+            self.table
+                .w(H_NS_LAST_LSN)
+                .fetch_max(self.log.lsn_now(), Ordering::AcqRel);
+        }
         r
     }
 
@@ -275,6 +288,13 @@ impl Client {
         log: impl FnOnce(P, &T, bool) -> Result<bool, ()>,
     ) -> io::Result<T> {
         if !self.serving() {
+            // On the lower file system alone. Its namespace records go first (made durable
+            // and expired): otherwise a record of, say, the create of a name this removes
+            // would be replayed after a crash over what the lower made durable since.
+            let _ns = self.table.ns_lock();
+            if crate::policy::must_write_back_first(self.ns_live(), false) {
+                self.write_back_namespace(dirs[0].fd.as_raw_fd())?;
+            }
             return op();
         }
         let _ns = self.table.ns_lock();

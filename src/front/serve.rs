@@ -500,7 +500,18 @@ impl Daemon {
             .sum()
     }
 
-    /// The daemon's loop until `stop`: heartbeat, periodic and early write-back, reclaiming
+    /// Tell attached processes that the daemon lives, until `stop`: a thread of its own, so
+    /// that a long write-back or vetting pass in `run` (seconds on a busy machine) is not
+    /// taken for the daemon's death, which would send every program's syncs to the lower
+    /// file system until the next beat.
+    pub fn beat(&self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            self.table.w(H_HEARTBEAT).store(now_ns(), Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The daemon's loop until `stop`: periodic and early write-back, reclaiming
     /// the leases of processes that died once a write-back passed their last append.
     pub fn run(&self, stop: &AtomicBool, stats_path: &Path) {
         let mut last_wb = Instant::now();
@@ -512,7 +523,6 @@ impl Daemon {
         let mut last_vet = Instant::now() - VET_EVERY;
         let me = my_pid();
         while !stop.load(Ordering::Relaxed) {
-            self.table.w(H_HEARTBEAT).store(now_ns(), Ordering::Relaxed);
             if self.group.is_some() {
                 let marks = self.table.w(H_NEW_MARKS).load(Ordering::Acquire);
                 // Every second, every slot: a ring entry may have been read before its
@@ -614,6 +624,7 @@ impl Daemon {
                 "ns_ops": c[P_NS_OPS],
                 "absorbed_dir_fsync": c[P_DIR_FSYNC],
                 "ns_write_backs": c[P_NS_SYNCS],
+                "unserved": c[P_UNSERVED],
             })
         };
         let procs: Vec<serde_json::Value> = self

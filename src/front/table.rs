@@ -45,6 +45,11 @@ pub const H_NS_LOCK: usize = 10;
 /// records are either all below the new checkpoint or its binding outlives it. Otherwise it
 /// binds again before committing, so no live record is ever left without a binding.
 pub const H_CKPT_BUSY: usize = 11;
+/// The LSN counter after the latest committed namespace record, and the `upto` of the latest
+/// namespace write-back by an attached process: namespace records are live while the first
+/// is above both the second and the checkpoint.
+pub const H_NS_LAST_LSN: usize = 12;
+pub const H_NS_WB_LSN: usize = 13;
 pub const H_RING: usize = 16;
 pub const RING: usize = 32;
 /// Counters of processes that detached or died, summed when their record was reused (word
@@ -73,8 +78,11 @@ pub const P_EXE: usize = 7;
 pub const P_NS_OPS: usize = 8;
 pub const P_DIR_FSYNC: usize = 9;
 pub const P_NS_SYNCS: usize = 10;
+/// Operations that found the daemon not serving (stopped, restarting, or its heartbeat
+/// older than `client::DAEMON_TIMEOUT`) and so ran on the lower file system alone.
+pub const P_UNSERVED: usize = 11;
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
-pub const COUNTERS: [usize; 8] = [
+pub const COUNTERS: [usize; 9] = [
     P_ABSORBED_FSYNC,
     P_ABSORBED_OSYNC,
     P_BYTES_LOGGED,
@@ -83,6 +91,7 @@ pub const COUNTERS: [usize; 8] = [
     P_NS_OPS,
     P_DIR_FSYNC,
     P_NS_SYNCS,
+    P_UNSERVED,
 ];
 const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
 

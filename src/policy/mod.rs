@@ -3,8 +3,9 @@
 //! in their own places (the core's inode table, the shared table of `pmstack run`) and call
 //! these functions to decide and to log.
 //!
-//! What lives here so far: how file bytes become log entries, and the write rule (which
-//! writes must be logged, and that they are logged before the lower file system sees them).
+//! What lives here so far: how file bytes become log entries, the write rule (which writes
+//! must be logged, and that they are logged before the lower file system sees them), and its
+//! counterpart for changes that are not logged (live entries are written back first).
 //! Binding, namespace logging and write-back still live in each front end; see
 //! `docs/contract.md` for the contract they implement.
 
@@ -25,6 +26,15 @@ use crate::engine::{AreaGuard, LogError, Record};
 /// Every other write goes to the lower only and is remembered as dirty for the next sync.
 pub fn must_log_first(durable_on_return: bool, touches_live: bool) -> bool {
     durable_on_return || touches_live
+}
+
+/// Whether the live entries of an object (or the live namespace records) must be made durable
+/// in the lower file system and expired *before* a change that will not be logged reaches it:
+/// a change made while the daemon is not serving, or one the log has no room for. Replaying
+/// those older entries after a crash would undo the change, which the lower may have made
+/// durable by then (its own write-back, or the program's real fsync).
+pub fn must_write_back_first(touches_live: bool, will_log: bool) -> bool {
+    touches_live && !will_log
 }
 
 /// Append a binding of `fid` to the lower object with file handle `handle`. Every live record
