@@ -1,5 +1,6 @@
 //! The long run of the deterministic crash simulator (`pmstack::sim`): many seeded histories
-//! through the core in each PM mode, each crashed at a fence (PM keeps flushed lines and any
+//! through the mount's core in each PM mode and through `pmstack run`'s client and daemon
+//! (`--mode run`), each crashed at a fence (PM keeps flushed lines and any
 //! subset of dirty words; the lower is rewound to a power-cut state), recovered (sometimes
 //! with a recovery killed half-way first), and checked against the contract.
 //!
@@ -14,7 +15,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use pmstack::core::Mode;
-use pmstack::sim::{run_history, Coverage};
+use pmstack::sim::{run_history, run_history_preload, Coverage};
 
 #[derive(Parser)]
 #[command(about = "Run the deterministic crash simulator and print its coverage")]
@@ -25,7 +26,7 @@ struct Args {
     /// First seed (default: random); seeds are consecutive from here.
     #[arg(long)]
     seed: Option<u64>,
-    /// sync, strict, adaptive, or all (round robin).
+    /// sync, strict, adaptive (the mount), run (`pmstack run`), or all (round robin).
     #[arg(long, default_value = "all")]
     mode: String,
     /// Operations per history.
@@ -41,13 +42,20 @@ struct Args {
 
 fn main() {
     let a = Args::parse();
-    let modes: Vec<Mode> = match a.mode.as_str() {
-        "sync" => vec![Mode::Sync],
-        "strict" => vec![Mode::Strict],
-        "adaptive" => vec![Mode::Adaptive],
-        "all" => vec![Mode::Sync, Mode::Strict, Mode::Adaptive],
+    // A mount mode, or None: the `pmstack run` front end.
+    let modes: Vec<Option<Mode>> = match a.mode.as_str() {
+        "sync" => vec![Some(Mode::Sync)],
+        "strict" => vec![Some(Mode::Strict)],
+        "adaptive" => vec![Some(Mode::Adaptive)],
+        "run" => vec![None],
+        "all" => vec![
+            Some(Mode::Sync),
+            Some(Mode::Strict),
+            Some(Mode::Adaptive),
+            None,
+        ],
         m => {
-            eprintln!("simulate: unknown mode '{m}' (sync, strict, adaptive, all)");
+            eprintln!("simulate: unknown mode '{m}' (sync, strict, adaptive, run, all)");
             std::process::exit(2);
         }
     };
@@ -64,7 +72,12 @@ fn main() {
                     break;
                 }
                 let mode = modes[(k % modes.len() as u64) as usize];
-                match run_history(seed0.wrapping_add(k), a.ops, mode) {
+                let seed = seed0.wrapping_add(k);
+                let r = match mode {
+                    Some(m) => run_history(seed, a.ops, m),
+                    None => run_history_preload(seed, a.ops),
+                };
+                match r {
                     Ok(c) => total.lock().unwrap().add(&c),
                     Err(e) => {
                         eprintln!("VIOLATION: {e}");
@@ -90,10 +103,13 @@ fn main() {
         );
     } else {
         println!(
-            "simulate: seeds {seed0}..{} ({} per mode of {:?}), {} ops each, {:.0} s",
+            "simulate: seeds {seed0}..{} ({} per front end of {:?}), {} ops each, {:.0} s",
             seed0.wrapping_add(a.seeds),
             a.seeds / modes.len() as u64,
-            modes,
+            modes
+                .iter()
+                .map(|m| m.map_or("run".to_string(), |m| format!("mount {m:?}").to_lowercase()))
+                .collect::<Vec<_>>(),
             a.ops,
             t0.elapsed().as_secs_f64()
         );
@@ -108,6 +124,10 @@ fn main() {
         println!(
             "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, FORGET+lookup {}; objects re-created by recovery {}",
             cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.forgets, cov.recreated
+        );
+        println!(
+            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}",
+            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs
         );
         println!("  contract violations: {}", failures.len());
     }

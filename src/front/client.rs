@@ -125,6 +125,17 @@ impl Client {
         }
         let pm: Arc<dyn Pmem> =
             Arc::new(MappedRegion::open(&h.region, 0).map_err(|e| bad(e.to_string()))?);
+        Self::attach_to(table, h.epoch, pm, &h.root)
+    }
+
+    /// Attach to the region `pm` (in use by the daemon that made `table`) for the lower
+    /// directory `root` (`attach`; the crash simulator, on its simulated PM).
+    pub fn attach_to(
+        table: Table,
+        epoch: u64,
+        pm: Arc<dyn Pmem>,
+        root: &Path,
+    ) -> io::Result<Client> {
         let log =
             Log::attach(pm, 1).map_err(|e| bad(format!("cannot attach to the PM log: {e}")))?;
         let pid = my_pid();
@@ -138,7 +149,7 @@ impl Client {
             .proc_word(rec, P_EXE)
             .store(super::watch::exe_ident(pid), Ordering::Release);
         let watching = table.w(H_WATCH).load(Ordering::Relaxed) == 1;
-        let root = std::fs::canonicalize(&h.root)?;
+        let root = std::fs::canonicalize(root)?;
         let rmeta = std::fs::metadata(&root)?;
         let root_dev = std::os::unix::fs::MetadataExt::dev(&rmeta);
         let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
@@ -156,7 +167,7 @@ impl Client {
             root_dev,
             root_ino,
             table,
-            epoch: h.epoch,
+            epoch,
             log,
             rec,
             pid,

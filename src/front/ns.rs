@@ -291,11 +291,19 @@ impl Client {
             // On the lower file system alone. Its namespace records go first (made durable
             // and expired): otherwise a record of, say, the create of a name this removes
             // would be replayed after a crash over what the lower made durable since.
+            // The operation is durable when it returns (the contract of `pmstack run`): its
+            // directories are synced.
             let _ns = self.table.ns_lock();
             if crate::policy::must_write_back_first(self.ns_live(), false) {
                 self.write_back_namespace(dirs[0].fd.as_raw_fd())?;
             }
-            return op();
+            let out = op()?;
+            for (i, d) in dirs.iter().enumerate() {
+                if dirs[..i].iter().all(|e| e.slot != d.slot) {
+                    sys::fsync(d.fd.as_raw_fd(), false)?;
+                }
+            }
+            return Ok(out);
         }
         let _ns = self.table.ns_lock();
         let clean = dirs.iter().all(|d| self.clean(d));

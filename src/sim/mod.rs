@@ -30,6 +30,8 @@ use crate::engine::Log;
 use crate::lower::RealLower;
 use crate::pmem::sim::SimPmem;
 
+mod run;
+
 const REC: u64 = 5000;
 
 /// The payload of the panic that simulates a kill during recovery.
@@ -64,6 +66,12 @@ pub struct Coverage {
     pub fsyncs: u64,
     /// Objects recovery had to create again.
     pub recreated: u64,
+    /// `pmstack run`: times the daemon was taken for dead (its heartbeat aged), operations
+    /// run while it was, and syncs the lower made durable (the client's real syncs and
+    /// namespace write-backs).
+    pub daemon_deaths: u64,
+    pub unserved_ops: u64,
+    pub real_syncs: u64,
 }
 
 impl Coverage {
@@ -83,6 +91,9 @@ impl Coverage {
         self.unlinks += o.unlinks;
         self.fsyncs += o.fsyncs;
         self.recreated += o.recreated;
+        self.daemon_deaths += o.daemon_deaths;
+        self.unserved_ops += o.unserved_ops;
+        self.real_syncs += o.real_syncs;
     }
 }
 
@@ -133,6 +144,23 @@ pub fn core_on_sim_pm(
 /// Run one seeded history in `mode` with `nops` operations, crash it, recover, and check the
 /// contract. Err: the violation (or harness failure), with the command that reproduces it.
 pub fn run_history(seed: u64, nops: usize, mode: Mode) -> Result<Coverage, String> {
+    let m = format!("{mode:?}").to_lowercase();
+    catch(seed, nops, &m, |cov| run(seed, nops, mode, cov))
+}
+
+/// `run_history` through the `pmstack run` front end (`run`).
+pub fn run_history_preload(seed: u64, nops: usize) -> Result<Coverage, String> {
+    catch(seed, nops, "run", |cov| run::history(seed, nops, cov))
+}
+
+/// Run a history, turning its panic (a violation, or a harness failure) into an Err that says
+/// how to reproduce it.
+fn catch(
+    seed: u64,
+    nops: usize,
+    mode: &str,
+    f: impl FnOnce(&mut Coverage),
+) -> Result<Coverage, String> {
     // The simulated kill of a recovery is a panic caught here: keep it out of the output.
     static QUIET: std::sync::Once = std::sync::Once::new();
     QUIET.call_once(|| {
@@ -144,9 +172,7 @@ pub fn run_history(seed: u64, nops: usize, mode: Mode) -> Result<Coverage, Strin
         }));
     });
     let mut cov = Coverage::default();
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run(seed, nops, mode, &mut cov)
-    }));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut cov)));
     match r {
         Ok(()) => Ok(cov),
         Err(e) => {
@@ -155,9 +181,8 @@ pub fn run_history(seed: u64, nops: usize, mode: Mode) -> Result<Coverage, Strin
                 .cloned()
                 .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "panic".into());
-            let m = format!("{mode:?}").to_lowercase();
             Err(format!(
-                "{msg}\n  reproduce: cargo run --release --example simulate -- --mode {m} --seed {seed} --seeds 1 --ops {nops}"
+                "{msg}\n  reproduce: cargo run --release --example simulate -- --mode {mode} --seed {seed} --seeds 1 --ops {nops}"
             ))
         }
     }
@@ -402,29 +427,89 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
         trees.push(read_tree(&lower_path));
         base_at.push(base);
     }
+    drop(r);
+    cov.crashes_in_write_back += crash_op_syncs as u64;
+    let after = base_at.get(c + 1).map_or(&trees[base], |&b| &trees[b]);
+    let in_op = if crash_op_syncs {
+        &trees[c]
+    } else {
+        &trees[base_at[c]]
+    };
+    let crash = Crash {
+        seed,
+        c,
+        base_in_op: in_op,
+        base_after: after,
+        lose_creations_in_op: !crash_op_unlinks,
+        names_before_op: None,
+    };
+    recover_and_check(&crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
+}
+
+/// The crash of a history: in operation `c` (at one of its fences; or right after it when it
+/// had none), with the durable state of the lower a power cut may fall back to.
+struct Crash<'a> {
+    seed: u64,
+    c: usize,
+    /// What the lower had made durable at the fences of operation `c`, and after it.
+    base_in_op: &'a Tree,
+    base_after: &'a Tree,
+    /// Whether the power cut may lose files created since the base when it strikes in
+    /// operation `c` (not when `c` renames or removes: the lower applied that before logging,
+    /// and the harness cannot bring back what it removed, so it must not lose creations
+    /// either: a journaled lower never keeps a later namespace operation without the earlier
+    /// ones).
+    lose_creations_in_op: bool,
+    /// Operation `c` changes the namespace only after its fences (`pmstack run` on the lower
+    /// alone: a namespace write-back, then the operation): a crash at one of them finds the
+    /// names as they were before it. Each name (in the lower root) with a link to its inode
+    /// kept outside the lower, to put back.
+    names_before_op: Option<(&'a Path, &'a BTreeMap<String, u64>)>,
+}
+
+/// Take a crash image of `sim` in operation `x.c`, cut the lower's power (`power_cut`),
+/// recover (sometimes killed and run again, sometimes replayed twice) and check the recovered
+/// lower against the models after `k` and `k + 1` operations. `models[j]` and `trees[j]`:
+/// after `j` operations. Panics on a violation.
+fn recover_and_check(
+    x: &Crash<'_>,
+    sim: &SimPmem,
+    lower_path: &Path,
+    models: &[Model],
+    trees: &[Tree],
+    rng: &mut StdRng,
+    cov: &mut Coverage,
+) {
+    let (seed, c) = (x.seed, x.c);
     let mut images = sim.take_images();
     cov.histories += 1;
     cov.crash_images += 1;
     cov.fences_captured += images.len() as u64;
-    cov.crashes_in_write_back += crash_op_syncs as u64;
-    cov.lost_creations += !(crash_op_unlinks) as u64;
+    cov.lost_creations += x.lose_creations_in_op as u64;
     let (img, k) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
-        (sim.crash_image(&mut rng), c + 1)
+        (sim.crash_image(rng), c + 1)
     } else {
         (images.swap_remove(rng.gen_range(0..images.len())).bytes, c)
     };
     let k1 = (k + 1).min(models.len() - 1);
-    let base_tree = if crash_op_syncs && k == c {
-        &trees[k]
-    } else {
-        &trees[base_at[k]]
-    };
-    drop(r);
+    let base_tree = if k == c { x.base_in_op } else { x.base_after };
+    if let Some((stash, names)) = x.names_before_op {
+        if k == c {
+            for (name, _) in read_tree(lower_path).values() {
+                fs::remove_file(lower_path.join(name)).unwrap();
+            }
+            for (name, ino) in names {
+                fs::hard_link(stash.join(ino.to_string()), lower_path.join(name)).unwrap();
+            }
+        }
+        // The links outside the lower would keep removed inodes alive for recovery to find.
+        fs::remove_dir_all(stash).unwrap();
+    }
     if std::env::var("PMSTACK_TRACE").is_ok() {
         eprintln!(
             "base {:?} k {:?} k1 {:?} now {:?}",
-            trees[base_at[k]],
+            base_tree,
             trees[k]
                 .iter()
                 .map(|(i, (n, d))| (i, n, d.len()))
@@ -433,21 +518,21 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
                 .iter()
                 .map(|(i, (n, d))| (i, n, d.len()))
                 .collect::<Vec<_>>(),
-            read_tree(&lower_path)
+            read_tree(lower_path)
                 .iter()
                 .map(|(i, (n, d))| (i, n, d.len()))
                 .collect::<Vec<_>>()
         );
     }
     power_cut(
-        &lower_path,
+        lower_path,
         base_tree,
         &[&trees[k], &trees[k1]],
-        !(crash_op_unlinks && k == c),
-        &mut rng,
+        x.lose_creations_in_op || k != c,
+        rng,
     );
     let mut pm = Arc::new(SimPmem::from_image(img));
-    let lower2 = RealLower::open(&lower_path).unwrap();
+    let lower2 = RealLower::open(lower_path).unwrap();
     if seed % 3 == 1 {
         cov.recoveries_interrupted += 1;
         // Recovery killed at a random point (after some of its steps), then recovery again
@@ -466,7 +551,7 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
         pm = Arc::new(SimPmem::from_image(pm.persisted_image()));
     }
     let (log2, s2) = Log::open(pm).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-    let before = by_name(&read_tree(&lower_path))
+    let before = by_name(&read_tree(lower_path))
         .keys()
         .cloned()
         .collect::<Vec<_>>();
@@ -483,7 +568,7 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
     if std::env::var("PMSTACK_TRACE").is_ok() {
         eprintln!("lower before recovery: {before:?}\nnamespace plan: {:?}\nsummary: {sum:?}\nscan: cp {} entries {} areas {:?}", plan.namespace, s2.checkpoint, s2.entries.len(), s2.areas.iter().map(|a| (a.head, a.tail_page, a.tail_off, a.pages.len())).collect::<Vec<_>>());
     }
-    let got = by_name(&read_tree(&lower_path));
+    let got = by_name(&read_tree(lower_path));
     // The operation in flight: its writes happened (maybe), none of it was acknowledged.
     let mut mid = models[k1].clone();
     for (id, _, durable) in mid.files.values_mut() {

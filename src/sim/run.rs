@@ -1,0 +1,345 @@
+//! The crash simulator through the `pmstack run` front end: the client that the preload
+//! library runs in every program (`front::client`, `front::ns`) and the daemon's write-back
+//! (`front::serve::Daemon`), on the crash-simulating PM, over a real lower directory.
+//!
+//! The same histories, power-cut model, recovery and check as the mount's (`super::run`),
+//! plus what only this front end has: the daemon taken for dead (its heartbeat aged, as after
+//! a kill -9 or a stall) and coming back, with the programs going on on the lower alone in
+//! between; descriptors closed and opened again; directory fsyncs. The lower's durable state
+//! follows what the client made durable itself: a real sync makes one file durable (as of
+//! before the operation when the sync precedes the change, as of after otherwise), a
+//! namespace write-back or the daemon's write-back everything, and a namespace operation run
+//! on the lower alone its own directory entry.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::{pattern, read_tree, recover_and_check, Coverage, Crash, Model, ScratchDir, Tree, REC};
+use crate::engine::Log;
+use crate::front::client::{Client, Tracked};
+use crate::front::serve::{Daemon, ServeOpts};
+use crate::front::table::{Table, H_HEARTBEAT, P_FALLBACKS, P_NS_SYNCS, P_UNSERVED};
+use crate::lower::{creds, RealLower};
+use crate::pmem::sim::SimPmem;
+
+struct Open {
+    ino: u64,
+    fd: i32,
+    t: Arc<Tracked>,
+}
+
+/// The process's counters in the table: (real syncs, namespace write-backs, unserved).
+fn counters(t: &Table) -> (u64, u64, u64) {
+    let i = (0..crate::front::table::MAX_PROCS)
+        .find(|&i| {
+            t.proc_word(i, crate::front::table::P_PID)
+                .load(Ordering::Relaxed)
+                == crate::front::table::my_pid()
+        })
+        .expect("the simulated program is attached");
+    let w = |k| t.proc_word(i, k).load(Ordering::Relaxed);
+    (w(P_FALLBACKS), w(P_NS_SYNCS), w(P_UNSERVED))
+}
+
+fn ino_of(fd: i32) -> u64 {
+    crate::front::sys::fstat(fd).expect("fstat").st_ino
+}
+
+fn close(c: &Client, fd: i32) {
+    c.untrack(fd);
+    // SAFETY: a descriptor this history opened and no longer uses.
+    unsafe { libc::close(fd) };
+}
+
+pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
+    let dir = ScratchDir::new();
+    let lower_path = dir.0.join("lower");
+    fs::create_dir(&lower_path).unwrap();
+    let lower = fs::canonicalize(&lower_path).unwrap();
+    let sim = Arc::new(SimPmem::new(2048 * 4096));
+    // The daemon keeps `OPEN_AREAS` append areas; the program leases one of the rest.
+    let log = Arc::new(Log::format(sim.clone(), [3; 16], 16).unwrap());
+    // As `serve` starts on an empty log: every page chunk back to the shared pool.
+    log.reset();
+    log.set_clean(false);
+    let table_path = dir.0.join("table");
+    let d = Daemon::new(
+        log,
+        RealLower::open(&lower).unwrap(),
+        &table_path,
+        ServeOpts {
+            root: lower.clone(),
+            watch: false,
+            sock: dir.0.join("sock"),
+            region: dir.0.join("region"),
+            flush_interval: Duration::from_secs(3600),
+            early_bytes: u64::MAX,
+            user: creds::user_with_id(creds::euid()).unwrap(),
+            recovery: serde_json::Value::Null,
+        },
+    )
+    .unwrap();
+    let c = Client::attach_to(
+        Table::open(&table_path).unwrap(),
+        d.table.epoch(),
+        sim.clone(),
+        &lower,
+    )
+    .unwrap();
+    let path = |n: &str| lower.join(n).as_os_str().as_bytes().to_vec();
+    let target = |n: &str| {
+        c.target(libc::AT_FDCWD, &path(n))
+            .expect("a name under the root")
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    let crash_op = rng.gen_range(0..nops);
+    let mut crash_op_unlinks = false;
+    let mut alive = true;
+    let mut opens: BTreeMap<String, Open> = BTreeMap::new();
+    let mut model = Model::default();
+    let mut models = vec![model.clone()];
+    let mut trees = vec![read_tree(&lower)];
+    // What the lower holds durably, per inode (a power cut keeps it, or newer pages).
+    let mut durable: Tree = trees[0].clone();
+    let mut next_file = 0u32;
+    let stash = dir.0.join("stash");
+    fs::create_dir(&stash).unwrap();
+    let mut names_before = BTreeMap::new();
+    let mut crash_op_unserved_ns = false;
+    for j in 0..=crash_op {
+        if j == crash_op {
+            sim.capture_at_fences(1.0, 1, seed);
+        }
+        sim.set_tag(j as u64);
+        cov.ops += 1;
+        // The heartbeat: fresh while the daemon lives (in the future: no op is slow enough
+        // to age it), zero once it is taken for dead.
+        d.table
+            .w(H_HEARTBEAT)
+            .store(if alive { u64::MAX } else { 0 }, Ordering::Relaxed);
+        if j == crash_op && !alive {
+            // A namespace operation on the lower alone makes its change after its fences.
+            for (ino, (name, _)) in trees.last().unwrap() {
+                let st = stash.join(ino.to_string());
+                if !st.exists() {
+                    fs::hard_link(lower.join(name), st).unwrap();
+                }
+                names_before.insert(name.clone(), *ino);
+            }
+        }
+        let before = counters(&d.table);
+        let names: Vec<String> = model.files.keys().cloned().collect();
+        // The inode a real sync of this operation made durable, and whether as of before the
+        // operation (the sync preceded the change) or after; a namespace operation on the
+        // lower alone: the inode whose directory entry it made durable.
+        let mut synced: Option<(u64, bool)> = None;
+        let mut ns_op = false;
+        let mut entry_made_durable: Option<u64> = None;
+        let kind = rng.gen_range(0..16);
+        match kind {
+            0 | 1 => {
+                let name = format!("f{}", rng.gen_range(0..6));
+                #[allow(clippy::map_entry)] // the insert needs the create's result first
+                if !model.files.contains_key(&name) {
+                    let osync = rng.gen_bool(0.3);
+                    ns_op = true;
+                    let fd = c
+                        .create(
+                            &target(&name),
+                            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                            0o644,
+                        )
+                        .unwrap();
+                    let t = c
+                        .track_path(fd, osync, Some(&path(&name)))
+                        .expect("a file under the root is tracked");
+                    let ino = ino_of(fd);
+                    if !alive {
+                        entry_made_durable = Some(ino);
+                    }
+                    opens.insert(name.clone(), Open { ino, fd, t });
+                    next_file += 1;
+                    model.files.insert(name, (next_file, vec![], 0));
+                }
+            }
+            2..=5 if !names.is_empty() => {
+                let name = &names[rng.gen_range(0..names.len())];
+                let o = &opens[name];
+                let (id, recs, durable_recs) = model.files.get_mut(name).unwrap();
+                let idx = recs.len() as u64;
+                let len = rng.gen_range(1..9000usize);
+                let n = c
+                    .write(&o.t, o.fd, &pattern(*id, idx, len), Some(idx * REC), false)
+                    .unwrap();
+                assert_eq!(n, len, "short write");
+                recs.push((idx, len));
+                if o.t.sync {
+                    *durable_recs = recs.len();
+                }
+                // Unserved: a real sync before the write (live entries), and one after it
+                // on an O_SYNC descriptor.
+                synced = Some((o.ino, !o.t.sync));
+            }
+            6 | 7 if !names.is_empty() => {
+                let name = &names[rng.gen_range(0..names.len())];
+                let o = &opens[name];
+                cov.fsyncs += 1;
+                c.fsync(&o.t, o.fd).unwrap();
+                let (_, recs, durable_recs) = model.files.get_mut(name).unwrap();
+                *durable_recs = recs.len();
+                synced = Some((o.ino, false));
+            }
+            8 if !names.is_empty() => {
+                let a = &names[rng.gen_range(0..names.len())];
+                let b = format!("f{}", rng.gen_range(0..6));
+                if *a != b {
+                    cov.renames += 1;
+                    ns_op = true;
+                    crash_op_unlinks |= j == crash_op;
+                    c.rename(&target(a), &target(&b), 0).unwrap();
+                    let v = model.files.remove(a).unwrap();
+                    model.files.insert(b.clone(), v);
+                    let o = opens.remove(a).unwrap();
+                    if let Some(victim) = opens.insert(b, o) {
+                        close(&c, victim.fd);
+                    }
+                }
+            }
+            9 if !names.is_empty() => {
+                let a = &names[rng.gen_range(0..names.len())];
+                crash_op_unlinks |= j == crash_op;
+                cov.unlinks += 1;
+                ns_op = true;
+                c.unlink(&target(a), false).unwrap();
+                model.files.remove(a);
+                let o = opens.remove(a).unwrap();
+                close(&c, o.fd);
+            }
+            10 if alive => {
+                cov.write_backs += 1;
+                d.write_back().unwrap();
+                durable = trees.last().unwrap().clone();
+            }
+            11 => {
+                // The daemon is taken for dead (killed, or stalled past the timeout), or
+                // comes back from a stall.
+                alive = !alive || !rng.gen_bool(0.5);
+                cov.daemon_deaths += !alive as u64;
+            }
+            12 if !names.is_empty() => {
+                // Closed and opened again (the library's per-process state of the object
+                // goes; the shared table's stays).
+                let name = &names[rng.gen_range(0..names.len())];
+                let o = opens.remove(name).unwrap();
+                let sync = o.t.sync;
+                close(&c, o.fd);
+                let p = CString::new(path(name)).unwrap();
+                // SAFETY: a C string; the descriptor is this history's.
+                let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+                assert!(fd >= 0, "reopening {name}");
+                let t = c.track_path(fd, sync, Some(&path(name))).unwrap();
+                opens.insert(name.clone(), Open { ino: o.ino, fd, t });
+            }
+            13 => {
+                let p = CString::new(lower.as_os_str().as_bytes()).unwrap();
+                // SAFETY: a C string; the descriptor is closed below.
+                let dfd = unsafe { libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+                assert!(dfd >= 0);
+                match c.fsync_dir(dfd) {
+                    Some(r) => r.unwrap(),
+                    None => crate::front::sys::fsync(dfd, false).unwrap(),
+                }
+                // SAFETY: opened above.
+                unsafe { libc::close(dfd) };
+            }
+            _ => {}
+        }
+        crash_op_unserved_ns = j == crash_op && ns_op && !alive;
+        let now = read_tree(&lower);
+
+        let after = counters(&d.table);
+        cov.unserved_ops += (after.2 > before.2) as u64;
+        cov.real_syncs += after.0 - before.0 + after.1 - before.1;
+        if after.1 > before.1 {
+            // A namespace write-back (syncfs): before the operation when it ran on the lower
+            // alone, after it otherwise.
+            durable = if ns_op && !alive {
+                trees.last().unwrap().clone()
+            } else {
+                now.clone()
+            };
+        }
+        if after.0 > before.0 {
+            if let Some((ino, pre)) = synced {
+                let from = if pre { trees.last().unwrap() } else { &now };
+                if let Some(e) = from.get(&ino) {
+                    durable.insert(ino, e.clone());
+                }
+            }
+        }
+        if let Some(ino) = entry_made_durable {
+            durable.entry(ino).or_insert_with(|| now[&ino].clone());
+        }
+        // A removed inode is gone for the harness (it cannot bring a name back), and its
+        // number may be reused by a new file: that one starts with no durable state.
+        durable.retain(|ino, _| now.contains_key(ino));
+        if std::env::var("PMSTACK_TRACE").is_ok() {
+            eprintln!(
+                "op {j}: kind {kind} alive {alive} counters {before:?} -> {after:?} files {:?} lower {:?} durable {:?}",
+                model
+                    .files
+                    .iter()
+                    .map(|(n, (id, r, d))| (n, id, r.len(), d))
+                    .collect::<Vec<_>>(),
+                now.iter().map(|(i, (n, d))| (i, n, d.len())).collect::<Vec<_>>(),
+                durable.iter().map(|(i, (n, d))| (i, n, d.len())).collect::<Vec<_>>(),
+            );
+        }
+        models.push(model.clone());
+        trees.push(now);
+    }
+    for o in opens.values() {
+        close(&c, o.fd);
+    }
+    drop(c);
+    drop(d);
+    if !crash_op_unserved_ns {
+        fs::remove_dir_all(&stash).unwrap();
+    }
+    let crash = Crash {
+        seed,
+        c: crash_op,
+        base_in_op: &durable,
+        base_after: &durable,
+        // A namespace operation on the lower alone wrote the namespace back before its
+        // fences: no creation before it can be lost.
+        lose_creations_in_op: !crash_op_unlinks && !crash_op_unserved_ns,
+        names_before_op: crash_op_unserved_ns.then_some((stash.as_path(), &names_before)),
+    };
+    recover_and_check(&crash, &sim, &lower, &models, &trees, &mut rng, cov);
+}
+
+#[cfg(test)]
+mod tests {
+    /// Short runs in `cargo test`; the long run is the `simulate` example (`--mode run`).
+    #[test]
+    fn crash_histories_through_pmstack_run_keep_the_contract() {
+        let seed0: u64 = rand::random::<u32>() as u64;
+        let mut cov = super::Coverage::default();
+        for s in 0..60 {
+            match super::super::run_history_preload(seed0 + s, 50) {
+                Ok(c) => cov.add(&c),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(cov.daemon_deaths > 0 && cov.unserved_ops > 0 && cov.real_syncs > 0);
+    }
+}
