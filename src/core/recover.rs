@@ -201,7 +201,9 @@ impl Replayer<'_> {
                     child,
                     ..
                 } => {
-                    created.insert(*child, op);
+                    if !plan.durable_creations.contains(child) {
+                        created.insert(*child, op);
+                    }
                     taken.remove(&(*parent, name.clone()));
                     set(&mut target, (*parent, name.clone()), Some(*child));
                 }

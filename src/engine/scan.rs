@@ -67,6 +67,13 @@ pub struct ReplayPlan {
     /// created by a live record): their records cannot be placed. Recovery reports them and
     /// applies everything else.
     pub unbound: Vec<u64>,
+    /// Fids whose live creation record is older than a write-back of the object itself (a
+    /// real fsync of the file, then a write-back record expiring its data). The lower made
+    /// the object durable after creating it, and with it (its journal commits in order: the
+    /// fault model) its creation. If the object is missing, a later operation removed it,
+    /// and recovery must not create it again from the log: its durable data is in the lower
+    /// only, and the log no longer holds it.
+    pub durable_creations: BTreeSet<u64>,
 }
 
 impl ReplayPlan {
@@ -407,6 +414,17 @@ impl Scan {
                 Record::Bind { .. } | Record::WriteBack { .. } => {}
             }
         }
+        let wb = self.wb_horizons();
+        plan.durable_creations = plan
+            .namespace
+            .iter()
+            .filter_map(|(lsn, op)| match op {
+                NsOp::Create { child, .. } if wb.get(child).is_some_and(|&u| *lsn < u) => {
+                    Some(*child)
+                }
+                _ => None,
+            })
+            .collect();
         let mut unbound = BTreeSet::new();
         let created: BTreeSet<u64> = plan
             .namespace

@@ -547,7 +547,13 @@ impl Client {
         let vetted = !self.watching || slot.flags() & F_VETTED != 0;
         sys::fsync(fd, false)?;
         let fid = slot.w(S_FID).load(Ordering::Acquire);
-        if fid != 0 && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn() {
+        let cp = self.log.checkpoint_lsn();
+        // Also when only its binding is recent: a live creation record of the object is then
+        // known to be durable in the lower (`ReplayPlan::durable_creations`).
+        if fid != 0
+            && (slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
+                || slot.w(S_BIND_LSN).load(Ordering::Acquire) >= cp)
+        {
             let upto = self.log.lsn_now();
             if self.log.write_back(fid, upto).is_err() {
                 // Not even the reserve has room: wait (bounded) for the daemon's write-back
