@@ -342,4 +342,16 @@ mod tests {
         }
         assert!(cov.daemon_deaths > 0 && cov.unserved_ops > 0 && cov.real_syncs > 0);
     }
+
+    /// Seeds of the long run that found violations (a new file made durable by a real sync,
+    /// then an unlink in flight at the crash: recovery re-created it with only the log's later
+    /// bytes). Each fails on the commit before `ReplayPlan::durable_creations`.
+    #[test]
+    fn seeds_that_found_violations_keep_the_contract() {
+        for seed in [20285778, 20289366, 20326542, 20340062, 20352494] {
+            if let Err(e) = super::super::run_history_preload(seed, 50) {
+                panic!("{e}");
+            }
+        }
+    }
 }
