@@ -777,7 +777,7 @@ impl Client {
         // An object with live entries gets a record (replay must apply the change in order
         // with them); otherwise the next sync of the object is real, which makes the change
         // durable without putting files nobody syncs into the log.
-        if !self.loggable(slot.flags()) || !self.live(&slot) || !self.serving() {
+        if !will_log || !self.live(&slot) {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
         } else if self.log_attr(&slot, &t.ino, rec).is_err() {
             // The log is full: make the change and everything before it durable now.

@@ -439,15 +439,21 @@ impl Table {
         (0..MAX_PROCS)
             .filter_map(|i| {
                 let pid = self.proc_word(i, P_PID).load(Ordering::Acquire);
-                (pid != 0 && alive(pid)).then(|| {
-                    let mut c = [0u64; PROC_WORDS];
-                    for (k, v) in c.iter_mut().enumerate() {
-                        *v = self.proc_word(i, k).load(Ordering::Relaxed);
-                    }
-                    (pid, c)
-                })
+                (pid != 0 && alive(pid)).then(|| (pid, self.record(i)))
             })
             .collect()
+    }
+
+    /// The words of process `pid`'s record: attached now, or exited or killed since (a record
+    /// is only reused by a later attach).
+    pub fn counters_of(&self, pid: u64) -> Option<[u64; PROC_WORDS]> {
+        (0..MAX_PROCS)
+            .find(|&i| self.proc_word(i, P_PID).load(Ordering::Acquire) == pid)
+            .map(|i| self.record(i))
+    }
+
+    fn record(&self, i: usize) -> [u64; PROC_WORDS] {
+        std::array::from_fn(|k| self.proc_word(i, k).load(Ordering::Relaxed))
     }
 }
 

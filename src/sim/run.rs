@@ -38,15 +38,10 @@ struct Open {
 
 /// The process's counters in the table: (real syncs, namespace write-backs, unserved).
 fn counters(t: &Table) -> (u64, u64, u64) {
-    let i = (0..crate::front::table::MAX_PROCS)
-        .find(|&i| {
-            t.proc_word(i, crate::front::table::P_PID)
-                .load(Ordering::Relaxed)
-                == crate::front::table::my_pid()
-        })
+    let w = t
+        .counters_of(crate::front::table::my_pid())
         .expect("the simulated program is attached");
-    let w = |k| t.proc_word(i, k).load(Ordering::Relaxed);
-    (w(P_FALLBACKS), w(P_NS_SYNCS), w(P_UNSERVED))
+    (w[P_FALLBACKS], w[P_NS_SYNCS], w[P_UNSERVED])
 }
 
 fn ino_of(fd: i32) -> u64 {
