@@ -58,6 +58,17 @@ impl Serve {
         }
     }
 
+    /// Stop the daemon (SIGSTOP) so it does nothing more until killed: programs killed now
+    /// die before the daemon as far as the region and the lower can tell, without the
+    /// daemon writing back (it does so when it sees an attached process die), which would
+    /// make durable what a power cut after the snapshot must be free to lose.
+    fn freeze(&self) {
+        if let Some(c) = &self.child {
+            // SAFETY: signalling our own child, not yet reaped.
+            unsafe { libc::kill(c.id() as i32, libc::SIGSTOP) };
+        }
+    }
+
     fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -298,12 +309,7 @@ fn proc_counters(
     tab: &pmstack::front::table::Table,
     pid: u64,
 ) -> [u64; pmstack::front::table::PROC_WORDS] {
-    use pmstack::front::table::*;
-    use std::sync::atomic::Ordering::Relaxed;
-    let i = (0..MAX_PROCS)
-        .find(|&i| tab.proc_word(i, P_PID).load(Relaxed) == pid)
-        .expect("the workload is attached");
-    std::array::from_fn(|k| tab.proc_word(i, k).load(Relaxed))
+    tab.counters_of(pid).expect("the workload is attached")
 }
 
 /// One round: load, kill -9 (programs and daemon, in a random order), power cut, recover.
@@ -392,6 +398,7 @@ fn crash_round(base_dir: &Path, seed: u64) {
         // timeout, so none of their syncs turned real).
         std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
     }
+    s.freeze();
     for k in &mut kids {
         let _ = k.kill();
         let _ = k.wait();
@@ -558,17 +565,7 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
         &pmstack::front::paths(&fs::canonicalize(d.path()).unwrap()).1,
     )
     .unwrap();
-    let real = (0..pmstack::front::table::MAX_PROCS)
-        .find(|&i| {
-            t.proc_word(i, pmstack::front::table::P_PID)
-                .load(std::sync::atomic::Ordering::Relaxed)
-                == k.id() as u64
-        })
-        .map(|i| {
-            t.proc_word(i, pmstack::front::table::P_FALLBACKS)
-                .load(std::sync::atomic::Ordering::Relaxed)
-        })
-        .unwrap();
+    let real = proc_counters(&t, k.id() as u64)[pmstack::front::table::P_FALLBACKS];
     assert!(real > 100, "only {real} real syncs after the daemon died");
     // The region still holds entries from before the death; a new daemon recovers them and
     // must not roll back what the program synced for real afterwards.
@@ -1255,6 +1252,7 @@ fn ns_crash_round(base: &Path, seed: u64) {
         s.kill9();
         std::thread::sleep(Duration::from_millis(rng.gen_range(0..200)));
     }
+    s.freeze();
     for k in &mut kids {
         let _ = k.kill();
         let _ = k.wait();
