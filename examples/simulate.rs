@@ -118,8 +118,8 @@ fn main() {
             cov.histories, cov.ops, cov.crash_images, cov.fences_captured
         );
         println!(
-            "  crashes inside a write-back {}, power cuts that could lose creations {}, recoveries killed and redone {}, replays run twice {}",
-            cov.crashes_in_write_back, cov.lost_creations, cov.recoveries_interrupted, cov.double_replays
+            "  crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations), recoveries killed and redone {}, replays run twice {}",
+            cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.recoveries_interrupted, cov.double_replays
         );
         println!(
             "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, FORGET+lookup {}; objects re-created by recovery {}",

@@ -30,7 +30,10 @@ fn run_many(mode: Mode) {
     assert_eq!(cov.crash_images, runs);
     if runs >= 100 {
         assert!(
-            cov.forgets > 0 && cov.recoveries_interrupted > 0 && cov.write_backs > 0,
+            cov.forgets > 0
+                && cov.recoveries_interrupted > 0
+                && cov.write_backs > 0
+                && cov.namespace_rewinds > 0,
             "{cov:?}"
         );
     }

@@ -9,10 +9,13 @@
 //! renames, unlinks, write-backs) run through `Core` without FUSE. The simulated PM captures
 //! random images (torn at 8-byte granularity) before fences, each tagged with the number of
 //! completed operations `k`. For every image the lower directory is rewound to a state a
-//! power cut could leave: for every page, its content at the last write-back, after operation
-//! `k`, or after operation `k+1`; files created since the last write-back kept or lost. Then
-//! recovery runs and the contract is checked: every record acknowledged as durable by op `k`
-//! is intact, namespace = model after `k` or `k+1`, no garbage anywhere.
+//! power cut could leave: its names as after any operation from the last one its journal
+//! committed (a write-back, a real fsync) up to `k+1` (a committed prefix: creations,
+//! unlinks, renames after it are lost, and removed names come back with their old inodes);
+//! for every page, its content at the last write-back, at that prefix, after operation `k`,
+//! or after operation `k+1`. Then recovery runs and the contract is checked: every record
+//! acknowledged as durable by op `k` is intact, namespace = model after `k` or `k+1`, no
+//! garbage anywhere.
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -51,8 +54,11 @@ pub struct Coverage {
     pub fences_captured: u64,
     /// Crashes in the middle of a write-back.
     pub crashes_in_write_back: u64,
-    /// Power cuts that could also lose file creations in the lower (each new file by chance).
-    pub lost_creations: u64,
+    /// Power cuts in which the lower lost acknowledged namespace operations: its names were
+    /// rewound to an earlier committed prefix of its journal than the crash point's.
+    pub namespace_rewinds: u64,
+    /// Namespace operations those power cuts took back (each operation that changed names).
+    pub namespace_ops_lost: u64,
     /// Recoveries killed at a random step, followed by another recovery.
     pub recoveries_interrupted: u64,
     /// Replays run twice (a recovery that replayed everything but did not empty the log).
@@ -81,7 +87,8 @@ impl Coverage {
         self.crash_images += o.crash_images;
         self.fences_captured += o.fences_captured;
         self.crashes_in_write_back += o.crashes_in_write_back;
-        self.lost_creations += o.lost_creations;
+        self.namespace_rewinds += o.namespace_rewinds;
+        self.namespace_ops_lost += o.namespace_ops_lost;
         self.recoveries_interrupted += o.recoveries_interrupted;
         self.double_replays += o.double_replays;
         self.forgets += o.forgets;
@@ -225,16 +232,12 @@ fn by_name(t: &Tree) -> BTreeMap<String, Vec<u8>> {
     t.values().cloned().collect()
 }
 
-/// Rewind `root` in place to a power-cut state built from three trees (durable base, after
-/// op k, after op k+1), page by page per inode; inodes created since the base may be lost.
-fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], lose_creations: bool, rng: &mut StdRng) {
+/// Rewind the data of every file in `root` in place to a power-cut state built from trees
+/// (the durable base, and states the lower had since), page by page per inode.
+fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], rng: &mut StdRng) {
     let now = read_tree(root);
     for (ino, (name, _)) in &now {
         let p = root.join(name);
-        if lose_creations && !base.contains_key(ino) && rng.gen_bool(0.3) {
-            fs::remove_file(&p).unwrap(); // its creation never reached the disk
-            continue;
-        }
         let choices: Vec<&Vec<u8>> = base
             .get(ino)
             .into_iter()
@@ -255,6 +258,54 @@ fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], lose_creations: bool, rn
         f.set_len(len as u64).unwrap();
         f.write_all_at(&out, 0).unwrap();
     }
+}
+
+/// Hard links, outside the lower, to every inode the lower had during a history: a power cut
+/// may take back the removal of a name (an unlink, or a rename over it), and the name then
+/// refers to its old inode again. Released (deleted) before recovery runs, so an inode no name
+/// kept is gone, as in the real file system.
+struct Stash(std::path::PathBuf);
+
+impl Stash {
+    fn new(dir: &Path) -> Stash {
+        let p = dir.join("stash");
+        fs::create_dir(&p).unwrap();
+        Stash(p)
+    }
+
+    /// Keep every inode of `t` (the lower's root as read after an operation).
+    fn keep(&self, lower: &Path, t: &Tree) {
+        for (ino, (name, _)) in t {
+            let p = self.0.join(ino.to_string());
+            if !p.exists() {
+                fs::hard_link(lower.join(name), p).unwrap();
+            }
+        }
+    }
+
+    /// Give the lower's root the names it had in `t`, each naming the inode it named then.
+    fn rewind_names(&self, lower: &Path, t: &Tree) {
+        let want = names_of(t);
+        for (ino, (name, _)) in read_tree(lower) {
+            if want.get(&name) != Some(&ino) {
+                fs::remove_file(lower.join(&name)).unwrap();
+            }
+        }
+        for (name, ino) in want {
+            if !lower.join(name).exists() {
+                fs::hard_link(self.0.join(ino.to_string()), lower.join(name)).unwrap();
+            }
+        }
+    }
+
+    fn release(self) {
+        fs::remove_dir_all(&self.0).unwrap();
+    }
+}
+
+/// The names of a tree, each with its inode.
+fn names_of(t: &Tree) -> BTreeMap<&String, u64> {
+    t.iter().map(|(i, (n, _))| (n, *i)).collect()
 }
 
 struct Run {
@@ -279,16 +330,16 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
     // Whether op c is a write-back: its fences all come after its syncfs, so a crash at one of
     // them finds the lower durable as of op c's start.
     let mut crash_op_syncs = false;
-    // Whether op c renames or removes: the lower applied it before logging, and the harness
-    // cannot bring back what it unlinked, so it must not also lose creations (a journaled
-    // lower never keeps a later namespace operation without the earlier ones).
-    let mut crash_op_unlinks = false;
+    let stash = Stash::new(&dir.0);
 
     let mut model = Model::default();
     let mut models = vec![model.clone()];
     let mut trees = vec![read_tree(&lower_path)];
     let mut base_at: Vec<usize> = vec![0]; // index of the durable base tree, per op count
     let mut base = 0usize;
+    // Index of the tree whose names the lower's journal has committed, per op count: the
+    // last write-back (syncfs), or the last fsync the core fell back to (PM full).
+    let mut ns_at: Vec<usize> = vec![0];
     let mut next_file = 0u32;
     for j in 0..=c {
         if j == c {
@@ -297,6 +348,11 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
         r.sim.set_tag(models.len() as u64 - 1);
         cov.ops += 1;
         let names: Vec<String> = model.files.keys().cloned().collect();
+        let fallbacks = r
+            .core
+            .stats
+            .fallbacks
+            .load(std::sync::atomic::Ordering::Relaxed);
         match rng.gen_range(0..14) {
             0 | 1 => {
                 let name = format!("f{}", rng.gen_range(0..6));
@@ -349,7 +405,6 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
                 let b = format!("f{}", rng.gen_range(0..6));
                 if *a != b {
                     cov.renames += 1;
-                    crash_op_unlinks |= j == c;
                     r.core
                         .rename(1, OsStr::new(a), 1, OsStr::new(&b), 0)
                         .unwrap();
@@ -361,7 +416,6 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
             }
             9 if !names.is_empty() => {
                 let a = &names[rng.gen_range(0..names.len())];
-                crash_op_unlinks |= j == c;
                 cov.unlinks += 1;
                 r.core.remove(1, OsStr::new(a), false).unwrap();
                 model.files.remove(a);
@@ -383,7 +437,6 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
                 let b = names[rng.gen_range(0..names.len())].clone();
                 if a != b {
                     cov.exchanges += 1;
-                    crash_op_unlinks |= j == c;
                     r.core
                         .rename(1, OsStr::new(&a), 1, OsStr::new(&b), libc::RENAME_EXCHANGE)
                         .unwrap();
@@ -423,9 +476,23 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
                     .collect::<Vec<_>>()
             );
         }
+        let now = read_tree(&lower_path);
+        stash.keep(&lower_path, &now);
+        let ns = if r
+            .core
+            .stats
+            .fallbacks
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > fallbacks
+        {
+            trees.len() // a real fsync after the operation commits the journal
+        } else {
+            base.max(ns_at[j])
+        };
         models.push(model.clone());
-        trees.push(read_tree(&lower_path));
+        trees.push(now);
         base_at.push(base);
+        ns_at.push(ns);
     }
     drop(r);
     cov.crashes_in_write_back += crash_op_syncs as u64;
@@ -440,10 +507,13 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
         c,
         base_in_op: in_op,
         base_after: after,
-        lose_creations_in_op: !crash_op_unlinks,
-        names_before_op: None,
+        // A write-back's fences come after its syncfs.
+        ns_in_op: if crash_op_syncs { c } else { ns_at[c] },
+        ns_after: ns_at.get(c + 1).copied().unwrap_or(ns_at[c]),
+        names_change_after_fences: false,
+        stash,
     };
-    recover_and_check(&crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
+    recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
 }
 
 /// The crash of a history: in operation `c` (at one of its fences; or right after it when it
@@ -454,25 +524,28 @@ struct Crash<'a> {
     /// What the lower had made durable at the fences of operation `c`, and after it.
     base_in_op: &'a Tree,
     base_after: &'a Tree,
-    /// Whether the power cut may lose files created since the base when it strikes in
-    /// operation `c` (not when `c` renames or removes: the lower applied that before logging,
-    /// and the harness cannot bring back what it removed, so it must not lose creations
-    /// either: a journaled lower never keeps a later namespace operation without the earlier
-    /// ones).
-    lose_creations_in_op: bool,
+    /// Up to which operation the lower's journal had committed its namespace at the fences
+    /// of operation `c`, and after it (an index of the trees): a power cut keeps the names
+    /// as of any operation from there up to the crash point (a committed prefix; never a
+    /// later operation without the earlier ones).
+    ns_in_op: usize,
+    ns_after: usize,
     /// Operation `c` changes the namespace only after its fences (`pmstack run` on the lower
     /// alone: a namespace write-back, then the operation): a crash at one of them finds the
-    /// names as they were before it. Each name (in the lower root) with a link to its inode
-    /// kept outside the lower, to put back.
-    names_before_op: Option<(&'a Path, &'a BTreeMap<String, u64>)>,
+    /// names as they were before it.
+    names_change_after_fences: bool,
+    /// Every inode of the history, so that a name whose removal the power cut takes back can
+    /// be put back.
+    stash: Stash,
 }
 
-/// Take a crash image of `sim` in operation `x.c`, cut the lower's power (`power_cut`),
-/// recover (sometimes killed and run again, sometimes replayed twice) and check the recovered
-/// lower against the models after `k` and `k + 1` operations. `models[j]` and `trees[j]`:
-/// after `j` operations. Panics on a violation.
+/// Take a crash image of `sim` in operation `x.c`, cut the lower's power (names rewound to a
+/// committed prefix of its namespace operations, then `power_cut` of the data), recover
+/// (sometimes killed and run again, sometimes replayed twice) and check the recovered lower
+/// against the models after `k` and `k + 1` operations. `models[j]` and `trees[j]`: after `j`
+/// operations. Panics on a violation.
 fn recover_and_check(
-    x: &Crash<'_>,
+    x: Crash<'_>,
     sim: &SimPmem,
     lower_path: &Path,
     models: &[Model],
@@ -485,7 +558,6 @@ fn recover_and_check(
     cov.histories += 1;
     cov.crash_images += 1;
     cov.fences_captured += images.len() as u64;
-    cov.lost_creations += x.lose_creations_in_op as u64;
     let (img, k) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
         (sim.crash_image(rng), c + 1)
@@ -494,18 +566,28 @@ fn recover_and_check(
     };
     let k1 = (k + 1).min(models.len() - 1);
     let base_tree = if k == c { x.base_in_op } else { x.base_after };
-    if let Some((stash, names)) = x.names_before_op {
-        if k == c {
-            for (name, _) in read_tree(lower_path).values() {
-                fs::remove_file(lower_path.join(name)).unwrap();
-            }
-            for (name, ino) in names {
-                fs::hard_link(stash.join(ino.to_string()), lower_path.join(name)).unwrap();
-            }
-        }
-        // The links outside the lower would keep removed inodes alive for recovery to find.
-        fs::remove_dir_all(stash).unwrap();
-    }
+    // The names the power cut keeps: the journal's committed prefix, or any longer prefix up
+    // to the crash point (half the time the longest, so a lower that kept everything is
+    // covered as much as one that lost operations).
+    let ns_max = if k == c && x.names_change_after_fences {
+        c
+    } else {
+        k1
+    };
+    let ns_min = if k == c { x.ns_in_op } else { x.ns_after }.min(ns_max);
+    let p = if rng.gen_bool(0.5) {
+        ns_max
+    } else {
+        rng.gen_range(ns_min..=ns_max)
+    };
+    x.stash.rewind_names(lower_path, &trees[p]);
+    // The links outside the lower would keep removed inodes alive for recovery to find.
+    x.stash.release();
+    let lost = (p..k.min(ns_max))
+        .filter(|&j| names_of(&trees[j]) != names_of(&trees[j + 1]))
+        .count() as u64;
+    cov.namespace_rewinds += (lost > 0) as u64;
+    cov.namespace_ops_lost += lost;
     if std::env::var("PMSTACK_TRACE").is_ok() {
         eprintln!(
             "base {:?} k {:?} k1 {:?} now {:?}",
@@ -527,8 +609,7 @@ fn recover_and_check(
     power_cut(
         lower_path,
         base_tree,
-        &[&trees[k], &trees[k1]],
-        x.lose_creations_in_op || k != c,
+        &[&trees[p], &trees[k], &trees[k1]],
         rng,
     );
     let mut pm = Arc::new(SimPmem::from_image(img));

@@ -6,10 +6,11 @@
 //! plus what only this front end has: the daemon taken for dead (its heartbeat aged, as after
 //! a kill -9 or a stall) and coming back, with the programs going on on the lower alone in
 //! between; descriptors closed and opened again; directory fsyncs. The lower's durable state
-//! follows what the client made durable itself: a real sync makes one file durable (as of
-//! before the operation when the sync precedes the change, as of after otherwise), a
-//! namespace write-back or the daemon's write-back everything, and a namespace operation run
-//! on the lower alone its own directory entry.
+//! follows what the client made durable itself: a real sync makes one file's data durable (as
+//! of before the operation when the sync precedes the change, as of after otherwise) and
+//! commits the journal's names up to then, a namespace write-back or the daemon's write-back
+//! makes everything durable, and a namespace operation run on the lower alone (which syncs
+//! its directories) commits the names up to and including it.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -22,7 +23,9 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{pattern, read_tree, recover_and_check, Coverage, Crash, Model, ScratchDir, Tree, REC};
+use super::{
+    pattern, read_tree, recover_and_check, Coverage, Crash, Model, ScratchDir, Stash, Tree, REC,
+};
 use crate::engine::Log;
 use crate::front::client::{Client, Tracked};
 use crate::front::serve::{Daemon, ServeOpts};
@@ -96,7 +99,6 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
     };
     let mut rng = StdRng::seed_from_u64(seed);
     let crash_op = rng.gen_range(0..nops);
-    let mut crash_op_unlinks = false;
     let mut alive = true;
     let mut opens: BTreeMap<String, Open> = BTreeMap::new();
     let mut model = Model::default();
@@ -105,9 +107,11 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
     // What the lower holds durably, per inode (a power cut keeps it, or newer pages).
     let mut durable: Tree = trees[0].clone();
     let mut next_file = 0u32;
-    let stash = dir.0.join("stash");
-    fs::create_dir(&stash).unwrap();
-    let mut names_before = BTreeMap::new();
+    // Up to which operation (an index of `trees`) the lower's journal committed its names:
+    // every real sync commits it (a namespace write-back, a file's fsync, a directory's).
+    let mut ns_durable = 0usize;
+    let mut ns_in_op = 0usize;
+    let stash = Stash::new(&dir.0);
     let mut crash_op_unserved_ns = false;
     for j in 0..=crash_op {
         if j == crash_op {
@@ -120,16 +124,6 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
         d.table
             .w(H_HEARTBEAT)
             .store(if alive { u64::MAX } else { 0 }, Ordering::Relaxed);
-        if j == crash_op && !alive {
-            // A namespace operation on the lower alone makes its change after its fences.
-            for (ino, (name, _)) in trees.last().unwrap() {
-                let st = stash.join(ino.to_string());
-                if !st.exists() {
-                    fs::hard_link(lower.join(name), st).unwrap();
-                }
-                names_before.insert(name.clone(), *ino);
-            }
-        }
         let before = counters(&d.table);
         let names: Vec<String> = model.files.keys().cloned().collect();
         // The inode a real sync of this operation made durable, and whether as of before the
@@ -138,6 +132,7 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
         let mut synced: Option<(u64, bool)> = None;
         let mut ns_op = false;
         let mut entry_made_durable: Option<u64> = None;
+        let mut real_dir_sync = false;
         let kind = rng.gen_range(0..16);
         match kind {
             0 | 1 => {
@@ -198,7 +193,6 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
                 if *a != b {
                     cov.renames += 1;
                     ns_op = true;
-                    crash_op_unlinks |= j == crash_op;
                     c.rename(&target(a), &target(&b), 0).unwrap();
                     let v = model.files.remove(a).unwrap();
                     model.files.insert(b.clone(), v);
@@ -210,7 +204,6 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
             }
             9 if !names.is_empty() => {
                 let a = &names[rng.gen_range(0..names.len())];
-                crash_op_unlinks |= j == crash_op;
                 cov.unlinks += 1;
                 ns_op = true;
                 c.unlink(&target(a), false).unwrap();
@@ -250,7 +243,10 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
                 assert!(dfd >= 0);
                 match c.fsync_dir(dfd) {
                     Some(r) => r.unwrap(),
-                    None => crate::front::sys::fsync(dfd, false).unwrap(),
+                    None => {
+                        crate::front::sys::fsync(dfd, false).unwrap();
+                        real_dir_sync = true;
+                    }
                 }
                 // SAFETY: opened above.
                 unsafe { libc::close(dfd) };
@@ -263,29 +259,49 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
         let after = counters(&d.table);
         cov.unserved_ops += (after.2 > before.2) as u64;
         cov.real_syncs += after.0 - before.0 + after.1 - before.1;
+        let (before_op, after_op) = (j, j + 1);
+        if kind == 10 && alive {
+            ns_durable = after_op;
+        }
         if after.1 > before.1 {
             // A namespace write-back (syncfs): before the operation when it ran on the lower
             // alone, after it otherwise.
-            durable = if ns_op && !alive {
+            let unserved_ns = ns_op && !alive;
+            durable = if unserved_ns {
                 trees.last().unwrap().clone()
             } else {
                 now.clone()
             };
+            ns_durable = ns_durable.max(if unserved_ns { before_op } else { after_op });
         }
+        // What the fences of a namespace operation on the lower alone found: the names as
+        // of its namespace write-back, which preceded them.
+        let ns_at_fences = ns_durable;
         if after.0 > before.0 {
             if let Some((ino, pre)) = synced {
                 let from = if pre { trees.last().unwrap() } else { &now };
                 if let Some(e) = from.get(&ino) {
                     durable.insert(ino, e.clone());
                 }
+                ns_durable = ns_durable.max(if pre { before_op } else { after_op });
             }
         }
         if let Some(ino) = entry_made_durable {
             durable.entry(ino).or_insert_with(|| now[&ino].clone());
         }
-        // A removed inode is gone for the harness (it cannot bring a name back), and its
-        // number may be reused by a new file: that one starts with no durable state.
-        durable.retain(|ino, _| now.contains_key(ino));
+        // A namespace operation on the lower alone syncs its directories before it returns;
+        // so does a directory fsync the library left to the lower.
+        if (ns_op && !alive) || real_dir_sync {
+            ns_durable = after_op;
+        }
+        // Any other operation: taken as of after it (its syncs may come after its fences;
+        // this only leaves out power cuts that would have lost more).
+        ns_in_op = if ns_op && !alive {
+            ns_at_fences
+        } else {
+            ns_durable
+        };
+        stash.keep(&lower, &now);
         if std::env::var("PMSTACK_TRACE").is_ok() {
             eprintln!(
                 "op {j}: kind {kind} alive {alive} counters {before:?} -> {after:?} files {:?} lower {:?} durable {:?}",
@@ -306,20 +322,17 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
     }
     drop(c);
     drop(d);
-    if !crash_op_unserved_ns {
-        fs::remove_dir_all(&stash).unwrap();
-    }
     let crash = Crash {
         seed,
         c: crash_op,
         base_in_op: &durable,
         base_after: &durable,
-        // A namespace operation on the lower alone wrote the namespace back before its
-        // fences: no creation before it can be lost.
-        lose_creations_in_op: !crash_op_unlinks && !crash_op_unserved_ns,
-        names_before_op: crash_op_unserved_ns.then_some((stash.as_path(), &names_before)),
+        ns_in_op,
+        ns_after: ns_durable,
+        names_change_after_fences: crash_op_unserved_ns,
+        stash,
     };
-    recover_and_check(&crash, &sim, &lower, &models, &trees, &mut rng, cov);
+    recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
 }
 
 #[cfg(test)]
@@ -335,7 +348,13 @@ mod tests {
                 Err(e) => panic!("{e}"),
             }
         }
-        assert!(cov.daemon_deaths > 0 && cov.unserved_ops > 0 && cov.real_syncs > 0);
+        assert!(
+            cov.daemon_deaths > 0
+                && cov.unserved_ops > 0
+                && cov.real_syncs > 0
+                && cov.namespace_rewinds > 0,
+            "{cov:?}"
+        );
     }
 
     /// Seeds of the long run that found violations (a new file made durable by a real sync,
