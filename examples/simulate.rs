@@ -122,8 +122,8 @@ fn main() {
             cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.recoveries_interrupted, cov.double_replays
         );
         println!(
-            "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, FORGET+lookup {}; objects re-created by recovery {}",
-            cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.forgets, cov.recreated
+            "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, FORGET+lookup {}; objects re-created by recovery {}",
+            cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.forgets, cov.recreated
         );
         println!(
             "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}",

@@ -281,6 +281,17 @@ impl Replayer<'_> {
                 }
             }
         }
+        // Names whose wanted object is gone for good (it existed before the log began, so it
+        // cannot be re-created, and the lower no longer has it): whatever holds such a name
+        // was put there by an in-flight rename (`place`).
+        let mut displaced_for_good = Vec::new();
+        for (k, w) in &target {
+            if let Some(w) = *w {
+                if self.object(w).is_none() && !created.contains_key(&w) {
+                    displaced_for_good.push(k.clone());
+                }
+            }
+        }
         // Place wanted objects; parents before children (retry while progress is made).
         let mut pending: Vec<(u64, Vec<u8>)> = order
             .iter()
@@ -295,7 +306,15 @@ impl Replayer<'_> {
             let mut next = Vec::new();
             for key in pending {
                 let want = target[&key].expect("filtered");
-                match self.place(&key, want, &target, &created, &links, &mut stash) {
+                match self.place(
+                    &key,
+                    want,
+                    &target,
+                    &created,
+                    &links,
+                    &displaced_for_good,
+                    &mut stash,
+                ) {
                     Ok(Some(true)) => self.sum.namespace_ops += 1,
                     Ok(Some(false)) => self.sum.namespace_skipped += 1,
                     Ok(None) => next.push(key), // parent not there yet
@@ -366,6 +385,7 @@ impl Replayer<'_> {
         target: &BTreeMap<(u64, Vec<u8>), Option<u64>>,
         created: &HashMap<u64, &NsOp>,
         links: &std::collections::HashSet<(u64, Vec<u8>)>,
+        displaced_for_good: &[(u64, Vec<u8>)],
         stash: &mut Vec<(i32, Vec<u8>, (u64, u64))>,
     ) -> std::io::Result<Option<bool>> {
         let l = self.lower;
@@ -390,7 +410,6 @@ impl Replayer<'_> {
         // Where the object is now: a touched name, or a stash slot. Decided before anything
         // moves, so a name is only cleared when the wanted object can really be put there.
         let mut from: Option<(i32, Vec<u8>, bool)> = None;
-        let mut from_key: Option<&(u64, Vec<u8>)> = None;
         if let Some((_, o)) = &obj {
             for (k, v) in target {
                 if let Some(kp) = self.resolve(k.0) {
@@ -398,7 +417,6 @@ impl Replayer<'_> {
                         if id == *o {
                             // Still wanted there too (a hard link): link rather than move.
                             from = Some((kp, k.1.clone(), *v == Some(want)));
-                            from_key = Some(k);
                             break;
                         }
                     }
@@ -421,10 +439,13 @@ impl Replayer<'_> {
             // At a touched name whose own wanted object is gone for good (it existed before the
             // log began, so it cannot be re-created): an in-flight rename replaced it with this
             // one. Moving this one back could not restore that one, so the in-flight state
-            // stands.
-            if let (Some((_, _, false)), Some(k2)) = (&from, from_key) {
-                if let Some(w2) = target[k2] {
-                    if w2 != want && self.object(w2).is_none() && !created.contains_key(&w2) {
+            // stands; so does the name that rename took this one from, even when this one is
+            // still at another of its names (a hard link): linking it back would show both
+            // sides of the rename at once.
+            if from.is_some() {
+                for k2 in displaced_for_good {
+                    let here = self.resolve(k2.0).and_then(|kp| self.at(kp, &k2.1));
+                    if here.is_some_and(|(_, id)| id == *o) {
                         return Ok(Some(false));
                     }
                 }

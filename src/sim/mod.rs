@@ -70,6 +70,8 @@ pub struct Coverage {
     pub exchanges: u64,
     pub unlinks: u64,
     pub fsyncs: u64,
+    pub truncates: u64,
+    pub links: u64,
     /// Objects recovery had to create again.
     pub recreated: u64,
     /// `pmstack run`: times the daemon was taken for dead (its heartbeat aged), operations
@@ -97,6 +99,8 @@ impl Coverage {
         self.exchanges += o.exchanges;
         self.unlinks += o.unlinks;
         self.fsyncs += o.fsyncs;
+        self.truncates += o.truncates;
+        self.links += o.links;
         self.recreated += o.recreated;
         self.daemon_deaths += o.daemon_deaths;
         self.unserved_ops += o.unserved_ops;
@@ -201,43 +205,191 @@ pub fn pattern(file: u32, rec: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// A file in the model: (file id, records written as (index, length), records durable).
-type FileModel = (u32, Vec<(u64, usize)>, usize);
-
-/// Files by name.
-#[derive(Clone, Default, Debug)]
-struct Model {
-    files: BTreeMap<String, FileModel>,
+/// What happened to a file, in order: a record written (its index and length; it starts at
+/// `index * REC` and holds `pattern(id, index, length)`), or a truncate to a size.
+#[derive(Clone, Copy, Debug)]
+enum Ev {
+    Rec(u64, usize),
+    Trunc(u64),
 }
 
-/// Lower content by inode number: a power cut keeps inodes' own pages, whatever their names.
-type Tree = BTreeMap<u64, (String, Vec<u8>)>;
+/// A file in the model: its id (for `pattern`) and its events, each with whether it was
+/// acknowledged as durable.
+#[derive(Clone, Debug)]
+struct File {
+    id: u32,
+    events: Vec<(Ev, bool)>,
+}
+
+impl File {
+    /// The file's size after its events.
+    fn size(&self) -> u64 {
+        self.events.iter().fold(0, |size, (e, _)| match *e {
+            Ev::Rec(i, l) => size.max(i * REC + l as u64),
+            Ev::Trunc(n) => n,
+        })
+    }
+}
+
+/// Names (a name may share its file with others: hard links) and the files they name.
+#[derive(Clone, Default, Debug)]
+struct Model {
+    names: BTreeMap<String, u32>,
+    files: BTreeMap<u32, File>,
+}
+
+impl Model {
+    fn names(&self) -> Vec<String> {
+        self.names.keys().cloned().collect()
+    }
+
+    fn file(&mut self, name: &str) -> &mut File {
+        self.files.get_mut(&self.names[name]).unwrap()
+    }
+
+    fn create(&mut self, name: &str, id: u32) {
+        self.names.insert(name.to_string(), id);
+        self.files.insert(
+            id,
+            File {
+                id,
+                events: vec![],
+            },
+        );
+    }
+
+    /// Append the file's next record of `len` bytes: (file id, record index).
+    fn write(&mut self, name: &str, len: usize, durable: bool) -> (u32, u64) {
+        let f = self.file(name);
+        let idx = f
+            .events
+            .iter()
+            .filter(|(e, _)| matches!(e, Ev::Rec(..)))
+            .count() as u64;
+        f.events.push((Ev::Rec(idx, len), durable));
+        (f.id, idx)
+    }
+
+    fn truncate(&mut self, name: &str, size: u64, durable: bool) {
+        self.file(name).events.push((Ev::Trunc(size), durable));
+    }
+
+    /// fsync: everything done to the file so far is durable. (An O_SYNC write makes only
+    /// itself durable: `write`.)
+    fn sync(&mut self, name: &str) {
+        for e in &mut self.file(name).events {
+            e.1 = true;
+        }
+    }
+
+    fn sync_everything(&mut self) {
+        for f in self.files.values_mut() {
+            for e in &mut f.events {
+                e.1 = true;
+            }
+        }
+    }
+
+    /// Remove a name; the id of its file when that was its last name (the file is gone).
+    fn unlink(&mut self, name: &str) -> Option<u32> {
+        let id = self.names.remove(name).unwrap();
+        if self.names.values().any(|&i| i == id) {
+            return None;
+        }
+        self.files.remove(&id);
+        Some(id)
+    }
+
+    /// rename(2): `a` takes `b`'s place (nothing happens when both name one file). The id of
+    /// the file it replaced when that lost its last name.
+    fn rename(&mut self, a: &str, b: &str) -> Option<u32> {
+        let id = self.names[a];
+        if self.names.get(b) == Some(&id) {
+            return None;
+        }
+        let gone = self.names.contains_key(b).then(|| self.unlink(b)).flatten();
+        self.names.remove(a);
+        self.names.insert(b.to_string(), id);
+        gone
+    }
+
+    fn exchange(&mut self, a: &str, b: &str) {
+        let (ia, ib) = (self.names[a], self.names[b]);
+        self.names.insert(a.to_string(), ib);
+        self.names.insert(b.to_string(), ia);
+    }
+
+    fn link(&mut self, a: &str, b: &str) {
+        self.names.insert(b.to_string(), self.names[a]);
+    }
+
+    /// The model after an operation in flight at a crash: the events of `after`, durable as
+    /// far as they were in `self` (the operation was not acknowledged).
+    fn in_flight(&self, after: &Model) -> Model {
+        let mut m = after.clone();
+        for (id, f) in m.files.iter_mut() {
+            let was = self.files.get(id).map_or(&[][..], |f| &f.events[..]);
+            for (n, e) in f.events.iter_mut().enumerate() {
+                e.1 = was.get(n).is_some_and(|w| w.1);
+            }
+        }
+        m
+    }
+
+    fn trace(&self) -> String {
+        format!(
+            "{:?} {:?}",
+            self.names,
+            self.files
+                .values()
+                .map(|f| (f.id, f.size(), f.events.len(), f.events.iter().filter(|e| e.1).count()))
+                .collect::<Vec<_>>()
+        )
+    }
+}
+
+/// Lower content by inode number, with the inode's names: a power cut keeps inodes' own pages,
+/// whatever their names.
+type Tree = BTreeMap<u64, (std::collections::BTreeSet<String>, Vec<u8>)>;
 
 fn read_tree(root: &Path) -> Tree {
     use std::os::unix::fs::MetadataExt;
-    let mut t = BTreeMap::new();
+    let mut t: Tree = BTreeMap::new();
     for e in fs::read_dir(root).unwrap().flatten() {
         let n = e.file_name().to_string_lossy().to_string();
         if !crate::lower::is_internal(n.as_bytes()) {
-            t.insert(
-                e.metadata().unwrap().ino(),
-                (n, fs::read(e.path()).unwrap()),
-            );
+            let ino = e.metadata().unwrap().ino();
+            match t.get_mut(&ino) {
+                Some((names, _)) => {
+                    names.insert(n);
+                }
+                None => {
+                    let data = fs::read(e.path()).unwrap();
+                    t.insert(ino, ([n].into(), data));
+                }
+            }
         }
     }
     t
 }
 
 fn by_name(t: &Tree) -> BTreeMap<String, Vec<u8>> {
-    t.values().cloned().collect()
+    t.values()
+        .flat_map(|(names, d)| names.iter().map(move |n| (n.clone(), d.clone())))
+        .collect()
+}
+
+/// One name of an inode of a tree.
+fn first(names: &std::collections::BTreeSet<String>) -> &String {
+    names.first().expect("an inode in a tree has a name")
 }
 
 /// Rewind the data of every file in `root` in place to a power-cut state built from trees
 /// (the durable base, and states the lower had since), page by page per inode.
 fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], rng: &mut StdRng) {
     let now = read_tree(root);
-    for (ino, (name, _)) in &now {
-        let p = root.join(name);
+    for (ino, (names, _)) in &now {
+        let p = root.join(first(names));
         let choices: Vec<&Vec<u8>> = base
             .get(ino)
             .into_iter()
@@ -275,10 +427,10 @@ impl Stash {
 
     /// Keep every inode of `t` (the lower's root as read after an operation).
     fn keep(&self, lower: &Path, t: &Tree) {
-        for (ino, (name, _)) in t {
+        for (ino, (names, _)) in t {
             let p = self.0.join(ino.to_string());
             if !p.exists() {
-                fs::hard_link(lower.join(name), p).unwrap();
+                fs::hard_link(lower.join(first(names)), p).unwrap();
             }
         }
     }
@@ -286,9 +438,11 @@ impl Stash {
     /// Give the lower's root the names it had in `t`, each naming the inode it named then.
     fn rewind_names(&self, lower: &Path, t: &Tree) {
         let want = names_of(t);
-        for (ino, (name, _)) in read_tree(lower) {
-            if want.get(&name) != Some(&ino) {
-                fs::remove_file(lower.join(&name)).unwrap();
+        for (ino, (names, _)) in read_tree(lower) {
+            for name in names {
+                if want.get(&name) != Some(&ino) {
+                    fs::remove_file(lower.join(&name)).unwrap();
+                }
             }
         }
         for (name, ino) in want {
@@ -305,13 +459,15 @@ impl Stash {
 
 /// The names of a tree, each with its inode.
 fn names_of(t: &Tree) -> BTreeMap<&String, u64> {
-    t.iter().map(|(i, (n, _))| (n, *i)).collect()
+    t.iter()
+        .flat_map(|(i, (names, _))| names.iter().map(move |n| (n, *i)))
+        .collect()
 }
 
 struct Run {
     core: Arc<Core>,
     sim: Arc<SimPmem>,
-    handles: BTreeMap<String, (u64, u64)>, // name -> (ino, fh)
+    handles: BTreeMap<u32, (u64, u64)>, // file id -> (ino, fh)
 }
 
 fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
@@ -347,17 +503,17 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
         }
         r.sim.set_tag(models.len() as u64 - 1);
         cov.ops += 1;
-        let names: Vec<String> = model.files.keys().cloned().collect();
+        let names = model.names();
+        let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
         let fallbacks = r
             .core
             .stats
             .fallbacks
             .load(std::sync::atomic::Ordering::Relaxed);
-        match rng.gen_range(0..14) {
+        match rng.gen_range(0..17) {
             0 | 1 => {
                 let name = format!("f{}", rng.gen_range(0..6));
-                #[allow(clippy::map_entry)] // the insert needs the create's result first
-                if !model.files.contains_key(&name) {
+                if !model.names.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     let flags = libc::O_RDWR
                         | libc::O_CREAT
@@ -367,114 +523,112 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
                         .core
                         .create(1, OsStr::new(&name), 0o644, flags, 0, 0)
                         .unwrap();
-                    r.handles.insert(name.clone(), (i.ino, fh));
                     next_file += 1;
-                    model.files.insert(name, (next_file, vec![], 0));
+                    r.handles.insert(next_file, (i.ino, fh));
+                    model.create(&name, next_file);
                 }
             }
             2..=5 if !names.is_empty() => {
-                // write the next record (or rewrite an earlier one with the same bytes)
-                let name = &names[rng.gen_range(0..names.len())];
-                let (ino, fh) = r.handles[name];
-                let (id, recs, durable) = model.files.get_mut(name).unwrap();
-                let idx = recs.len() as u64;
+                // write the file's next record
+                let name = pick(&mut rng);
+                let (_, fh) = r.handles[&model.names[&name]];
+                let sync = r.core.handle(fh).unwrap().sync_writes;
                 let len = rng.gen_range(1..9000usize);
-                r.core
-                    .write(fh, idx * REC, &pattern(*id, idx, len))
-                    .unwrap();
-                recs.push((idx, len));
-                // Overlapping records: a later record overwrites the tail of this one.
-                if r.core.handle(fh).unwrap().sync_writes {
-                    *durable = recs.len();
-                }
-                let _ = ino;
+                let (id, idx) = model.write(&name, len, sync);
+                r.core.write(fh, idx * REC, &pattern(id, idx, len)).unwrap();
             }
             6 | 7 if !names.is_empty() => {
-                let name = &names[rng.gen_range(0..names.len())];
-                let (ino, fh) = r.handles[name];
+                let name = pick(&mut rng);
+                let (ino, fh) = r.handles[&model.names[&name]];
                 cov.fsyncs += 1;
                 match r.core.fsync(ino, Some(fh), rng.gen_bool(0.5)) {
                     Err(e) if mode == Mode::Strict && e.raw_os_error() == Some(libc::ENOSYS) => {}
                     res => res.unwrap(),
                 }
-                let (_, recs, durable) = model.files.get_mut(name).unwrap();
-                *durable = recs.len();
+                model.sync(&name);
             }
             8 if !names.is_empty() => {
-                let a = &names[rng.gen_range(0..names.len())];
+                let a = pick(&mut rng);
                 let b = format!("f{}", rng.gen_range(0..6));
-                if *a != b {
+                if a != b {
                     cov.renames += 1;
                     r.core
-                        .rename(1, OsStr::new(a), 1, OsStr::new(&b), 0)
+                        .rename(1, OsStr::new(&a), 1, OsStr::new(&b), 0)
                         .unwrap();
-                    let v = model.files.remove(a).unwrap();
-                    model.files.insert(b.clone(), v);
-                    let h = r.handles.remove(a).unwrap();
-                    r.handles.insert(b, h);
+                    if let Some(gone) = model.rename(&a, &b) {
+                        r.handles.remove(&gone);
+                    }
                 }
             }
             9 if !names.is_empty() => {
-                let a = &names[rng.gen_range(0..names.len())];
+                let a = pick(&mut rng);
                 cov.unlinks += 1;
-                r.core.remove(1, OsStr::new(a), false).unwrap();
-                model.files.remove(a);
-                r.handles.remove(a);
+                r.core.remove(1, OsStr::new(&a), false).unwrap();
+                if let Some(gone) = model.unlink(&a) {
+                    r.handles.remove(&gone);
+                }
             }
             10 => {
                 crash_op_syncs = j == c;
                 cov.write_backs += 1;
                 r.core.write_back().unwrap();
                 // Everything in the lower is durable now: the new base.
-                for (_, recs, durable) in model.files.values_mut() {
-                    *durable = recs.len();
-                }
+                model.sync_everything();
                 base = trees.len();
             }
             11 if names.len() >= 2 => {
                 // RENAME_EXCHANGE of two existing names
-                let a = names[rng.gen_range(0..names.len())].clone();
-                let b = names[rng.gen_range(0..names.len())].clone();
+                let a = pick(&mut rng);
+                let b = pick(&mut rng);
                 if a != b {
                     cov.exchanges += 1;
                     r.core
                         .rename(1, OsStr::new(&a), 1, OsStr::new(&b), libc::RENAME_EXCHANGE)
                         .unwrap();
-                    let va = model.files.remove(&a).unwrap();
-                    let vb = model.files.remove(&b).unwrap();
-                    model.files.insert(a.clone(), vb);
-                    model.files.insert(b.clone(), va);
-                    let ha = r.handles.remove(&a).unwrap();
-                    let hb = r.handles.remove(&b).unwrap();
-                    r.handles.insert(a, hb);
-                    r.handles.insert(b, ha);
+                    model.exchange(&a, &b);
                 }
             }
             12 if !names.is_empty() => {
                 // The kernel closes the file, forgets its inode (FORGET after drop_caches) and
                 // looks it up again at the next open: the object's log identity must survive.
-                let name = &names[rng.gen_range(0..names.len())];
-                let (ino, fh) = r.handles[name];
+                let name = pick(&mut rng);
+                let id = model.names[&name];
+                let (ino, fh) = r.handles[&id];
                 let osync = r.core.handle(fh).unwrap().sync_writes;
                 cov.forgets += 1;
                 r.core.release(fh);
                 r.core.forget(ino, 1 << 40);
-                let (i, _) = r.core.lookup(1, OsStr::new(name)).unwrap();
+                let (i, _) = r.core.lookup(1, OsStr::new(&name)).unwrap();
                 let fl = libc::O_RDWR | if osync { libc::O_SYNC } else { 0 };
                 let fh2 = r.core.open(i.ino, fl).unwrap();
-                r.handles.insert(name.clone(), (i.ino, fh2));
+                r.handles.insert(id, (i.ino, fh2));
+            }
+            13 | 14 if !names.is_empty() => {
+                // truncate (shorter, or longer): durable on return, as every setattr
+                let name = pick(&mut rng);
+                let (ino, _) = r.handles[&model.names[&name]];
+                let size = rng.gen_range(0..=model.file(&name).size() + REC);
+                cov.truncates += 1;
+                r.core
+                    .setattr(ino, None, None, None, Some(size), None, None)
+                    .unwrap();
+                model.truncate(&name, size, mode != Mode::Passthrough);
+            }
+            15 if !names.is_empty() => {
+                // a hard link
+                let a = pick(&mut rng);
+                let b = format!("f{}", rng.gen_range(0..6));
+                if !model.names.contains_key(&b) {
+                    cov.links += 1;
+                    let (ino, _) = r.handles[&model.names[&a]];
+                    r.core.link(ino, 1, OsStr::new(&b)).unwrap();
+                    model.link(&a, &b);
+                }
             }
             _ => {}
         }
         if std::env::var("PMSTACK_TRACE").is_ok() {
-            eprintln!(
-                "op {j}: {:?}",
-                model
-                    .files
-                    .iter()
-                    .map(|(n, (id, r, d))| (n, id, r.len(), d))
-                    .collect::<Vec<_>>()
-            );
+            eprintln!("op {j}: {}", model.trace());
         }
         let now = read_tree(&lower_path);
         stash.keep(&lower_path, &now);
@@ -651,14 +805,7 @@ fn recover_and_check(
     }
     let got = by_name(&read_tree(lower_path));
     // The operation in flight: its writes happened (maybe), none of it was acknowledged.
-    let mut mid = models[k1].clone();
-    for (id, _, durable) in mid.files.values_mut() {
-        *durable = models[k]
-            .files
-            .values()
-            .find(|(i, _, _)| i == id)
-            .map_or(0, |(_, _, d)| *d);
-    }
+    let mid = models[k].in_flight(&models[k1]);
     if check(&got, &mid).is_err() && ![k, k1].iter().any(|&j| check(&got, &models[j]).is_ok()) {
         panic!(
             "seed {seed} (crash in op {c}, after {k} ops): {} / after {k1} ops: {}",
@@ -668,47 +815,80 @@ fn recover_and_check(
     }
 }
 
-/// The recovered tree satisfies the model: same names; per byte, a durable byte shows the
-/// last durable write of it or a later write (never rolled back); any other byte shows zero
-/// or some write of it (never garbage).
+/// The recovered tree satisfies the model: same names, each with its file's bytes; per byte,
+/// a durable byte shows the last durable event of it or a later one (never rolled back: a
+/// durable truncate that removed it leaves it absent); any other byte shows zero, absence, or
+/// some write of it (never garbage).
 fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
     let names: Vec<&String> = got.keys().collect();
-    let want: Vec<&String> = m.files.keys().collect();
+    let want: Vec<&String> = m.names.keys().collect();
     if names != want {
         return Err(format!("names {names:?}, model {want:?}"));
     }
-    for (name, (id, recs, durable)) in &m.files {
+    for (name, id) in &m.names {
+        let f = &m.files[id];
         let data = &got[name];
-        let extent = recs
-            .iter()
-            .map(|&(i, l)| (i * REC) as usize + l)
-            .max()
-            .unwrap_or(0);
-        // writes[b] = values written to byte b, in order, with "was durable" flags.
-        let mut writes: Vec<Vec<(u8, bool)>> = vec![Vec::new(); extent];
-        for (n, &(idx, len)) in recs.iter().enumerate() {
-            let p = pattern(*id, idx, len);
-            let s = (idx * REC) as usize;
-            for (k, v) in p.iter().enumerate() {
-                writes[s + k].push((*v, n < *durable));
+        // bytes[b] = what byte b held after each event that changed it (None: past the end),
+        // in order, with "was durable" flags.
+        let mut bytes: Vec<Vec<(Option<u8>, bool)>> = Vec::new();
+        let (mut size, mut most) = (0usize, 0usize);
+        for &(e, durable) in &f.events {
+            let mut set = |b: usize, v: Option<u8>| {
+                if bytes.len() <= b {
+                    bytes.resize(b + 1, Vec::new());
+                }
+                bytes[b].push((v, durable));
+            };
+            match e {
+                Ev::Rec(idx, len) => {
+                    let s = (idx * REC) as usize;
+                    for b in size..s {
+                        set(b, Some(0)); // a hole
+                    }
+                    for (k, v) in pattern(f.id, idx, len).into_iter().enumerate() {
+                        set(s + k, Some(v));
+                    }
+                    size = size.max(s + len);
+                }
+                Ev::Trunc(n) => {
+                    let n = n as usize;
+                    for b in n..size {
+                        set(b, None);
+                    }
+                    for b in size..n {
+                        set(b, Some(0));
+                    }
+                    size = n;
+                }
             }
+            most = most.max(size);
         }
-        if data.len() > extent {
+        if data.len() > most {
             return Err(format!(
-                "{name}: {} bytes, but nothing was written past {extent}",
+                "{name}: {} bytes, but the file never held more than {most}",
                 data.len()
             ));
         }
-        for (b, w) in writes.iter().enumerate() {
+        for (b, w) in bytes.iter().enumerate() {
             let have = data.get(b).copied();
-            let last_durable = w.iter().rposition(|(_, d)| *d);
-            let ok = match last_durable {
-                Some(ld) => have.is_some_and(|h| w[ld..].iter().any(|(v, _)| *v == h)),
-                None => have.is_none_or(|h| h == 0 || w.iter().any(|(v, _)| *v == h)),
+            // A truncate not yet durable may have reached the data but not the size (the
+            // lower wrote back the zeroed tail of a page, its journal kept the old size).
+            let shows = |&(v, durable): &(Option<u8>, bool)| {
+                v == have || (v.is_none() && !durable && have == Some(0))
+            };
+            let ok = match w.iter().rposition(|(_, d)| *d) {
+                // Durably absent, then written again but not durably: a later write that
+                // extends the file may have reached the lower without this one (a hole).
+                Some(ld) if w[ld].0.is_none() && ld + 1 < w.len() => {
+                    have.is_none_or(|h| h == 0) || w[ld..].iter().any(shows)
+                }
+                Some(ld) => w[ld..].iter().any(shows),
+                None => have.is_none_or(|h| h == 0) || w.iter().any(shows),
             };
             if !ok {
                 return Err(format!(
-                    "{name}: byte {b} is {have:?}, allowed {w:?} (durable up to record {durable})"
+                    "{name}: byte {b} is {have:?}, allowed {w:?} (events {:?})",
+                    f.events
                 ));
             }
         }

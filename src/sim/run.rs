@@ -100,7 +100,7 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
     let mut rng = StdRng::seed_from_u64(seed);
     let crash_op = rng.gen_range(0..nops);
     let mut alive = true;
-    let mut opens: BTreeMap<String, Open> = BTreeMap::new();
+    let mut opens: BTreeMap<u32, Open> = BTreeMap::new(); // by file id
     let mut model = Model::default();
     let mut models = vec![model.clone()];
     let mut trees = vec![read_tree(&lower)];
@@ -125,7 +125,8 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
             .w(H_HEARTBEAT)
             .store(if alive { u64::MAX } else { 0 }, Ordering::Relaxed);
         let before = counters(&d.table);
-        let names: Vec<String> = model.files.keys().cloned().collect();
+        let names = model.names();
+        let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
         // The inode a real sync of this operation made durable, and whether as of before the
         // operation (the sync preceded the change) or after; a namespace operation on the
         // lower alone: the inode whose directory entry it made durable.
@@ -133,12 +134,11 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
         let mut ns_op = false;
         let mut entry_made_durable: Option<u64> = None;
         let mut real_dir_sync = false;
-        let kind = rng.gen_range(0..16);
+        let kind = rng.gen_range(0..19);
         match kind {
             0 | 1 => {
                 let name = format!("f{}", rng.gen_range(0..6));
-                #[allow(clippy::map_entry)] // the insert needs the create's result first
-                if !model.files.contains_key(&name) {
+                if !model.names.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     ns_op = true;
                     let fd = c
@@ -155,61 +155,52 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
                     if !alive {
                         entry_made_durable = Some(ino);
                     }
-                    opens.insert(name.clone(), Open { ino, fd, t });
                     next_file += 1;
-                    model.files.insert(name, (next_file, vec![], 0));
+                    opens.insert(next_file, Open { ino, fd, t });
+                    model.create(&name, next_file);
                 }
             }
             2..=5 if !names.is_empty() => {
-                let name = &names[rng.gen_range(0..names.len())];
-                let o = &opens[name];
-                let (id, recs, durable_recs) = model.files.get_mut(name).unwrap();
-                let idx = recs.len() as u64;
+                let name = pick(&mut rng);
+                let o = &opens[&model.names[&name]];
                 let len = rng.gen_range(1..9000usize);
+                let (id, idx) = model.write(&name, len, o.t.sync);
                 let n = c
-                    .write(&o.t, o.fd, &pattern(*id, idx, len), Some(idx * REC), false)
+                    .write(&o.t, o.fd, &pattern(id, idx, len), Some(idx * REC), false)
                     .unwrap();
                 assert_eq!(n, len, "short write");
-                recs.push((idx, len));
-                if o.t.sync {
-                    *durable_recs = recs.len();
-                }
                 // Unserved: a real sync before the write (live entries), and one after it
                 // on an O_SYNC descriptor.
                 synced = Some((o.ino, !o.t.sync));
             }
             6 | 7 if !names.is_empty() => {
-                let name = &names[rng.gen_range(0..names.len())];
-                let o = &opens[name];
+                let name = pick(&mut rng);
+                let o = &opens[&model.names[&name]];
                 cov.fsyncs += 1;
                 c.fsync(&o.t, o.fd).unwrap();
-                let (_, recs, durable_recs) = model.files.get_mut(name).unwrap();
-                *durable_recs = recs.len();
+                model.sync(&name);
                 synced = Some((o.ino, false));
             }
             8 if !names.is_empty() => {
-                let a = &names[rng.gen_range(0..names.len())];
+                let a = pick(&mut rng);
                 let b = format!("f{}", rng.gen_range(0..6));
-                if *a != b {
+                if a != b {
                     cov.renames += 1;
                     ns_op = true;
-                    c.rename(&target(a), &target(&b), 0).unwrap();
-                    let v = model.files.remove(a).unwrap();
-                    model.files.insert(b.clone(), v);
-                    let o = opens.remove(a).unwrap();
-                    if let Some(victim) = opens.insert(b, o) {
-                        close(&c, victim.fd);
+                    c.rename(&target(&a), &target(&b), 0).unwrap();
+                    if let Some(gone) = model.rename(&a, &b) {
+                        close(&c, opens.remove(&gone).unwrap().fd);
                     }
                 }
             }
             9 if !names.is_empty() => {
-                let a = &names[rng.gen_range(0..names.len())];
+                let a = pick(&mut rng);
                 cov.unlinks += 1;
                 ns_op = true;
-                c.unlink(&target(a), false).unwrap();
-                model.files.remove(a);
-                let o = opens.remove(a).unwrap();
-                close(&c, o.fd);
+                c.unlink(&target(&a), false).unwrap();
+                if let Some(gone) = model.unlink(&a) {
+                    close(&c, opens.remove(&gone).unwrap().fd);
+                }
             }
             10 if alive => {
                 cov.write_backs += 1;
@@ -225,16 +216,17 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
             12 if !names.is_empty() => {
                 // Closed and opened again (the library's per-process state of the object
                 // goes; the shared table's stays).
-                let name = &names[rng.gen_range(0..names.len())];
-                let o = opens.remove(name).unwrap();
+                let name = pick(&mut rng);
+                let id = model.names[&name];
+                let o = opens.remove(&id).unwrap();
                 let sync = o.t.sync;
                 close(&c, o.fd);
-                let p = CString::new(path(name)).unwrap();
+                let p = CString::new(path(&name)).unwrap();
                 // SAFETY: a C string; the descriptor is this history's.
                 let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
                 assert!(fd >= 0, "reopening {name}");
-                let t = c.track_path(fd, sync, Some(&path(name))).unwrap();
-                opens.insert(name.clone(), Open { ino: o.ino, fd, t });
+                let t = c.track_path(fd, sync, Some(&path(&name))).unwrap();
+                opens.insert(id, Open { ino: o.ino, fd, t });
             }
             13 => {
                 let p = CString::new(lower.as_os_str().as_bytes()).unwrap();
@@ -250,6 +242,30 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
                 }
                 // SAFETY: opened above.
                 unsafe { libc::close(dfd) };
+            }
+            14 | 15 if !names.is_empty() => {
+                // ftruncate, shorter or longer: durable at the next fsync (the live entries
+                // of the file go first when it is not logged)
+                let name = pick(&mut rng);
+                let o = &opens[&model.names[&name]];
+                let size = rng.gen_range(0..=model.file(&name).size() + REC);
+                cov.truncates += 1;
+                c.ftruncate(&o.t, o.fd, size).unwrap();
+                model.truncate(&name, size, false);
+                synced = Some((o.ino, true));
+            }
+            16 if !names.is_empty() => {
+                let a = pick(&mut rng);
+                let b = format!("f{}", rng.gen_range(0..6));
+                if !model.names.contains_key(&b) {
+                    cov.links += 1;
+                    ns_op = true;
+                    c.link(&target(&a), &target(&b), false).unwrap();
+                    if !alive {
+                        entry_made_durable = Some(opens[&model.names[&a]].ino);
+                    }
+                    model.link(&a, &b);
+                }
             }
             _ => {}
         }
@@ -304,12 +320,8 @@ pub(super) fn history(seed: u64, nops: usize, cov: &mut Coverage) {
         stash.keep(&lower, &now);
         if std::env::var("PMSTACK_TRACE").is_ok() {
             eprintln!(
-                "op {j}: kind {kind} alive {alive} counters {before:?} -> {after:?} files {:?} lower {:?} durable {:?}",
-                model
-                    .files
-                    .iter()
-                    .map(|(n, (id, r, d))| (n, id, r.len(), d))
-                    .collect::<Vec<_>>(),
+                "op {j}: kind {kind} alive {alive} counters {before:?} -> {after:?} files {} lower {:?} durable {:?}",
+                model.trace(),
                 now.iter().map(|(i, (n, d))| (i, n, d.len())).collect::<Vec<_>>(),
                 durable.iter().map(|(i, (n, d))| (i, n, d.len())).collect::<Vec<_>>(),
             );
