@@ -217,6 +217,11 @@ impl Replayer<'_> {
                     set(&mut target, (*parent, name.clone()), None)
                 }
                 NsOp::Rename {
+                    flags, src, victim, ..
+                } if flags & libc::RENAME_EXCHANGE == 0 && src == victim && *src != 0 => {
+                    // Both names were links to one object: rename(2) did nothing.
+                }
+                NsOp::Rename {
                     parent,
                     name,
                     newparent,
@@ -267,9 +272,9 @@ impl Replayer<'_> {
             .iter()
             .filter_map(|(_, op)| match op {
                 NsOp::Remove { victim, .. } => Some(*victim),
-                NsOp::Rename { victim, flags, .. } if flags & libc::RENAME_EXCHANGE == 0 => {
-                    Some(*victim)
-                }
+                NsOp::Rename {
+                    victim, flags, src, ..
+                } if flags & libc::RENAME_EXCHANGE == 0 && victim != src => Some(*victim),
                 _ => None,
             })
             .filter(|v| *v != 0)
@@ -292,6 +297,12 @@ impl Replayer<'_> {
                 }
             }
         }
+        let ends = Ends {
+            target: &target,
+            created: &created,
+            links: &links,
+            displaced_for_good: &displaced_for_good,
+        };
         // Place wanted objects; parents before children (retry while progress is made).
         let mut pending: Vec<(u64, Vec<u8>)> = order
             .iter()
@@ -306,15 +317,7 @@ impl Replayer<'_> {
             let mut next = Vec::new();
             for key in pending {
                 let want = target[&key].expect("filtered");
-                match self.place(
-                    &key,
-                    want,
-                    &target,
-                    &created,
-                    &links,
-                    &displaced_for_good,
-                    &mut stash,
-                ) {
+                match self.place(&key, want, &ends, &mut stash) {
                     Ok(Some(true)) => self.sum.namespace_ops += 1,
                     Ok(Some(false)) => self.sum.namespace_skipped += 1,
                     Ok(None) => next.push(key), // parent not there yet
@@ -377,17 +380,21 @@ impl Replayer<'_> {
         }
     }
 
-    /// Make `key` name object `want`. Ok(None): its parent is not available yet.
+    /// Make `key` name object `want` (`ends`: what the log wants at the end). Ok(None): its
+    /// parent is not available yet.
     fn place(
         &mut self,
         key: &(u64, Vec<u8>),
         want: u64,
-        target: &BTreeMap<(u64, Vec<u8>), Option<u64>>,
-        created: &HashMap<u64, &NsOp>,
-        links: &std::collections::HashSet<(u64, Vec<u8>)>,
-        displaced_for_good: &[(u64, Vec<u8>)],
+        ends: &Ends<'_>,
         stash: &mut Vec<(i32, Vec<u8>, (u64, u64))>,
     ) -> std::io::Result<Option<bool>> {
+        let Ends {
+            target,
+            created,
+            links,
+            displaced_for_good,
+        } = *ends;
         let l = self.lower;
         let Some((p, _)) = self.object(key.0) else {
             return Ok(None);
@@ -585,6 +592,16 @@ impl Replayer<'_> {
         }
         Ok(())
     }
+}
+
+/// What the log's namespace records want at the end, for `place`: the object (or nothing) at
+/// every touched name, the objects it created (creation records that recovery may replay),
+/// the names made by links, and the names whose wanted object is gone for good.
+struct Ends<'a> {
+    target: &'a BTreeMap<(u64, Vec<u8>), Option<u64>>,
+    created: &'a HashMap<u64, &'a NsOp>,
+    links: &'a std::collections::HashSet<(u64, Vec<u8>)>,
+    displaced_for_good: &'a [(u64, Vec<u8>)],
 }
 
 /// The name under which recovery makes an object again before it is bound and moved.

@@ -154,14 +154,20 @@ pub fn core_on_sim_pm(
 
 /// Run one seeded history in `mode` with `nops` operations, crash it, recover, and check the
 /// contract. Err: the violation (or harness failure), with the command that reproduces it.
-pub fn run_history(seed: u64, nops: usize, mode: Mode) -> Result<Coverage, String> {
+/// `links`: the histories also make hard links (recovery's reconciliation of hard links with
+/// an operation in flight is known not to keep the contract yet: `docs/contract.md`).
+pub fn run_history(seed: u64, nops: usize, mode: Mode, links: bool) -> Result<Coverage, String> {
     let m = format!("{mode:?}").to_lowercase();
-    catch(seed, nops, &m, |cov| run(seed, nops, mode, cov))
+    catch(seed, nops, &m, links, |cov| {
+        run(seed, nops, mode, links, cov)
+    })
 }
 
 /// `run_history` through the `pmstack run` front end (`run`).
-pub fn run_history_preload(seed: u64, nops: usize) -> Result<Coverage, String> {
-    catch(seed, nops, "run", |cov| run::history(seed, nops, cov))
+pub fn run_history_preload(seed: u64, nops: usize, links: bool) -> Result<Coverage, String> {
+    catch(seed, nops, "run", links, |cov| {
+        run::history(seed, nops, links, cov)
+    })
 }
 
 /// Run a history, turning its panic (a violation, or a harness failure) into an Err that says
@@ -170,6 +176,7 @@ fn catch(
     seed: u64,
     nops: usize,
     mode: &str,
+    links: bool,
     f: impl FnOnce(&mut Coverage),
 ) -> Result<Coverage, String> {
     // The simulated kill of a recovery is a panic caught here: keep it out of the output.
@@ -193,7 +200,8 @@ fn catch(
                 .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "panic".into());
             Err(format!(
-                "{msg}\n  reproduce: cargo run --release --example simulate -- --mode {mode} --seed {seed} --seeds 1 --ops {nops}"
+                "{msg}\n  reproduce: cargo run --release --example simulate -- --mode {mode} --seed {seed} --seeds 1 --ops {nops}{}",
+                if links { " --links" } else { "" }
             ))
         }
     }
@@ -249,13 +257,7 @@ impl Model {
 
     fn create(&mut self, name: &str, id: u32) {
         self.names.insert(name.to_string(), id);
-        self.files.insert(
-            id,
-            File {
-                id,
-                events: vec![],
-            },
-        );
+        self.files.insert(id, File { id, events: vec![] });
     }
 
     /// Append the file's next record of `len` bytes: (file id, record index).
@@ -342,7 +344,12 @@ impl Model {
             self.names,
             self.files
                 .values()
-                .map(|f| (f.id, f.size(), f.events.len(), f.events.iter().filter(|e| e.1).count()))
+                .map(|f| (
+                    f.id,
+                    f.size(),
+                    f.events.len(),
+                    f.events.iter().filter(|e| e.1).count()
+                ))
                 .collect::<Vec<_>>()
         )
     }
@@ -470,7 +477,7 @@ struct Run {
     handles: BTreeMap<u32, (u64, u64)>, // file id -> (ino, fh)
 }
 
-fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
+fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
     let dir = ScratchDir::new();
     let lower_path = dir.0.join("lower");
     fs::create_dir(&lower_path).unwrap();
@@ -614,7 +621,7 @@ fn run(seed: u64, nops: usize, mode: Mode, cov: &mut Coverage) {
                     .unwrap();
                 model.truncate(&name, size, mode != Mode::Passthrough);
             }
-            15 if !names.is_empty() => {
+            15 if links && !names.is_empty() => {
                 // a hard link
                 let a = pick(&mut rng);
                 let b = format!("f{}", rng.gen_range(0..6));
@@ -832,8 +839,13 @@ fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
         // in order, with "was durable" flags.
         let mut bytes: Vec<Vec<(Option<u8>, bool)>> = Vec::new();
         let (mut size, mut most) = (0usize, 0usize);
+        // Whether every event so far was durable: a hole left by a durable write is durable
+        // only then (an O_SYNC write does not make an earlier truncate durable).
+        let mut prefix_durable = true;
         for &(e, durable) in &f.events {
-            let mut set = |b: usize, v: Option<u8>| {
+            let hole_durable = durable && prefix_durable;
+            prefix_durable &= durable;
+            let mut set = |b: usize, v: Option<u8>, durable: bool| {
                 if bytes.len() <= b {
                     bytes.resize(b + 1, Vec::new());
                 }
@@ -843,20 +855,20 @@ fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
                 Ev::Rec(idx, len) => {
                     let s = (idx * REC) as usize;
                     for b in size..s {
-                        set(b, Some(0)); // a hole
+                        set(b, Some(0), hole_durable);
                     }
                     for (k, v) in pattern(f.id, idx, len).into_iter().enumerate() {
-                        set(s + k, Some(v));
+                        set(s + k, Some(v), durable);
                     }
                     size = size.max(s + len);
                 }
                 Ev::Trunc(n) => {
                     let n = n as usize;
                     for b in n..size {
-                        set(b, None);
+                        set(b, None, durable);
                     }
                     for b in size..n {
-                        set(b, Some(0));
+                        set(b, Some(0), durable);
                     }
                     size = n;
                 }
