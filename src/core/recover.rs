@@ -181,11 +181,11 @@ impl Replayer<'_> {
         let mut order: Vec<(u64, Vec<u8>)> = Vec::new();
         let mut created: HashMap<u64, &NsOp> = HashMap::new();
         let mut links: std::collections::HashSet<(u64, Vec<u8>)> = Default::default();
-        // For a name that must not exist at the end: the object the log took away from it
-        // (unlinked, or renamed away). If the lower still has that object there (it lost the
-        // operation), the name goes, even when the object is wanted at another name (a hard
-        // link).
-        let mut taken: HashMap<(u64, Vec<u8>), u64> = HashMap::new();
+        // For a name that must not exist at the end: every object the log took away from it
+        // (unlinked, renamed away, or replaced by a rename). If the lower still has one of
+        // them there (it lost the operations since), the name goes, even when the object is
+        // wanted at another name (a hard link).
+        let mut taken: HashMap<(u64, Vec<u8>), Vec<u64>> = HashMap::new();
         let mut set =
             |t: &mut BTreeMap<(u64, Vec<u8>), Option<u64>>, k: (u64, Vec<u8>), v: Option<u64>| {
                 if !t.contains_key(&k) {
@@ -204,7 +204,6 @@ impl Replayer<'_> {
                     if !plan.durable_creations.contains(child) {
                         created.insert(*child, op);
                     }
-                    taken.remove(&(*parent, name.clone()));
                     set(&mut target, (*parent, name.clone()), Some(*child));
                 }
                 NsOp::Remove {
@@ -213,7 +212,10 @@ impl Replayer<'_> {
                     victim,
                     ..
                 } => {
-                    taken.insert((*parent, name.clone()), *victim);
+                    taken
+                        .entry((*parent, name.clone()))
+                        .or_default()
+                        .push(*victim);
                     set(&mut target, (*parent, name.clone()), None)
                 }
                 NsOp::Rename {
@@ -239,10 +241,12 @@ impl Replayer<'_> {
                             .unwrap_or((*victim != 0).then_some(*victim));
                         set(&mut target, from, other);
                     } else {
-                        taken.insert(from.clone(), *src);
+                        taken.entry(from.clone()).or_default().push(*src);
+                        if *victim != 0 {
+                            taken.entry(to.clone()).or_default().push(*victim);
+                        }
                         set(&mut target, from, None);
                     }
-                    taken.remove(&to);
                     set(&mut target, to, Some(*src));
                 }
                 NsOp::Link {
@@ -251,7 +255,6 @@ impl Replayer<'_> {
                     newname,
                 } => {
                     links.insert((*newparent, newname.clone()));
-                    taken.remove(&(*newparent, newname.clone()));
                     set(&mut target, (*newparent, newname.clone()), Some(*fid))
                 }
             }
@@ -345,14 +348,14 @@ impl Replayer<'_> {
             if let Some((fd, id)) = self.at(p, &key.1) {
                 let st = real::fstat(fd.as_raw_fd()).ok();
                 let dir = st.is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
-                // The object the log took from this name is still here, and has another
-                // name: the lower lost the unlink of one of its links.
+                // An object the log took from this name is still here, and has another
+                // name: the lower lost the unlink (or rename) of one of its links.
                 let lost_unlink = !dir
                     && st.is_some_and(|st| st.st_nlink > 1)
-                    && taken
-                        .get(key)
-                        .and_then(|&f| self.object(f))
-                        .is_some_and(|(_, tid)| tid == id);
+                    && taken.get(key).is_some_and(|fids| {
+                        fids.iter()
+                            .any(|&f| self.object(f).is_some_and(|(_, tid)| tid == id))
+                    });
                 if !self.doomed.contains(&id) && !lost_unlink {
                     self.sum.namespace_skipped += 1;
                     continue;
@@ -467,7 +470,10 @@ impl Replayer<'_> {
         }
         // Whatever holds the name now goes aside (it may be wanted elsewhere).
         if let Some((_, c)) = cur {
-            let tmp = format!(".pmstack-recover-{}-{}", c.0, c.1).into_bytes();
+            // One name per displaced entry: two links of one object moved aside under one
+            // name would be a rename between links of one file, which does nothing.
+            let n = stash.iter().filter(|(_, _, id)| *id == c).count();
+            let tmp = format!(".pmstack-recover-{}-{}-{n}", c.0, c.1).into_bytes();
             l.rename(p, name, p, OsStr::from_bytes(&tmp), 0)?;
             stash.push((p, tmp, c));
         }
