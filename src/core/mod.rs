@@ -1464,14 +1464,17 @@ impl Core {
                         newname,
                     )?;
                     i.nlookup.fetch_add(1, Ordering::Relaxed);
-                    Ok(())
+                    // Its link count now (namespace operations are serialized here): lets
+                    // recovery tell a lost link from a name an in-flight rename moved.
+                    Ok(fstat(self.nfd(&i)?.as_raw_fd()).map_or(0, |st| st.st_nlink))
                 },
-                |_| {
+                |&nlink| {
                     Some((
                         NsOp::Link {
                             fid: i.fid,
                             newparent: np.fid,
                             newname: newname.as_bytes().to_vec(),
+                            nlink,
                         },
                         None,
                     ))

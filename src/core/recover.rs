@@ -186,6 +186,9 @@ impl Replayer<'_> {
         // them there (it lost the operations since), the name goes, even when the object is
         // wanted at another name (a hard link).
         let mut taken: HashMap<(u64, Vec<u8>), Vec<u64>> = HashMap::new();
+        // For an object the log linked: its link count at the end, as far as the log knows
+        // (the count its last link recorded, less the names the log removed since).
+        let mut link_counts: HashMap<u64, u64> = HashMap::new();
         let mut set =
             |t: &mut BTreeMap<(u64, Vec<u8>), Option<u64>>, k: (u64, Vec<u8>), v: Option<u64>| {
                 if !t.contains_key(&k) {
@@ -212,6 +215,9 @@ impl Replayer<'_> {
                     victim,
                     ..
                 } => {
+                    if let Some(n) = link_counts.get_mut(victim) {
+                        *n = n.saturating_sub(1);
+                    }
                     taken
                         .entry((*parent, name.clone()))
                         .or_default()
@@ -244,6 +250,9 @@ impl Replayer<'_> {
                         taken.entry(from.clone()).or_default().push(*src);
                         if *victim != 0 {
                             taken.entry(to.clone()).or_default().push(*victim);
+                            if let Some(n) = link_counts.get_mut(victim) {
+                                *n = n.saturating_sub(1);
+                            }
                         }
                         set(&mut target, from, None);
                     }
@@ -253,7 +262,13 @@ impl Replayer<'_> {
                     fid,
                     newparent,
                     newname,
+                    nlink,
                 } => {
+                    if *nlink > 0 {
+                        link_counts.insert(*fid, *nlink);
+                    } else {
+                        link_counts.remove(fid);
+                    }
                     links.insert((*newparent, newname.clone()));
                     set(&mut target, (*newparent, newname.clone()), Some(*fid))
                 }
@@ -304,6 +319,7 @@ impl Replayer<'_> {
             target: &target,
             created: &created,
             links: &links,
+            link_counts: &link_counts,
             displaced_for_good: &displaced_for_good,
         };
         // Place wanted objects; parents before children (retry while progress is made).
@@ -396,6 +412,7 @@ impl Replayer<'_> {
             target,
             created,
             links,
+            link_counts,
             displaced_for_good,
         } = *ends;
         let l = self.lower;
@@ -464,6 +481,28 @@ impl Replayer<'_> {
             // there, so that (unacknowledged) state stands, unless this name is a link.
             if from.is_none() && !links.contains(key) {
                 return Ok(Some(false));
+            }
+            // A link missing: the lower lost it, or an in-flight rename moved this name to one
+            // the log never touched. In the second case the object has one name more than the
+            // log accounts for (the names the log never touched, plus those it wants it at);
+            // re-linking would show both sides of that rename. Only when the object is at no
+            // touched name that does not want it (there, the lower lost a move; see above).
+            if links.contains(key) && from.as_ref().is_none_or(|f| f.2) {
+                if let (Some(&n), Some((ofd, _))) = (link_counts.get(&want), &obj) {
+                    let (mut missing, mut astray) = (0u64, false);
+                    for (k, v) in target {
+                        let here = self
+                            .resolve(k.0)
+                            .and_then(|kp| self.at(kp, &k.1))
+                            .is_some_and(|(_, id)| id == *o);
+                        missing += (*v == Some(want) && !here) as u64;
+                        astray |= *v != Some(want) && here;
+                    }
+                    let now = real::fstat(ofd.as_raw_fd()).map_or(0, |st| st.st_nlink);
+                    if !astray && now + missing > n {
+                        return Ok(Some(false));
+                    }
+                }
             }
         } else if !created.contains_key(&want) {
             return Ok(Some(false)); // created before the log began, removed since
@@ -607,6 +646,7 @@ struct Ends<'a> {
     target: &'a BTreeMap<(u64, Vec<u8>), Option<u64>>,
     created: &'a HashMap<u64, &'a NsOp>,
     links: &'a std::collections::HashSet<(u64, Vec<u8>)>,
+    link_counts: &'a HashMap<u64, u64>,
     displaced_for_good: &'a [(u64, Vec<u8>)],
 }
 

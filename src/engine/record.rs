@@ -83,11 +83,13 @@ pub enum NsOp {
         src: u64,
         victim: u64,
     },
-    /// Object `fid` got a new name `newname` in `newparent`.
+    /// Object `fid` got a new name `newname` in `newparent`, after which it had `nlink`
+    /// names (0: not known; logs written before the count was recorded).
     Link {
         fid: u64,
         newparent: u64,
         newname: Vec<u8>,
+        nlink: u64,
     },
 }
 
@@ -323,10 +325,12 @@ impl Record {
                         fid,
                         newparent,
                         newname,
+                        nlink,
                     } => {
                         e.sub = NS_LINK;
                         e.a = *fid;
                         e.b = *newparent;
+                        e.c = *nlink;
                         put_field(&mut e.payload, newname);
                     }
                 }
@@ -425,6 +429,7 @@ impl Record {
                         fid: e.a,
                         newparent: e.b,
                         newname: f.next()?,
+                        nlink: e.c,
                     },
                     _ => return None,
                 })
@@ -527,6 +532,7 @@ mod tests {
                 fid: 5,
                 newparent: 2,
                 newname: b"c".to_vec(),
+                nlink: 3,
             }),
         ];
         for r in recs {

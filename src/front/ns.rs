@@ -433,6 +433,7 @@ impl Client {
                         fid: fid(o.slot),
                         newparent: fid(t.dir.slot),
                         newname: t.name.clone(),
+                        nlink: o.st.st_nlink,
                     },
                     None => NsOp::Create {
                         parent: fid(t.dir.slot),

@@ -419,10 +419,11 @@ fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], rng: &mut StdRng) {
     }
 }
 
-/// Hard links, outside the lower, to every inode the lower had during a history: a power cut
-/// may take back the removal of a name (an unlink, or a rename over it), and the name then
-/// refers to its old inode again. Released (deleted) before recovery runs, so an inode no name
-/// kept is gone, as in the real file system.
+/// Hard links, outside the lower, to the inodes that lost their last name during a history: a
+/// power cut may take back the removal of a name (an unlink, or a rename over it), and the
+/// name then refers to its old inode again. Only those: a link outside the lower would show in
+/// the link counts the front ends record. Released (deleted) before recovery runs, so an inode
+/// no name kept is gone, as in the real file system.
 struct Stash(std::path::PathBuf);
 
 impl Stash {
@@ -432,30 +433,32 @@ impl Stash {
         Stash(p)
     }
 
-    /// Keep every inode of `t` (the lower's root as read after an operation).
-    fn keep(&self, lower: &Path, t: &Tree) {
-        for (ino, (names, _)) in t {
-            let p = self.0.join(ino.to_string());
-            if !p.exists() {
-                fs::hard_link(lower.join(first(names)), p).unwrap();
+    /// Before an operation that may remove `name` from the lower's root (an unlink, a rename
+    /// over it): keep its inode when that is its last name.
+    fn keep_last(&self, lower: &Path, name: &str) {
+        use std::os::unix::fs::MetadataExt;
+        let p = lower.join(name);
+        if let Ok(md) = fs::symlink_metadata(&p) {
+            let s = self.0.join(md.ino().to_string());
+            if md.nlink() == 1 && !s.exists() {
+                fs::hard_link(&p, s).unwrap();
             }
         }
     }
 
     /// Give the lower's root the names it had in `t`, each naming the inode it named then.
     fn rewind_names(&self, lower: &Path, t: &Tree) {
-        let want = names_of(t);
         for (ino, (names, _)) in read_tree(lower) {
+            let s = self.0.join(ino.to_string());
+            if !s.exists() {
+                fs::hard_link(lower.join(first(&names)), s).unwrap();
+            }
             for name in names {
-                if want.get(&name) != Some(&ino) {
-                    fs::remove_file(lower.join(&name)).unwrap();
-                }
+                fs::remove_file(lower.join(&name)).unwrap();
             }
         }
-        for (name, ino) in want {
-            if !lower.join(name).exists() {
-                fs::hard_link(self.0.join(ino.to_string()), lower.join(name)).unwrap();
-            }
+        for (name, ino) in names_of(t) {
+            fs::hard_link(self.0.join(ino.to_string()), lower.join(name)).unwrap();
         }
     }
 
@@ -559,6 +562,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
                 let b = format!("f{}", rng.gen_range(0..6));
                 if a != b {
                     cov.renames += 1;
+                    stash.keep_last(&lower_path, &b);
                     r.core
                         .rename(1, OsStr::new(&a), 1, OsStr::new(&b), 0)
                         .unwrap();
@@ -570,6 +574,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
             9 if !names.is_empty() => {
                 let a = pick(&mut rng);
                 cov.unlinks += 1;
+                stash.keep_last(&lower_path, &a);
                 r.core.remove(1, OsStr::new(&a), false).unwrap();
                 if let Some(gone) = model.unlink(&a) {
                     r.handles.remove(&gone);
@@ -638,7 +643,6 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
             eprintln!("op {j}: {}", model.trace());
         }
         let now = read_tree(&lower_path);
-        stash.keep(&lower_path, &now);
         let ns = if r
             .core
             .stats

@@ -187,6 +187,7 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 if a != b {
                     cov.renames += 1;
                     ns_op = true;
+                    stash.keep_last(&lower, &b);
                     c.rename(&target(&a), &target(&b), 0).unwrap();
                     if let Some(gone) = model.rename(&a, &b) {
                         close(&c, opens.remove(&gone).unwrap().fd);
@@ -197,6 +198,7 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 let a = pick(&mut rng);
                 cov.unlinks += 1;
                 ns_op = true;
+                stash.keep_last(&lower, &a);
                 c.unlink(&target(&a), false).unwrap();
                 if let Some(gone) = model.unlink(&a) {
                     close(&c, opens.remove(&gone).unwrap().fd);
@@ -317,7 +319,6 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
         } else {
             ns_durable
         };
-        stash.keep(&lower, &now);
         if std::env::var("PMSTACK_TRACE").is_ok() {
             eprintln!(
                 "op {j}: kind {kind} alive {alive} counters {before:?} -> {after:?} files {} lower {:?} durable {:?}",
