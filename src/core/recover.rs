@@ -245,6 +245,10 @@ impl Replayer<'_> {
                             .get(&to)
                             .copied()
                             .unwrap_or((*victim != 0).then_some(*victim));
+                        taken.entry(from.clone()).or_default().push(*src);
+                        if let Some(o) = other {
+                            taken.entry(to.clone()).or_default().push(o);
+                        }
                         set(&mut target, from, other);
                     } else {
                         taken.entry(from.clone()).or_default().push(*src);
@@ -478,17 +482,19 @@ impl Replayer<'_> {
                 }
             }
             // At a name the log never touched: only an in-flight operation moves an object
-            // there, so that (unacknowledged) state stands, unless this name is a link.
-            if from.is_none() && !links.contains(key) {
+            // there, so that (unacknowledged) state stands, unless this name is a link or the
+            // log knows the object's link count (then the count decides, below).
+            let link_count = link_counts.get(&want).copied();
+            if from.is_none() && !links.contains(key) && link_count.is_none() {
                 return Ok(Some(false));
             }
-            // A link missing: the lower lost it, or an in-flight rename moved this name to one
-            // the log never touched. In the second case the object has one name more than the
+            // A name of a linked object missing: the lower lost the operation that made it, or
+            // an in-flight rename moved this name to one the log never touched. In the second case the object has one name more than the
             // log accounts for (the names the log never touched, plus those it wants it at);
             // re-linking would show both sides of that rename. Only when the object is at no
             // touched name that does not want it (there, the lower lost a move; see above).
-            if links.contains(key) && from.as_ref().is_none_or(|f| f.2) {
-                if let (Some(&n), Some((ofd, _))) = (link_counts.get(&want), &obj) {
+            if from.as_ref().is_none_or(|f| f.2) {
+                if let (Some(n), Some((ofd, _))) = (link_count, &obj) {
                     let (mut missing, mut astray) = (0u64, false);
                     for (k, v) in target {
                         let here = self
