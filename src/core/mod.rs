@@ -1343,19 +1343,33 @@ impl Core {
             };
             self.ns_op(
                 &[&p],
-                || self.lower.unlink(self.nfd(&p)?.as_raw_fd(), name, dir),
-                |_| {
+                || {
+                    // The victim's link count before (namespace operations are serialized
+                    // here): recovery must not take a file that keeps other names for gone.
+                    let nlink = match &victim {
+                        Some(v) if !dir => self
+                            .nfd(v)
+                            .and_then(|fd| fstat(fd.as_raw_fd()))
+                            .map_or(0, |st| st.st_nlink),
+                        _ => 0,
+                    };
+                    self.lower.unlink(self.nfd(&p)?.as_raw_fd(), name, dir)?;
+                    Ok(nlink)
+                },
+                |&nlink| {
                     Some((
                         NsOp::Remove {
                             parent: p.fid,
                             name: name.as_bytes().to_vec(),
                             dir,
                             victim: victim.as_ref().map_or(0, |v| v.fid),
+                            nlink,
                         },
                         victim.clone(),
                     ))
                 },
             )
+            .map(|_| ())
         })
     }
 

@@ -213,9 +213,12 @@ impl Replayer<'_> {
                     parent,
                     name,
                     victim,
+                    nlink,
                     ..
                 } => {
-                    if let Some(n) = link_counts.get_mut(victim) {
+                    if *nlink > 0 {
+                        link_counts.insert(*victim, nlink - 1);
+                    } else if let Some(n) = link_counts.get_mut(victim) {
                         *n = n.saturating_sub(1);
                     }
                     taken
@@ -289,17 +292,27 @@ impl Replayer<'_> {
                 self.wanted.insert(id);
             }
         }
-        let victims: Vec<u64> = plan
-            .namespace
-            .iter()
-            .filter_map(|(_, op)| match op {
-                NsOp::Remove { victim, .. } => Some(*victim),
+        // Each removed object, and whether its last removal left it other names (its link
+        // count before was recorded and above one): then it lives on, at names the log never
+        // touched, and is not doomed.
+        let mut victims: HashMap<u64, bool> = HashMap::new();
+        for (_, op) in &plan.namespace {
+            match op {
+                NsOp::Remove { victim, nlink, .. } if *victim != 0 => {
+                    victims.insert(*victim, *nlink > 1);
+                }
                 NsOp::Rename {
                     victim, flags, src, ..
-                } if flags & libc::RENAME_EXCHANGE == 0 && victim != src => Some(*victim),
-                _ => None,
-            })
-            .filter(|v| *v != 0)
+                } if flags & libc::RENAME_EXCHANGE == 0 && victim != src && *victim != 0 => {
+                    victims.insert(*victim, false);
+                }
+                _ => {}
+            }
+        }
+        let victims: Vec<u64> = victims
+            .into_iter()
+            .filter(|(_, lives_on)| !lives_on)
+            .map(|(v, _)| v)
             .collect();
         for f in victims {
             if let Some((_, id)) = self.object(f) {
@@ -324,6 +337,7 @@ impl Replayer<'_> {
             created: &created,
             links: &links,
             link_counts: &link_counts,
+            taken: &taken,
             displaced_for_good: &displaced_for_good,
         };
         // Place wanted objects; parents before children (retry while progress is made).
@@ -417,6 +431,7 @@ impl Replayer<'_> {
             created,
             links,
             link_counts,
+            taken,
             displaced_for_good,
         } = *ends;
         let l = self.lower;
@@ -432,7 +447,13 @@ impl Replayer<'_> {
             }
         }
         if let Some((_, c)) = &cur {
-            if !self.doomed.contains(c) && !self.wanted.contains(c) {
+            // The log took this object from this name (it lives on at names the log never
+            // touched, or is doomed): the lower lost that operation, so it goes aside.
+            let taken_here = taken.get(key).is_some_and(|fids| {
+                fids.iter()
+                    .any(|&f| self.object(f).is_some_and(|(_, id)| id == *c))
+            });
+            if !self.doomed.contains(c) && !self.wanted.contains(c) && !taken_here {
                 // An in-flight operation put an object the log cannot account for here: that
                 // (unacknowledged) state stands.
                 return Ok(Some(false));
@@ -495,7 +516,8 @@ impl Replayer<'_> {
             // touched name that does not want it (there, the lower lost a move; see above).
             if from.as_ref().is_none_or(|f| f.2) {
                 if let (Some(n), Some((ofd, _))) = (link_count, &obj) {
-                    let (mut missing, mut astray) = (0u64, false);
+                    // Moved aside from a touched name that wants another object: astray too.
+                    let (mut missing, mut astray) = (0u64, stash.iter().any(|e| e.2 == *o));
                     for (k, v) in target {
                         let here = self
                             .resolve(k.0)
@@ -653,6 +675,7 @@ struct Ends<'a> {
     created: &'a HashMap<u64, &'a NsOp>,
     links: &'a std::collections::HashSet<(u64, Vec<u8>)>,
     link_counts: &'a HashMap<u64, u64>,
+    taken: &'a HashMap<(u64, Vec<u8>), Vec<u64>>,
     displaced_for_good: &'a [(u64, Vec<u8>)],
 }
 

@@ -65,12 +65,14 @@ pub enum NsOp {
         /// Symlink target; empty otherwise.
         target: Vec<u8>,
     },
-    /// `name` in `parent` (which was object `victim`) was removed.
+    /// `name` in `parent` (which was object `victim`, with `nlink` names before: 0 when not
+    /// known, in logs written before the count was recorded) was removed.
     Remove {
         parent: u64,
         name: Vec<u8>,
         dir: bool,
         victim: u64,
+        nlink: u64,
     },
     /// `name` in `parent` (object `src`) moved to `newname` in `newparent`.
     /// (…replacing object `victim` at `newname`; 0: nothing replaced.)
@@ -296,11 +298,13 @@ impl Record {
                         name,
                         dir,
                         victim,
+                        nlink,
                     } => {
                         e.sub = NS_REMOVE;
                         e.a = *parent;
                         e.b = *victim;
                         e.c = *dir as u64;
+                        e.d = *nlink;
                         put_field(&mut e.payload, name);
                     }
                     NsOp::Rename {
@@ -415,6 +419,7 @@ impl Record {
                         name: f.next()?,
                         dir: e.c != 0,
                         victim: e.b,
+                        nlink: e.d,
                     },
                     NS_RENAME => NsOp::Rename {
                         parent: e.a,
@@ -518,6 +523,7 @@ mod tests {
                 name: b"a".to_vec(),
                 dir: true,
                 victim: 12,
+                nlink: 2,
             }),
             Record::Ns(NsOp::Rename {
                 parent: 1,

@@ -355,6 +355,7 @@ impl Client {
                     name: t.name.clone(),
                     dir,
                     victim: fid(v.slot),
+                    nlink: if dir { 0 } else { v.st.st_nlink },
                 })
                 .map(|_| true)
             },

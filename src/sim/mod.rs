@@ -419,11 +419,14 @@ fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], rng: &mut StdRng) {
     }
 }
 
-/// Hard links, outside the lower, to the inodes that lost their last name during a history: a
+/// Hard links, outside the lower, to the inodes that lose their last name during a history: a
 /// power cut may take back the removal of a name (an unlink, or a rename over it), and the
-/// name then refers to its old inode again. Only those: a link outside the lower would show in
-/// the link counts the front ends record. Released (deleted) before recovery runs, so an inode
-/// no name kept is gone, as in the real file system.
+/// name then refers to its old inode again. Only those: a link outside the lower shows in the
+/// link counts the front ends record, so each is made just before the operation that removes
+/// the last name (to the front end, the file has a name outside the lower, as a file may).
+/// At the power cut, the links of inodes the lower no longer names go (so those inodes are
+/// gone, as in the real file system); the others stay until recovery is over, as that name
+/// outside would.
 struct Stash(std::path::PathBuf);
 
 impl Stash {
@@ -446,19 +449,28 @@ impl Stash {
         }
     }
 
-    /// Give the lower's root the names it had in `t`, each naming the inode it named then.
+    /// Give the lower's root the names it had in `t`, each naming the inode it named then;
+    /// then drop the links of the inodes it does not name.
     fn rewind_names(&self, lower: &Path, t: &Tree) {
+        let now = self.0.with_extension("now"); // the inodes named now, for the moment
+        fs::create_dir(&now).unwrap();
         for (ino, (names, _)) in read_tree(lower) {
-            let s = self.0.join(ino.to_string());
-            if !s.exists() {
-                fs::hard_link(lower.join(first(&names)), s).unwrap();
-            }
+            fs::hard_link(lower.join(first(&names)), now.join(ino.to_string())).unwrap();
             for name in names {
                 fs::remove_file(lower.join(&name)).unwrap();
             }
         }
         for (name, ino) in names_of(t) {
-            fs::hard_link(self.0.join(ino.to_string()), lower.join(name)).unwrap();
+            let s = self.0.join(ino.to_string());
+            let from = if s.exists() { s } else { now.join(ino.to_string()) };
+            fs::hard_link(from, lower.join(name)).unwrap();
+        }
+        fs::remove_dir_all(&now).unwrap();
+        for e in fs::read_dir(&self.0).unwrap().flatten() {
+            let ino: u64 = e.file_name().to_string_lossy().parse().unwrap();
+            if !t.contains_key(&ino) {
+                fs::remove_file(e.path()).unwrap();
+            }
         }
     }
 
@@ -746,8 +758,6 @@ fn recover_and_check(
         rng.gen_range(ns_min..=ns_max)
     };
     x.stash.rewind_names(lower_path, &trees[p]);
-    // The links outside the lower would keep removed inodes alive for recovery to find.
-    x.stash.release();
     let lost = (p..k.min(ns_max))
         .filter(|&j| names_of(&trees[j]) != names_of(&trees[j + 1]))
         .count() as u64;
@@ -824,6 +834,7 @@ fn recover_and_check(
             check(&got, &models[k1]).err().unwrap_or_default()
         );
     }
+    x.stash.release();
 }
 
 /// The recovered tree satisfies the model: same names, each with its file's bytes; per byte,
