@@ -180,7 +180,36 @@ impl Replayer<'_> {
         let mut target: BTreeMap<(u64, Vec<u8>), Option<u64>> = BTreeMap::new();
         let mut order: Vec<(u64, Vec<u8>)> = Vec::new();
         let mut created: HashMap<u64, &NsOp> = HashMap::new();
-        let mut links: std::collections::HashSet<(u64, Vec<u8>)> = Default::default();
+        // Names whose last operation in the log is a link (a later create or rename at the
+        // name makes it an ordinary name again).
+        let mut last_is_link: HashMap<(u64, Vec<u8>), bool> = HashMap::new();
+        for (_, op) in &plan.namespace {
+            match op {
+                NsOp::Create { parent, name, .. } | NsOp::Remove { parent, name, .. } => {
+                    last_is_link.insert((*parent, name.clone()), false);
+                }
+                NsOp::Rename {
+                    parent,
+                    name,
+                    newparent,
+                    newname,
+                    ..
+                } => {
+                    last_is_link.insert((*parent, name.clone()), false);
+                    last_is_link.insert((*newparent, newname.clone()), false);
+                }
+                NsOp::Link {
+                    newparent, newname, ..
+                } => {
+                    last_is_link.insert((*newparent, newname.clone()), true);
+                }
+            }
+        }
+        let links: std::collections::HashSet<(u64, Vec<u8>)> = last_is_link
+            .into_iter()
+            .filter(|(_, l)| *l)
+            .map(|(k, _)| k)
+            .collect();
         // For a name that must not exist at the end: every object the log took away from it
         // (unlinked, renamed away, or replaced by a rename). If the lower still has one of
         // them there (it lost the operations since), the name goes, even when the object is
@@ -276,7 +305,6 @@ impl Replayer<'_> {
                     } else {
                         link_counts.remove(fid);
                     }
-                    links.insert((*newparent, newname.clone()));
                     set(&mut target, (*newparent, newname.clone()), Some(*fid))
                 }
             }
@@ -447,8 +475,10 @@ impl Replayer<'_> {
             }
         }
         if let Some((_, c)) = &cur {
-            // The log took this object from this name (it lives on at names the log never
-            // touched, or is doomed): the lower lost that operation, so it goes aside.
+            // An object the log wants elsewhere, or took from this name (the lower lost that
+            // operation; it may live on at names the log never touched), or removed for good,
+            // goes aside. Any other got here by an operation in flight (the log does not have
+            // it): that state stands.
             let taken_here = taken.get(key).is_some_and(|fids| {
                 fids.iter()
                     .any(|&f| self.object(f).is_some_and(|(_, id)| id == *c))
@@ -524,7 +554,11 @@ impl Replayer<'_> {
                             .and_then(|kp| self.at(kp, &k.1))
                             .is_some_and(|(_, id)| id == *o);
                         missing += (*v == Some(want) && !here) as u64;
-                        astray |= *v != Some(want) && here;
+                        // Where the log took it from (the lower lost that): an in-flight
+                        // operation does not account for it.
+                        astray |= *v != Some(want)
+                            && here
+                            && taken.get(k).is_some_and(|fids| fids.contains(&want));
                     }
                     let now = real::fstat(ofd.as_raw_fd()).map_or(0, |st| st.st_nlink);
                     if !astray && now + missing > n {

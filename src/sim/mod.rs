@@ -462,7 +462,11 @@ impl Stash {
         }
         for (name, ino) in names_of(t) {
             let s = self.0.join(ino.to_string());
-            let from = if s.exists() { s } else { now.join(ino.to_string()) };
+            let from = if s.exists() {
+                s
+            } else {
+                now.join(ino.to_string())
+            };
             fs::hard_link(from, lower.join(name)).unwrap();
         }
         fs::remove_dir_all(&now).unwrap();
