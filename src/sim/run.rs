@@ -381,6 +381,19 @@ mod tests {
         }
     }
 
+    /// More seeds with hard links: a file's two names, one unlinked (the log's record says
+    /// the file had another name), then the other renamed onto it in flight: recovery removed
+    /// the file (780); a name made by a link, then re-created: recovery linked the new object
+    /// back there after an in-flight rename (58907). Each fails on d52bc4e.
+    #[test]
+    fn hard_links_with_an_in_flight_rename_keep_the_contract() {
+        for seed in [780, 58907] {
+            if let Err(e) = super::super::run_history_preload(seed, 50, true) {
+                panic!("{e}");
+            }
+        }
+    }
+
     /// Seeds of the long run that found violations (a new file made durable by a real sync,
     /// then an unlink in flight at the crash: recovery re-created it with only the log's later
     /// bytes). Each fails on the commit before `ReplayPlan::durable_creations`.
