@@ -360,6 +360,35 @@ impl Replayer<'_> {
                 }
             }
         }
+        // Linked objects an in-flight rename or exchange moved: such an object has one name
+        // more than the log accounts for (the names it never touched, plus those it wants it
+        // at, less those it wants but that do not hold it), unless it sits where the log took
+        // it from (the lower lost that move). Decided before anything moves, so that every
+        // name of such an object is left as the in-flight operation left it.
+        let mut in_flight = std::collections::HashSet::new();
+        for (&fid, &n) in &link_counts {
+            if !target.values().any(|v| *v == Some(fid)) {
+                continue;
+            }
+            let Some((ofd, id)) = self.object(fid) else {
+                continue;
+            };
+            let now = real::fstat(ofd.as_raw_fd()).map_or(0, |st| st.st_nlink);
+            let (mut missing, mut astray) = (0u64, false);
+            for (k, v) in &target {
+                let here = self
+                    .resolve(k.0)
+                    .and_then(|kp| self.at(kp, &k.1))
+                    .is_some_and(|(_, i)| i == id);
+                missing += (*v == Some(fid) && !here) as u64;
+                astray |= *v != Some(fid)
+                    && here
+                    && taken.get(k).is_some_and(|fids| fids.contains(&fid));
+            }
+            if !astray && now + missing > n {
+                in_flight.insert(id);
+            }
+        }
         let ends = Ends {
             target: &target,
             created: &created,
@@ -367,6 +396,7 @@ impl Replayer<'_> {
             link_counts: &link_counts,
             taken: &taken,
             displaced_for_good: &displaced_for_good,
+            in_flight: &in_flight,
         };
         // Place wanted objects; parents before children (retry while progress is made).
         let mut pending: Vec<(u64, Vec<u8>)> = order
@@ -461,6 +491,7 @@ impl Replayer<'_> {
             link_counts,
             taken,
             displaced_for_good,
+            in_flight,
         } = *ends;
         let l = self.lower;
         let Some((p, _)) = self.object(key.0) else {
@@ -483,7 +514,10 @@ impl Replayer<'_> {
                 fids.iter()
                     .any(|&f| self.object(f).is_some_and(|(_, id)| id == *c))
             });
-            if !self.doomed.contains(c) && !self.wanted.contains(c) && !taken_here {
+            let moved_in_flight = in_flight.contains(c) && !taken_here;
+            if moved_in_flight
+                || !self.doomed.contains(c) && !self.wanted.contains(c) && !taken_here
+            {
                 // An in-flight operation put an object the log cannot account for here: that
                 // (unacknowledged) state stands.
                 return Ok(Some(false));
@@ -539,32 +573,10 @@ impl Replayer<'_> {
             if from.is_none() && !links.contains(key) && link_count.is_none() {
                 return Ok(Some(false));
             }
-            // A name of a linked object missing: the lower lost the operation that made it, or
-            // an in-flight rename moved this name to one the log never touched. In the second case the object has one name more than the
-            // log accounts for (the names the log never touched, plus those it wants it at);
-            // re-linking would show both sides of that rename. Only when the object is at no
-            // touched name that does not want it (there, the lower lost a move; see above).
-            if from.as_ref().is_none_or(|f| f.2) {
-                if let (Some(n), Some((ofd, _))) = (link_count, &obj) {
-                    // Moved aside from a touched name that wants another object: astray too.
-                    let (mut missing, mut astray) = (0u64, stash.iter().any(|e| e.2 == *o));
-                    for (k, v) in target {
-                        let here = self
-                            .resolve(k.0)
-                            .and_then(|kp| self.at(kp, &k.1))
-                            .is_some_and(|(_, id)| id == *o);
-                        missing += (*v == Some(want) && !here) as u64;
-                        // Where the log took it from (the lower lost that): an in-flight
-                        // operation does not account for it.
-                        astray |= *v != Some(want)
-                            && here
-                            && taken.get(k).is_some_and(|fids| fids.contains(&want));
-                    }
-                    let now = real::fstat(ofd.as_raw_fd()).map_or(0, |st| st.st_nlink);
-                    if !astray && now + missing > n {
-                        return Ok(Some(false));
-                    }
-                }
+            // A name of a linked object an in-flight rename or exchange moved (`in_flight`):
+            // re-linking it would show both sides of that operation.
+            if in_flight.contains(o) {
+                return Ok(Some(false));
             }
         } else if !created.contains_key(&want) {
             return Ok(Some(false)); // created before the log began, removed since
@@ -711,6 +723,7 @@ struct Ends<'a> {
     link_counts: &'a HashMap<u64, u64>,
     taken: &'a HashMap<(u64, Vec<u8>), Vec<u64>>,
     displaced_for_good: &'a [(u64, Vec<u8>)],
+    in_flight: &'a std::collections::HashSet<(u64, u64)>,
 }
 
 /// The name under which recovery makes an object again before it is bound and moved.
