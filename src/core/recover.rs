@@ -188,6 +188,7 @@ impl Replayer<'_> {
                 NsOp::Create { parent, name, .. } | NsOp::Remove { parent, name, .. } => {
                     last_is_link.insert((*parent, name.clone()), false);
                 }
+                NsOp::Rename { src, victim, .. } if src == victim && *src != 0 => {}
                 NsOp::Rename {
                     parent,
                     name,
@@ -256,10 +257,9 @@ impl Replayer<'_> {
                         .push(*victim);
                     set(&mut target, (*parent, name.clone()), None)
                 }
-                NsOp::Rename {
-                    flags, src, victim, ..
-                } if flags & libc::RENAME_EXCHANGE == 0 && src == victim && *src != 0 => {
-                    // Both names were links to one object: rename(2) did nothing.
+                NsOp::Rename { src, victim, .. } if src == victim && *src != 0 => {
+                    // Both names were links to one object: rename(2) did nothing, and so did
+                    // RENAME_EXCHANGE.
                 }
                 NsOp::Rename {
                     parent,
@@ -381,12 +381,35 @@ impl Replayer<'_> {
                     .and_then(|kp| self.at(kp, &k.1))
                     .is_some_and(|(_, i)| i == id);
                 missing += (*v == Some(fid) && !here) as u64;
-                astray |= *v != Some(fid)
-                    && here
-                    && taken.get(k).is_some_and(|fids| fids.contains(&fid));
+                astray |=
+                    *v != Some(fid) && here && taken.get(k).is_some_and(|fids| fids.contains(&fid));
             }
             if !astray && now + missing > n {
                 in_flight.insert(id);
+            }
+        }
+        // Objects the log wants at some name, found at a touched name where it wants another
+        // object and never took this one from: an in-flight rename or exchange put it there.
+        // It stays (moving it back could not bring back what that operation replaced), and so
+        // does the name it came from.
+        let mut by_id: HashMap<(u64, u64), u64> = HashMap::new();
+        for f in target.values().flatten() {
+            if let Some((_, id)) = self.object(*f) {
+                by_id.insert(id, *f);
+            }
+        }
+        for (k, v) in &target {
+            let Some(w) = *v else { continue };
+            let Some(kp) = self.resolve(k.0) else {
+                continue;
+            };
+            let Some((_, c)) = self.at(kp, &k.1) else {
+                continue;
+            };
+            if let Some(&cf) = by_id.get(&c) {
+                if cf != w && !taken.get(k).is_some_and(|f| f.contains(&cf)) {
+                    in_flight.insert(c);
+                }
             }
         }
         let ends = Ends {
@@ -532,7 +555,8 @@ impl Replayer<'_> {
                     if let Some((_, id)) = self.at(kp, &k.1) {
                         if id == *o {
                             // Still wanted there too (a hard link): link rather than move.
-                            from = Some((kp, k.1.clone(), *v == Some(want)));
+                            let keep = *v == Some(want);
+                            from = Some((kp, k.1.clone(), keep));
                             break;
                         }
                     }
