@@ -1210,7 +1210,8 @@ fn ns_crash_round(base: &Path, seed: u64) {
         std::thread::sleep(Duration::from_millis(10));
     }
     // The state a power cut may keep: durable now; every file kept alive through a link in
-    // the stash, so the cut can put its old name back.
+    // the stash (outside the tree, as a file may have a name elsewhere), so the cut can put
+    // its old name back.
     Command::new("sync").status().unwrap();
     let (snap_files, snap_dirs) = tree(&dir);
     let mut old = BTreeMap::new();
@@ -1315,11 +1316,13 @@ fn ns_crash_round(base: &Path, seed: u64) {
         }
         fs::hard_link(&st, dir.join(name)).unwrap();
     }
-    fs::remove_dir_all(&stash).unwrap();
 
-    // Recovery, then a clean stop.
+    // Recovery, then a clean stop. The stash's links stay until then: to the programs they
+    // were names outside the tree, which the unlink records count (a file unlinked from the
+    // tree still had a name); the cut keeps the lower as at the snapshot, so it keeps them.
     let mut s2 = Serve::start(&dir, &pm, &[]);
     s2.stop();
+    fs::remove_dir_all(&stash).unwrap();
     let (got_files, got_dirs) = tree(&dir);
     let skip = |n: &String| acks.inflight.contains(n);
     for (name, want) in &acks.state {
