@@ -19,13 +19,9 @@ fn run_many(mode: Mode) {
     let env = |k: &str| std::env::var(k).ok().and_then(|s| s.parse::<u64>().ok());
     let runs = env("PMSTACK_WHOLE_PATH_RUNS").unwrap_or(400);
     let seed0 = env("PMSTACK_SEED").unwrap_or_else(rand::random);
-    let mut cov = crate::sim::Coverage::default();
-    for r in 0..runs {
-        match crate::sim::run_history(seed0.wrapping_add(r), 50, mode, false) {
-            Ok(c) => cov.add(&c),
-            Err(e) => panic!("{e}"),
-        }
-    }
+    let cov = crate::sim::expect_contract(0..runs, |r| {
+        crate::sim::run_history(seed0.wrapping_add(r), 50, mode, false)
+    });
     // The runs exercised what they claim to.
     assert_eq!(cov.crash_images, runs);
     if runs >= 100 {
@@ -234,9 +230,9 @@ fn pm_full_fallbacks_are_never_rolled_back_by_replay() {
 /// name. Fails on the commit before recovery skips such renames.
 #[test]
 fn a_rename_between_two_links_of_one_file_is_not_replayed_as_a_move() {
-    if let Err(e) = crate::sim::run_history(906, 50, Mode::Strict, true) {
-        panic!("{e}");
-    }
+    crate::sim::expect_contract([906], |s| {
+        crate::sim::run_history(s, 50, Mode::Strict, true)
+    });
 }
 
 /// Seeds that found violations in recovery's reconciliation of hard links (histories with
@@ -247,7 +243,7 @@ fn a_rename_between_two_links_of_one_file_is_not_replayed_as_a_move() {
 /// hard links to the simulator (d52bc4e).
 #[test]
 fn recovery_reconciles_hard_links_with_lost_and_in_flight_operations() {
-    for (mode, seed) in [
+    let seeds = [
         (Mode::Sync, 861),
         (Mode::Sync, 2285),
         (Mode::Sync, 1065),
@@ -258,9 +254,8 @@ fn recovery_reconciles_hard_links_with_lost_and_in_flight_operations() {
         (Mode::Sync, 1653),
         (Mode::Adaptive, 40122),
         (Mode::Adaptive, 2135),
-    ] {
-        if let Err(e) = crate::sim::run_history(seed, 50, mode, true) {
-            panic!("{e}");
-        }
-    }
+    ];
+    crate::sim::expect_contract(seeds, |(mode, seed)| {
+        crate::sim::run_history(seed, 50, mode, true)
+    });
 }

@@ -155,6 +155,26 @@ impl Replayer<'_> {
         Some((fd, (st.st_dev, st.st_ino)))
     }
 
+    /// `at` for a (parent fid, name) key of the namespace plan.
+    fn at_key(&mut self, key: &(u64, Vec<u8>)) -> Option<(OwnedFd, (u64, u64))> {
+        let dir = self.resolve(key.0)?;
+        self.at(dir, &key.1)
+    }
+
+    /// Whether the log took object `id` away from name `key` (unlinked it, renamed it away,
+    /// renamed or exchanged another object over it): if it is still there, the lower lost that.
+    fn taken_from(
+        &mut self,
+        taken: &HashMap<(u64, Vec<u8>), Vec<u64>>,
+        key: &(u64, Vec<u8>),
+        id: (u64, u64),
+    ) -> bool {
+        taken.get(key).is_some_and(|fids| {
+            fids.iter()
+                .any(|&f| self.object(f).is_some_and(|(_, o)| o == id))
+        })
+    }
+
     /// Whether the object at `name` in `dir` is a directory; None if there is none.
     fn is_dir_at(&self, dir: i32, name: &[u8]) -> Option<bool> {
         let (fd, _) = self.at(dir, name)?;
@@ -180,37 +200,9 @@ impl Replayer<'_> {
         let mut target: BTreeMap<(u64, Vec<u8>), Option<u64>> = BTreeMap::new();
         let mut order: Vec<(u64, Vec<u8>)> = Vec::new();
         let mut created: HashMap<u64, &NsOp> = HashMap::new();
-        // Names whose last operation in the log is a link (a later create or rename at the
-        // name makes it an ordinary name again).
-        let mut last_is_link: HashMap<(u64, Vec<u8>), bool> = HashMap::new();
-        for (_, op) in &plan.namespace {
-            match op {
-                NsOp::Create { parent, name, .. } | NsOp::Remove { parent, name, .. } => {
-                    last_is_link.insert((*parent, name.clone()), false);
-                }
-                NsOp::Rename { src, victim, .. } if src == victim && *src != 0 => {}
-                NsOp::Rename {
-                    parent,
-                    name,
-                    newparent,
-                    newname,
-                    ..
-                } => {
-                    last_is_link.insert((*parent, name.clone()), false);
-                    last_is_link.insert((*newparent, newname.clone()), false);
-                }
-                NsOp::Link {
-                    newparent, newname, ..
-                } => {
-                    last_is_link.insert((*newparent, newname.clone()), true);
-                }
-            }
-        }
-        let links: std::collections::HashSet<(u64, Vec<u8>)> = last_is_link
-            .into_iter()
-            .filter(|(_, l)| *l)
-            .map(|(k, _)| k)
-            .collect();
+        // Names whose last operation in the log is a link (a later create, unlink or rename
+        // at the name makes it an ordinary name again).
+        let mut links: std::collections::HashSet<(u64, Vec<u8>)> = Default::default();
         // For a name that must not exist at the end: every object the log took away from it
         // (unlinked, renamed away, or replaced by a rename). If the lower still has one of
         // them there (it lost the operations since), the name goes, even when the object is
@@ -219,13 +211,24 @@ impl Replayer<'_> {
         // For an object the log linked: its link count at the end, as far as the log knows
         // (the count its last link recorded, less the names the log removed since).
         let mut link_counts: HashMap<u64, u64> = HashMap::new();
-        let mut set =
-            |t: &mut BTreeMap<(u64, Vec<u8>), Option<u64>>, k: (u64, Vec<u8>), v: Option<u64>| {
-                if !t.contains_key(&k) {
-                    order.push(k.clone());
-                }
-                t.insert(k, v);
-            };
+        // Each removed object, and whether its last removal left it other names (its link
+        // count before was recorded and above one): then it lives on, at names the log never
+        // touched, and is not doomed.
+        let mut victims: HashMap<u64, bool> = HashMap::new();
+        let mut set = |t: &mut BTreeMap<(u64, Vec<u8>), Option<u64>>,
+                       k: (u64, Vec<u8>),
+                       v: Option<u64>,
+                       by_link: bool| {
+            if by_link {
+                links.insert(k.clone());
+            } else {
+                links.remove(&k);
+            }
+            if !t.contains_key(&k) {
+                order.push(k.clone());
+            }
+            t.insert(k, v);
+        };
         for (_, op) in &plan.namespace {
             match op {
                 NsOp::Create {
@@ -237,7 +240,7 @@ impl Replayer<'_> {
                     if !plan.durable_creations.contains(child) {
                         created.insert(*child, op);
                     }
-                    set(&mut target, (*parent, name.clone()), Some(*child));
+                    set(&mut target, (*parent, name.clone()), Some(*child), false);
                 }
                 NsOp::Remove {
                     parent,
@@ -251,11 +254,14 @@ impl Replayer<'_> {
                     } else if let Some(n) = link_counts.get_mut(victim) {
                         *n = n.saturating_sub(1);
                     }
+                    if *victim != 0 {
+                        victims.insert(*victim, *nlink > 1);
+                    }
                     taken
                         .entry((*parent, name.clone()))
                         .or_default()
                         .push(*victim);
-                    set(&mut target, (*parent, name.clone()), None)
+                    set(&mut target, (*parent, name.clone()), None, false)
                 }
                 NsOp::Rename { src, victim, .. } if src == victim && *src != 0 => {
                     // Both names were links to one object: rename(2) did nothing, and so did
@@ -281,7 +287,7 @@ impl Replayer<'_> {
                         if let Some(o) = other {
                             taken.entry(to.clone()).or_default().push(o);
                         }
-                        set(&mut target, from, other);
+                        set(&mut target, from, other, false);
                     } else {
                         taken.entry(from.clone()).or_default().push(*src);
                         if *victim != 0 {
@@ -289,10 +295,11 @@ impl Replayer<'_> {
                             if let Some(n) = link_counts.get_mut(victim) {
                                 *n = n.saturating_sub(1);
                             }
+                            victims.insert(*victim, false);
                         }
-                        set(&mut target, from, None);
+                        set(&mut target, from, None, false);
                     }
-                    set(&mut target, to, Some(*src));
+                    set(&mut target, to, Some(*src), false);
                 }
                 NsOp::Link {
                     fid,
@@ -305,7 +312,7 @@ impl Replayer<'_> {
                     } else {
                         link_counts.remove(fid);
                     }
-                    set(&mut target, (*newparent, newname.clone()), Some(*fid))
+                    set(&mut target, (*newparent, newname.clone()), Some(*fid), true)
                 }
             }
         }
@@ -318,23 +325,6 @@ impl Replayer<'_> {
         for f in want_fids {
             if let Some((_, id)) = self.object(f) {
                 self.wanted.insert(id);
-            }
-        }
-        // Each removed object, and whether its last removal left it other names (its link
-        // count before was recorded and above one): then it lives on, at names the log never
-        // touched, and is not doomed.
-        let mut victims: HashMap<u64, bool> = HashMap::new();
-        for (_, op) in &plan.namespace {
-            match op {
-                NsOp::Remove { victim, nlink, .. } if *victim != 0 => {
-                    victims.insert(*victim, *nlink > 1);
-                }
-                NsOp::Rename {
-                    victim, flags, src, ..
-                } if flags & libc::RENAME_EXCHANGE == 0 && victim != src && *victim != 0 => {
-                    victims.insert(*victim, false);
-                }
-                _ => {}
             }
         }
         let victims: Vec<u64> = victims
@@ -376,10 +366,7 @@ impl Replayer<'_> {
             let now = real::fstat(ofd.as_raw_fd()).map_or(0, |st| st.st_nlink);
             let (mut missing, mut astray) = (0u64, false);
             for (k, v) in &target {
-                let here = self
-                    .resolve(k.0)
-                    .and_then(|kp| self.at(kp, &k.1))
-                    .is_some_and(|(_, i)| i == id);
+                let here = self.at_key(k).is_some_and(|(_, i)| i == id);
                 missing += (*v == Some(fid) && !here) as u64;
                 astray |=
                     *v != Some(fid) && here && taken.get(k).is_some_and(|fids| fids.contains(&fid));
@@ -400,10 +387,7 @@ impl Replayer<'_> {
         }
         for (k, v) in &target {
             let Some(w) = *v else { continue };
-            let Some(kp) = self.resolve(k.0) else {
-                continue;
-            };
-            let Some((_, c)) = self.at(kp, &k.1) else {
+            let Some((_, c)) = self.at_key(k) else {
                 continue;
             };
             if let Some(&cf) = by_id.get(&c) {
@@ -467,10 +451,7 @@ impl Replayer<'_> {
                 // name: the lower lost the unlink (or rename) of one of its links.
                 let lost_unlink = !dir
                     && st.is_some_and(|st| st.st_nlink > 1)
-                    && taken.get(key).is_some_and(|fids| {
-                        fids.iter()
-                            .any(|&f| self.object(f).is_some_and(|(_, tid)| tid == id))
-                    });
+                    && self.taken_from(&taken, key, id);
                 if !self.doomed.contains(&id) && !lost_unlink {
                     self.sum.namespace_skipped += 1;
                     continue;
@@ -533,10 +514,7 @@ impl Replayer<'_> {
             // operation; it may live on at names the log never touched), or removed for good,
             // goes aside. Any other got here by an operation in flight (the log does not have
             // it): that state stands.
-            let taken_here = taken.get(key).is_some_and(|fids| {
-                fids.iter()
-                    .any(|&f| self.object(f).is_some_and(|(_, id)| id == *c))
-            });
+            let taken_here = self.taken_from(taken, key, *c);
             let moved_in_flight = in_flight.contains(c) && !taken_here;
             if moved_in_flight
                 || !self.doomed.contains(c) && !self.wanted.contains(c) && !taken_here
@@ -555,8 +533,7 @@ impl Replayer<'_> {
                     if let Some((_, id)) = self.at(kp, &k.1) {
                         if id == *o {
                             // Still wanted there too (a hard link): link rather than move.
-                            let keep = *v == Some(want);
-                            from = Some((kp, k.1.clone(), keep));
+                            from = Some((kp, k.1.clone(), *v == Some(want)));
                             break;
                         }
                     }
@@ -584,15 +561,15 @@ impl Replayer<'_> {
             // sides of the rename at once.
             if from.is_some() {
                 for k2 in displaced_for_good {
-                    let here = self.resolve(k2.0).and_then(|kp| self.at(kp, &k2.1));
-                    if here.is_some_and(|(_, id)| id == *o) {
+                    if self.at_key(k2).is_some_and(|(_, id)| id == *o) {
                         return Ok(Some(false));
                     }
                 }
             }
             // At a name the log never touched: only an in-flight operation moves an object
             // there, so that (unacknowledged) state stands, unless this name is a link or the
-            // log knows the object's link count (then the count decides, below).
+            // log knows the object's link count (then `in_flight`, decided from that count,
+            // says whether an in-flight operation moved it).
             let link_count = link_counts.get(&want).copied();
             if from.is_none() && !links.contains(key) && link_count.is_none() {
                 return Ok(Some(false));
@@ -739,7 +716,9 @@ impl Replayer<'_> {
 
 /// What the log's namespace records want at the end, for `place`: the object (or nothing) at
 /// every touched name, the objects it created (creation records that recovery may replay),
-/// the names made by links, and the names whose wanted object is gone for good.
+/// the names whose last operation was a link, the link counts it knows, the objects it took
+/// from each name, the names whose wanted object is gone for good, and the objects an
+/// in-flight operation moved.
 struct Ends<'a> {
     target: &'a BTreeMap<(u64, Vec<u8>), Option<u64>>,
     created: &'a HashMap<u64, &'a NsOp>,

@@ -170,6 +170,23 @@ pub fn run_history_preload(seed: u64, nops: usize, links: bool) -> Result<Covera
     })
 }
 
+/// Run a history for each of `runs` with `run`; panic with the first violation (and the
+/// command that reproduces it). The coverage of them all. For the short runs in `cargo test`.
+#[cfg(test)]
+pub(crate) fn expect_contract<T>(
+    runs: impl IntoIterator<Item = T>,
+    run: impl Fn(T) -> Result<Coverage, String>,
+) -> Coverage {
+    let mut cov = Coverage::default();
+    for r in runs {
+        match run(r) {
+            Ok(c) => cov.add(&c),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    cov
+}
+
 /// Run a history, turning its panic (a violation, or a harness failure) into an Err that says
 /// how to reproduce it.
 fn catch(
@@ -230,6 +247,13 @@ struct File {
 }
 
 impl File {
+    /// Everything done to the file so far is durable.
+    fn sync(&mut self) {
+        for e in &mut self.events {
+            e.1 = true;
+        }
+    }
+
     /// The file's size after its events.
     fn size(&self) -> u64 {
         self.events.iter().fold(0, |size, (e, _)| match *e {
@@ -279,17 +303,11 @@ impl Model {
     /// fsync: everything done to the file so far is durable. (An O_SYNC write makes only
     /// itself durable: `write`.)
     fn sync(&mut self, name: &str) {
-        for e in &mut self.file(name).events {
-            e.1 = true;
-        }
+        self.file(name).sync();
     }
 
     fn sync_everything(&mut self) {
-        for f in self.files.values_mut() {
-            for e in &mut f.events {
-                e.1 = true;
-            }
-        }
+        self.files.values_mut().for_each(File::sync);
     }
 
     /// Remove a name; the id of its file when that was its last name (the file is gone).

@@ -350,17 +350,13 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{expect_contract, run_history_preload};
+
     /// Short runs in `cargo test`; the long run is the `simulate` example (`--mode run`).
     #[test]
     fn crash_histories_through_pmstack_run_keep_the_contract() {
         let seed0: u64 = rand::random::<u32>() as u64;
-        let mut cov = super::Coverage::default();
-        for s in 0..60 {
-            match super::super::run_history_preload(seed0 + s, 50, false) {
-                Ok(c) => cov.add(&c),
-                Err(e) => panic!("{e}"),
-            }
-        }
+        let cov = expect_contract(seed0..seed0 + 60, |s| run_history_preload(s, 50, false));
         assert!(
             cov.daemon_deaths > 0
                 && cov.unserved_ops > 0
@@ -373,12 +369,11 @@ mod tests {
     /// A seed that found a violation once histories made hard links: a file with two names,
     /// one unlinked, then the other renamed to it in flight at the crash; recovery took the
     /// logged unlink as the lower's loss and removed the file's only name (the file and its
-    /// fsynced bytes were gone). Fails on the commit before `displaced_for_good`.
+    /// fsynced bytes were gone). It failed before `displaced_for_good` (found while hard links
+    /// were being added to the simulator, so no earlier commit runs it).
     #[test]
     fn an_in_flight_rename_of_a_hard_link_keeps_the_file() {
-        if let Err(e) = super::super::run_history_preload(1320, 50, true) {
-            panic!("{e}");
-        }
+        expect_contract([1320], |s| run_history_preload(s, 50, true));
     }
 
     /// More seeds with hard links: a file's two names, one unlinked (the log's record says
@@ -387,11 +382,7 @@ mod tests {
     /// back there after an in-flight rename (58907). Each fails on d52bc4e.
     #[test]
     fn hard_links_with_an_in_flight_rename_keep_the_contract() {
-        for seed in [780, 58907] {
-            if let Err(e) = super::super::run_history_preload(seed, 50, true) {
-                panic!("{e}");
-            }
-        }
+        expect_contract([780, 58907], |s| run_history_preload(s, 50, true));
     }
 
     /// Seeds of the long run that found violations (a new file made durable by a real sync,
@@ -399,10 +390,8 @@ mod tests {
     /// bytes). Each fails on the commit before `ReplayPlan::durable_creations`.
     #[test]
     fn seeds_that_found_violations_keep_the_contract() {
-        for seed in [20285778, 20289366, 20326542, 20340062, 20352494] {
-            if let Err(e) = super::super::run_history_preload(seed, 50, false) {
-                panic!("{e}");
-            }
-        }
+        expect_contract([20285778, 20289366, 20326542, 20340062, 20352494], |s| {
+            run_history_preload(s, 50, false)
+        });
     }
 }
