@@ -437,8 +437,11 @@ impl Filesystem for Adapter {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
+        // Nothing to do at close: the kernel writes a writeback cache's dirty pages back
+        // before it would send FLUSH, and locks are the kernel's own. ENOSYS tells the
+        // kernel never to send it again, which saves a round trip on every close.
         let _t = self.time(Op::Flush);
-        reply.ok();
+        reply.error(Errno::ENOSYS);
     }
 
     fn release(

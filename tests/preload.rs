@@ -1641,3 +1641,102 @@ fn stat_of_a_directory_whose_daemon_died_says_it_is_gone() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("is gone"), "{err}");
 }
+
+/// Opens wait for the daemon only while absorption depends on the file: a file an attached
+/// process wrote and closed without live entries is not watched, one with live entries is
+/// until they expired and a reader opens it, and one that another attached process holds
+/// stays watched. A file born in a directory leaves the other opens there alone.
+#[test]
+fn only_files_that_absorption_depends_on_are_watched() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    // Outside the root: the attached processes' own opens of the region are not counted.
+    let pm = PathBuf::from(format!(
+        "/dev/shm/pmstack-test-unwatch-{}.pm",
+        std::process::id()
+    ));
+    let _ = fs::remove_file(&pm);
+    fs::write(root.join("old"), b"old").unwrap();
+    let cat = |name: &str| {
+        let out = Command::new("cat").arg(root.join(name)).output().unwrap();
+        assert!(out.status.success(), "cat {name}: {out:?}");
+    };
+    let watched = |v: &serde_json::Value| v["watched_opens"].as_u64().unwrap_or(0);
+
+    // 1. No write-back during this part: what is live stays live.
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(
+        "for n in ('f', 'g'):\n    fd = os.open(os.path.join(d, n), os.O_RDWR | os.O_CREAT, 0o644)\n    \
+         os.write(fd, b'x' * 4096)\n    if n == 'g':\n        os.fsync(fd)\n    os.close(fd)\n\
+         h = os.open(os.path.join(d, 'h'), os.O_RDWR | os.O_CREAT, 0o644)",
+    );
+    let mut b = Py::spawn(s.run(), &root);
+    // The open of `h` is watched (a holds it); when b closes it, a still holds it.
+    b.exec("fd = os.open(os.path.join(d, 'h'), os.O_RDWR)\nos.write(fd, b'y')\nos.close(fd)");
+    // Not watched: `f` (closed, nothing live) and `old` (in the directory where files were
+    // born). Watched: `g` (live entries) and `h` (held).
+    for n in ["f", "f", "old", "f", "g", "h"] {
+        cat(n);
+    }
+    let v = s.wait_stats("the opens of g and h are seen", |v| watched(v) >= 3);
+    assert_eq!(
+        watched(&v),
+        3,
+        "only b's open of h, and cat of g and h: {v}"
+    );
+    assert_eq!(v["unmarks"], 1, "f, at its last close: {v}");
+    drop(a);
+    drop(b);
+    s.stop();
+
+    // 2. With write-back: a file whose entries expired after its last close is unmarked at
+    // the next read open, and later opens cost nothing.
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "200"]);
+    let mut a = Py::spawn(s.run(), &root);
+    // A new daemon does not know the directory's state: the first creation writes
+    // everything back, the second is logged, and `k` is absorbed from its first sync.
+    a.exec(
+        "open(os.path.join(d, 'p'), 'w').close()\n\
+         fd = os.open(os.path.join(d, 'k'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(fd, b'z' * 4096)\nos.fsync(fd)",
+    );
+    let pid = a.pid();
+    // A snapshot taken after the absorbed sync: its LSN counter is past the sync's entries.
+    let v = s.wait_stats("the sync is absorbed", |v| {
+        v["attached"].as_array().is_some_and(|x| {
+            x.iter()
+                .any(|p| p["pid"] == pid && p["absorbed_fsync"].as_u64() >= Some(1))
+        })
+    });
+    let lsn = v["lsn"].as_u64().unwrap();
+    // The entries are still live at the last close (the daemon is told to wait), or
+    // already expired (then the close unmarks): either way, after the write-back below,
+    // one read open at most is watched.
+    a.exec("os.close(fd)");
+    let v = s.wait_stats("the entries expire", |v| {
+        v["checkpoint_lsn"].as_u64() >= Some(lsn)
+    });
+    let before = watched(&v);
+    for _ in 0..4 {
+        cat("k");
+    }
+    cat("old");
+    // A new watched open tells when the stats show the cats: b holds `m`, and cat opens it.
+    let mut b = Py::spawn(s.run(), &root);
+    b.exec("m = os.open(os.path.join(d, 'm'), os.O_RDWR | os.O_CREAT, 0o644)");
+    cat("m");
+    let v = s.wait_stats("the open of m is seen", |v| watched(v) > before);
+    assert!(
+        watched(&v) <= before + 2,
+        "k was watched at more than its first open after the write-back: {v}"
+    );
+    assert!(v["unmarks"].as_u64() >= Some(1), "{v}");
+    drop(a);
+    drop(b);
+    s.stop();
+    assert_eq!(fs::read(root.join("k")).unwrap(), vec![b'z'; 4096]);
+    let _ = fs::remove_file(&pm);
+}

@@ -222,7 +222,7 @@ impl Client {
             m.remove(&fd)
         };
         if let Some(t) = gone {
-            self.release(t);
+            self.release(t, fd);
         }
     }
 
@@ -233,20 +233,22 @@ impl Client {
             m.retain(|fd, t| {
                 let keep = *fd < first || *fd > last;
                 if !keep {
-                    gone.push(t.clone());
+                    gone.push((t.clone(), *fd));
                 }
                 keep
             });
         }
-        for t in gone {
-            self.release(t);
+        for (t, fd) in gone {
+            self.release(t, fd);
         }
     }
 
-    /// A descriptor was closed. If it was this process's last one on the object, close the
-    /// read descriptor kept for syncs, and forget the object unless it has writes not yet
-    /// logged (a later sync through a new descriptor must still cover them).
-    fn release(&self, t: Arc<Tracked>) {
+    /// Descriptor `fd` (still open) is being closed. If it was this process's last one on
+    /// the object: the process holds the object no more (if no attached process does and it
+    /// has no live entries, it is no longer watched), the read descriptor kept for syncs is
+    /// closed, and the object is forgotten unless it has writes not yet logged (a later sync
+    /// through a new descriptor must still cover them).
+    fn release(&self, t: Arc<Tracked>, fd: i32) {
         let Ok(t) = Arc::try_unwrap(t) else {
             return; // a dup of it is still open
         };
@@ -254,6 +256,14 @@ impl Client {
         // References: the map's, and `t`'s; more means another descriptor is open.
         if Arc::strong_count(&t.ino) > 2 {
             return;
+        }
+        {
+            let slot = self.table.slot(t.ino.slot);
+            let _g = slot.lock();
+            if slot.w(S_GEN).load(Ordering::Acquire) == t.ino.gen {
+                slot.unhold(self.rec);
+                self.unwatch_if_idle(&slot, fd);
+            }
         }
         let mut p = t.ino.p.lock();
         p.rfd = None;
@@ -320,6 +330,7 @@ impl Client {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
+            slot.hold(self.rec);
             self.mark_for_watch(slot, fd);
         })?;
         let ino = {
@@ -403,6 +414,28 @@ impl Client {
         if super::watch::mark(g.as_raw_fd(), fd).is_ok() {
             slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
             self.table.note_marked(slot.idx);
+        }
+    }
+
+    /// Stop watching the object of `fd` if nothing needs the watch any more: no attached
+    /// process holds it open and it has no live entries (replay has nothing to apply over a
+    /// writer outside `pmstack run`), and it is not foreign (the daemon follows those). Every
+    /// open of a watched object waits for the daemon; an unwatched one costs nothing. The
+    /// object loses what the watch gave it: it is absorbed again only after it was marked
+    /// (at the next open for writing or sync), vetted, and really synced once more. Caller
+    /// holds the slot lock.
+    fn unwatch_if_idle(&self, slot: &Slot<'_>, fd: i32) {
+        let f = slot.flags();
+        if !self.watching
+            || f & F_MARKED == 0
+            || f & F_FOREIGN != 0
+            || slot.holders().next().is_some()
+            || self.live(slot)
+        {
+            return;
+        }
+        if let Some(g) = &self.group {
+            unwatch(&self.table, slot, g.as_raw_fd(), fd);
         }
     }
 
@@ -868,6 +901,20 @@ pub(super) fn claim<R>(
     let _g = slot.lock();
     ensure_gen(&slot, gen);
     Some((idx, f(&slot)))
+}
+
+/// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller
+/// holds the slot lock and checked that nothing needs the watch. False if the mark could not
+/// be removed (the slot stays watched).
+pub(super) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) -> bool {
+    if super::watch::unmark(group, fd).is_err() {
+        return false;
+    }
+    slot.w(S_FLAGS)
+        .fetch_and(!(F_MARKED | F_VETTED | F_BASELINE), Ordering::AcqRel);
+    slot.w(S_FLAGS).fetch_or(F_UNWATCHED, Ordering::AcqRel);
+    table.w(H_UNMARKS).fetch_add(1, Ordering::Relaxed);
+    true
 }
 
 /// Mark the object of `fd` in `table` as written by someone the library cannot follow (a

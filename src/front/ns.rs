@@ -32,8 +32,6 @@ pub struct Dir {
     slot: usize,
     handle: Vec<u8>,
     root: bool,
-    /// Opens of its entries were reported to the daemon before this operation began.
-    marked: bool,
 }
 
 /// A name in a directory under the root.
@@ -106,48 +104,16 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
-        let (idx, marked) = claim(&self.table, &st, gen, |slot| {
-            let was = slot.flags() & F_MARKED != 0;
-            if !was && self.watching {
-                if let Some(g) = &self.group {
-                    if super::watch::mark_dir(g.as_raw_fd(), fd.as_raw_fd()).is_ok() {
-                        slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
-                    }
-                }
-            }
-            was
-        })?;
+        let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         Some(Target {
             dir: Dir {
                 fd,
                 slot: idx,
                 handle,
                 root: st.st_ino == self.root_ino,
-                marked,
             },
             name,
         })
-    }
-
-    /// Have the daemon watch the entries of the directory just made at `t`.
-    fn mark_new_dir(&self, slot: &Slot<'_>, t: &Target) {
-        let Some(g) = self.group.as_ref().filter(|_| self.watching) else {
-            return;
-        };
-        let c = t.cname();
-        let Ok(fd) = sys::openat(
-            t.dir.fd.as_raw_fd(),
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            0,
-        ) else {
-            return;
-        };
-        let _g = slot.lock();
-        if super::watch::mark_dir(g.as_raw_fd(), fd).is_ok() {
-            slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
-        }
-        sys::close(fd);
     }
 
     /// The object at `t` (not following a final symlink), with its slot.
@@ -449,13 +415,10 @@ impl Client {
                     },
                 })?;
                 if link_from.is_none() && o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-                    // A new directory has no unlogged change: clean from its birth; and it is
-                    // watched before anything is created in it, so what this process creates
-                    // there needs no scan for earlier writers.
+                    // A new directory has no unlogged change: clean from its birth.
                     let slot = self.table.slot(o.slot);
                     let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
                     slot.w(S_DIR_CTIME).store(c, Ordering::Release);
-                    self.mark_new_dir(&slot, t);
                 }
                 Ok(true)
             },
@@ -533,19 +496,26 @@ impl Client {
     }
 
     /// An `O_CREAT` open of `t` (flags as the real open gets them): tried with `O_EXCL` first,
-    /// so a creation is known and logged; the descriptor. A file this process created in a
-    /// directory whose entries were already watched starts with every write seen: its syncs
-    /// are absorbed from the first.
+    /// so a creation is known and logged; the descriptor. A file this process created is
+    /// marked for the daemon's watch at once (`docs/preload.md`, "Writers outside `pmstack
+    /// run`"): every write to it is seen from its birth, so its syncs are absorbed from the
+    /// first.
     pub fn create(&self, t: &Target, flags: i32, mode: u32) -> io::Result<i32> {
         let c = t.cname();
         let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
+        let born_marked = std::cell::Cell::new(false);
         self.logged(
             &[&t.dir],
             || (),
             || {
                 for _ in 0..8 {
                     match open(flags | libc::O_EXCL) {
-                        Ok(fd) => return Ok((fd, true)),
+                        Ok(fd) => {
+                            if let Some(g) = self.group.as_ref().filter(|_| self.watching) {
+                                born_marked.set(super::watch::mark(g.as_raw_fd(), fd).is_ok());
+                            }
+                            return Ok((fd, true));
+                        }
                         Err(e)
                             if e.raw_os_error() == Some(libc::EEXIST)
                                 && flags & libc::O_EXCL == 0 => {}
@@ -583,10 +553,18 @@ impl Client {
                 })?;
                 let slot = self.table.slot(o.slot);
                 let mut f = F_BASELINE;
-                if !self.watching || t.dir.marked {
+                if !self.watching {
                     f |= F_VETTED;
+                } else if born_marked.get() {
+                    // Marked right after its birth: a writer would have had to open the
+                    // new name within microseconds to go unseen (`docs/preload.md`).
+                    f |= F_MARKED | F_VETTED;
                 }
                 slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
+                if f & F_MARKED != 0 {
+                    // Counted like every mark (`marks` in the stats); vetting skips it.
+                    self.table.note_marked(o.slot);
+                }
                 Ok(true)
             },
         )

@@ -342,7 +342,9 @@ impl Daemon {
                 };
                 for e in evs {
                     self.stats.watched_opens.fetch_add(1, Ordering::Relaxed);
-                    if self.is_attached(e.pid) || !watch::open_is_write(e.pid) {
+                    let attached = self.is_attached(e.pid);
+                    if attached || !watch::open_is_write(e.pid) {
+                        self.unwatch_idle(g, &e, attached);
                         g.allow(e);
                         continue;
                     }
@@ -355,6 +357,53 @@ impl Daemon {
                 }
             }
         });
+    }
+
+    /// A read open of a watched object that nothing needs watched any more (no attached
+    /// process holds it and it has no live entries: its last holder exited without closing
+    /// it, or closed it while it had live entries): unmark it, so that later opens cost
+    /// nothing (`Client::unwatch_if_idle` does the same at a holder's last close). Not at a
+    /// write open by an attached process: that one marks it again at once.
+    fn unwatch_idle(&self, g: &Group, e: &OpenEvent, attached: bool) {
+        use std::os::fd::AsRawFd;
+        let fd = e.file.as_raw_fd();
+        let Ok(st) = super::sys::fstat(fd) else {
+            return;
+        };
+        let Some(idx) = self.table.find(st.st_dev, st.st_ino) else {
+            return;
+        };
+        let slot = self.table.slot(idx);
+        let idle = |slot: &Slot<'_>| {
+            let f = slot.flags();
+            if f & F_MARKED == 0 || f & F_FOREIGN != 0 {
+                return false;
+            }
+            let cp = self.log.checkpoint_lsn();
+            if slot.w(S_FID).load(Ordering::Acquire) != 0
+                && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
+            {
+                return false; // live entries
+            }
+            for r in slot.holders() {
+                let pid = self.table.proc_word(r, P_PID).load(Ordering::Acquire);
+                if pid != 0 && alive(pid) {
+                    return false;
+                }
+                slot.unhold(r); // died holding it
+            }
+            true
+        };
+        if !idle(&slot) || (attached && watch::open_is_write(e.pid)) {
+            return;
+        }
+        // Never wait for a slot lock here: its owner may be waiting for this answer.
+        let Some(_l) = slot.try_lock() else { return };
+        let same = super::client::object_gen(fd, st.st_ino)
+            .is_some_and(|(_, gen)| gen == slot.w(S_GEN).load(Ordering::Acquire));
+        if same && idle(&slot) {
+            super::client::unwatch(&self.table, &slot, g.raw(), fd);
+        }
     }
 
     /// A process that is not attached opens a watched object for writing.
@@ -429,6 +478,13 @@ impl Daemon {
         if cand.is_empty() {
             return upto;
         }
+        // An unmark from here on voids this vetting (see below).
+        for &i in &cand {
+            self.table
+                .slot(i)
+                .w(S_FLAGS)
+                .fetch_and(!F_UNWATCHED, Ordering::AcqRel);
+        }
         let held = self.held_by_foreign(&cand);
         let hit: Vec<usize> = cand.iter().copied().filter(|i| held.contains(i)).collect();
         if !hit.is_empty() {
@@ -442,11 +498,17 @@ impl Daemon {
             self.make_foreign(&hit);
         }
         for i in cand {
-            self.table
-                .slot(i)
-                .w(S_FLAGS)
-                .fetch_or(F_VETTED, Ordering::AcqRel);
-            self.stats.vetted.fetch_add(1, Ordering::Relaxed);
+            // Not if the object was unmarked while /proc was read: a writer may have opened
+            // it unseen after its descriptors were looked at. Marked again, it is in the ring
+            // again.
+            let vetted = self.table.slot(i).w(S_FLAGS).fetch_update(
+                Ordering::AcqRel,
+                Ordering::Acquire,
+                |f| (f & F_MARKED != 0 && f & F_UNWATCHED == 0).then_some(f | F_VETTED),
+            );
+            if vetted.is_ok() {
+                self.stats.vetted.fetch_add(1, Ordering::Relaxed);
+            }
         }
         upto
     }
@@ -656,6 +718,7 @@ impl Daemon {
             "foreign_writers": s.foreign_writers.load(Ordering::Relaxed),
             "objects_vetted": s.vetted.load(Ordering::Relaxed),
             "marks": self.table.w(H_NEW_MARKS).load(Ordering::Relaxed),
+            "unmarks": self.table.w(H_UNMARKS).load(Ordering::Relaxed),
             "marks_vetted": s.marks_vetted.load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 2;
+pub const VERSION: u64 = 3;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -50,6 +50,8 @@ pub const H_CKPT_BUSY: usize = 11;
 /// is above both the second and the checkpoint.
 pub const H_NS_LAST_LSN: usize = 12;
 pub const H_NS_WB_LSN: usize = 13;
+/// How many objects were unmarked (`Client::unwatch_if_idle`, the daemon at an open).
+pub const H_UNMARKS: usize = 14;
 pub const H_RING: usize = 16;
 pub const RING: usize = 32;
 /// Counters of processes that detached or died, summed when their record was reused (word
@@ -113,7 +115,11 @@ pub const S_LAST_LSN: usize = 6;
 pub const S_FLAGS: usize = 7;
 /// Processes with writes not yet logged: (pid, LSN counter at their last such write) pairs.
 pub const S_LAZY: usize = 8;
-pub const LAZY_MAX: usize = 4;
+pub const LAZY_MAX: usize = 3;
+/// Attached processes holding the object open (bit `rec` of two words: one per process
+/// record). An object nobody attached holds and without live entries is no longer watched.
+pub const S_HOLDERS: usize = S_LAZY + 2 * LAZY_MAX;
+const _: () = assert!(S_HOLDERS + 2 <= SLOT_WORDS && MAX_PROCS <= 128);
 /// Directories have no lazy writers: their first lazy word holds the ctime (ns) recorded when
 /// the directory was last known to have only logged changes (`ns`); 0: unknown.
 pub const S_DIR_CTIME: usize = S_LAZY;
@@ -134,6 +140,9 @@ pub const F_FOREIGN: u64 = 16;
 pub const F_MARKED: u64 = 32;
 /// The daemon looked for writers that opened the object before it was marked.
 pub const F_VETTED: u64 = 64;
+/// The object was unmarked since the daemon last began vetting it: that vetting no longer
+/// counts (a writer may have opened it unseen in between).
+pub const F_UNWATCHED: u64 = 128;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
@@ -410,6 +419,12 @@ impl Table {
                         self.w(H_RETIRED + k).fetch_add(v, Ordering::AcqRel);
                     }
                 }
+                if cur != 0 {
+                    // What the dead process held open it holds no more.
+                    for s in 0..self.nslots() {
+                        self.slot(s).unhold(i);
+                    }
+                }
                 return Some(i);
             }
         }
@@ -487,6 +502,33 @@ impl<'a> Slot<'a> {
 
     pub fn flags(&self) -> u64 {
         self.w(S_FLAGS).load(Ordering::Acquire)
+    }
+
+    /// Process record `rec` holds the object open.
+    pub fn hold(&self, rec: usize) {
+        self.w(S_HOLDERS + rec / 64)
+            .fetch_or(1 << (rec % 64), Ordering::AcqRel);
+    }
+
+    /// Process record `rec` holds the object no more.
+    pub fn unhold(&self, rec: usize) {
+        self.w(S_HOLDERS + rec / 64)
+            .fetch_and(!(1 << (rec % 64)), Ordering::AcqRel);
+    }
+
+    /// The process records holding the object open (some may have died since).
+    pub fn holders(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..MAX_PROCS)
+            .filter(|&r| self.w(S_HOLDERS + r / 64).load(Ordering::Acquire) & (1 << (r % 64)) != 0)
+    }
+
+    /// Lock the slot if it is free now (the daemon, answering an open: the owner of the lock
+    /// may be waiting for that very answer).
+    pub fn try_lock(&self) -> Option<PidLock<'a>> {
+        self.w(S_LOCK)
+            .compare_exchange(0, my_pid(), Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+            .then_some(PidLock { w: self.w(S_LOCK) })
     }
 
     /// Record that `pid` wrote without logging, at LSN counter `mark`.

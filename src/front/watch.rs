@@ -38,6 +38,10 @@ pub struct OpenEvent {
 }
 
 impl Group {
+    pub fn raw(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
     /// A group for permission events (needs CAP_SYS_ADMIN).
     pub fn new() -> io::Result<Group> {
         // SAFETY: plain system call.
@@ -134,15 +138,22 @@ pub fn mark(group: RawFd, fd: RawFd) -> io::Result<()> {
     add_mark(group, fd, libc::FAN_OPEN_PERM)
 }
 
-/// Report opens of every entry of directory `fd` to `group` (files created there later
-/// included: they need no scan for earlier writers).
-pub fn mark_dir(group: RawFd, fd: RawFd) -> io::Result<()> {
-    add_mark(group, fd, libc::FAN_OPEN_PERM | libc::FAN_EVENT_ON_CHILD)
+/// Stop reporting opens of the object of `fd` to `group`. An object that was not marked is
+/// not an error.
+pub fn unmark(group: RawFd, fd: RawFd) -> io::Result<()> {
+    match change_mark(group, libc::FAN_MARK_REMOVE, fd, libc::FAN_OPEN_PERM) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        r => r,
+    }
 }
 
 fn add_mark(group: RawFd, fd: RawFd, mask: u64) -> io::Result<()> {
-    // SAFETY: plain system call; a null path marks the object of `fd`.
-    let r = unsafe { libc::fanotify_mark(group, libc::FAN_MARK_ADD, mask, fd, std::ptr::null()) };
+    change_mark(group, libc::FAN_MARK_ADD, fd, mask)
+}
+
+fn change_mark(group: RawFd, how: libc::c_uint, fd: RawFd, mask: u64) -> io::Result<()> {
+    // SAFETY: plain system call; a null path names the object of `fd`.
+    let r = unsafe { libc::fanotify_mark(group, how, mask, fd, std::ptr::null()) };
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
