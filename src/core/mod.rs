@@ -163,6 +163,9 @@ pub struct Core {
     /// Objects can be reopened by their file handles (open_by_handle_at works here): inode
     /// descriptors are then a bounded cache (`node`), at most this many open.
     reopen_ok: bool,
+    /// Keep a copy of unlogged writes for the next sync (`policy::dirty`): on lowers where
+    /// reading them back is expensive (network, FUSE), not on local ones.
+    pub(crate) keep_copies: AtomicBool,
     pub node_fds_max: usize,
     pub stats: Stats,
     /// Request latency per kind, recorded by the FUSE adapter.
@@ -174,6 +177,16 @@ pub struct Core {
 }
 
 pub type R<T> = io::Result<T>;
+
+impl Core {
+    /// A new file's state.
+    fn file_state(&self) -> FileState {
+        FileState {
+            dirty: crate::policy::dirty::Dirty::new(self.keep_copies.load(Ordering::Relaxed)),
+            ..FileState::default()
+        }
+    }
+}
 
 /// An object queued for write-back's fsync: its file handle, or (lowers without handles) a
 /// descriptor.
@@ -227,7 +240,9 @@ impl Core {
         by_ino.insert(1, root);
         let mut by_dev_ino = HashMap::new();
         by_dev_ino.insert((st.st_dev, st.st_ino), 1);
+        let keep_copies = AtomicBool::new(!lower.handles_persistent());
         Ok(Arc::new(Core {
+            keep_copies,
             lower,
             opts,
             log,
@@ -313,7 +328,7 @@ impl Core {
             Some(o) => (o.fid, o.state),
             None => (
                 self.log.as_ref().map_or(ino, |l| l.next_lsn()),
-                FileState::default(),
+                self.file_state(),
             ),
         };
         debug_assert!(fid != ROOT_FID);
@@ -1401,7 +1416,7 @@ impl Core {
             dev_ino: (st.st_dev, st.st_ino),
             nlookup: AtomicU64::new(0),
             queued: AtomicU64::new(0),
-            st: Mutex::new(FileState::default()),
+            st: Mutex::new(self.file_state()),
         }))
     }
 

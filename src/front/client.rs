@@ -155,6 +155,7 @@ impl Client {
         let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
         let root_handle = std::fs::File::open(&root)
             .and_then(|f| {
+                crate::policy::dirty::keep_copies(!crate::lower::real::local_fs(&f));
                 crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f), root_ino)
             })
             .unwrap_or_default();
@@ -342,7 +343,15 @@ impl Client {
                         slot: idx,
                         gen,
                         handle,
-                        p: Mutex::new(Private::default()),
+                        p: Mutex::new(Private {
+                            // A sync reads dirty bytes back through the program's descriptor
+                            // where it can; a write-only one would need a new descriptor (an
+                            // open the daemon's watch must answer): keep a copy instead.
+                            dirty: crate::policy::dirty::Dirty::new(
+                                crate::policy::dirty::copies_kept() || write_only(fd),
+                            ),
+                            ..Private::default()
+                        }),
                     });
                     m.insert(idx, i.clone());
                     i
@@ -413,7 +422,7 @@ impl Client {
         // Unmarked objects are never vetted: their syncs stay real.
         if super::watch::mark(g.as_raw_fd(), fd).is_ok() {
             slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
-            self.table.note_marked(slot.idx);
+            self.table.note_marked(slot.idx, true);
         }
     }
 
@@ -716,20 +725,25 @@ impl Client {
                 let buf = match p.dirty.bytes(s, e) {
                     Some(b) => b,
                     None => {
-                        // No copy of these bytes (too many, or changed by fallocate): read
-                        // them back.
-                        if p.rfd.is_none() {
-                            let path = format!("/proc/self/fd/{fd}\0");
-                            let r = sys::openat(
-                                libc::AT_FDCWD,
-                                path.as_ptr() as *const _,
-                                libc::O_RDONLY | libc::O_CLOEXEC,
-                                0,
-                            )?;
-                            // SAFETY: a fresh descriptor we own.
-                            p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
-                        }
-                        let rfd = p.rfd.as_ref().expect("set").as_raw_fd();
+                        // No copy of these bytes (a local lower, too many, or changed by
+                        // fallocate): read them back, through the program's descriptor if
+                        // it can read.
+                        let rfd = if !write_only(fd) {
+                            fd
+                        } else {
+                            if p.rfd.is_none() {
+                                let path = format!("/proc/self/fd/{fd}\0");
+                                let r = sys::openat(
+                                    libc::AT_FDCWD,
+                                    path.as_ptr() as *const _,
+                                    libc::O_RDONLY | libc::O_CLOEXEC,
+                                    0,
+                                )?;
+                                // SAFETY: a fresh descriptor we own.
+                                p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
+                            }
+                            p.rfd.as_ref().expect("set").as_raw_fd()
+                        };
                         let mut buf = vec![0u8; (e - s) as usize];
                         let n = sys::pread(rfd, &mut buf, s)?;
                         buf.truncate(n); // shrunk since: a truncate entry covers the rest
@@ -901,6 +915,11 @@ pub(super) fn claim<R>(
     let _g = slot.lock();
     ensure_gen(&slot, gen);
     Some((idx, f(&slot)))
+}
+
+/// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).
+fn write_only(fd: i32) -> bool {
+    sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| f as i32 & libc::O_ACCMODE == libc::O_WRONLY)
 }
 
 /// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller

@@ -563,7 +563,7 @@ impl Client {
                 slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
                 if f & F_MARKED != 0 {
                     // Counted like every mark (`marks` in the stats); vetting skips it.
-                    self.table.note_marked(o.slot);
+                    self.table.note_marked(o.slot, false);
                 }
                 Ok(true)
             },

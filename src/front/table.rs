@@ -382,12 +382,16 @@ impl Table {
     }
 
     /// Tell the daemon that slot `idx` was marked for its watch: the `n`th mark's ring entry
-    /// holds `n` (so the daemon knows when it was stored) and the slot index + 1.
-    pub fn note_marked(&self, idx: usize) {
+    /// holds `n` (so the daemon knows when it was stored) and the slot index + 1. `wake`: the
+    /// object waits for vetting (otherwise the daemon's next round, within milliseconds,
+    /// counts it).
+    pub fn note_marked(&self, idx: usize, wake: bool) {
         let n = self.w(H_NEW_MARKS).fetch_add(1, Ordering::AcqRel);
         self.w(H_RING + n as usize % RING)
             .store(ring_entry(n, idx), Ordering::Release);
-        super::sys::futex_wake(self.w(H_NEW_MARKS));
+        if wake {
+            super::sys::futex_wake(self.w(H_NEW_MARKS));
+        }
     }
 
     /// The slot index of the `n`th mark, once its entry is stored (None: not yet, or already
@@ -571,21 +575,32 @@ impl<'a> Slot<'a> {
     }
 }
 
-/// A lock word holding its owner's pid.
+/// A lock word holding its owner's pid, and `WAITERS` while someone may sleep on it.
 pub struct PidLock<'a> {
     w: &'a AtomicU64,
 }
 
+/// Set in a lock word while a waiter may be asleep on it (a futex on its low 32 bits, which
+/// hold the pid: Linux pids are below 2^22): the unlock then wakes one.
+const WAITERS: u64 = 1 << 30;
+
 impl<'a> PidLock<'a> {
-    /// Spin, then yield; every so often check whether the owner still exists and take the
-    /// lock over if not. Returns whether it was taken over.
+    /// Spin briefly, then sleep on the word until the owner unlocks it (a futex shared by
+    /// every process mapping the table: yielding in a loop instead burnt the CPU the owner
+    /// needed, with more threads than cores). Every few milliseconds of waiting, check
+    /// whether the owner still exists and take the lock over if not. Returns whether it was
+    /// taken over.
     fn acquire(w: &'a AtomicU64) -> (PidLock<'a>, bool) {
         let me = my_pid();
-        let mut spins = 0u64;
+        debug_assert!(me < WAITERS);
+        // Once this thread has slept, it takes the lock marked as contended: others may
+        // still sleep, and its unlock must wake them.
+        let mut mine = me;
+        let mut spins = 0u32;
         loop {
             let cur = w.load(Ordering::Relaxed);
             if cur == 0 {
-                if w.compare_exchange_weak(0, me, Ordering::Acquire, Ordering::Relaxed)
+                if w.compare_exchange_weak(0, mine, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
                 {
                     return (PidLock { w }, false);
@@ -593,27 +608,41 @@ impl<'a> PidLock<'a> {
                 continue;
             }
             spins += 1;
-            if spins < 64 {
+            if spins < 100 {
                 std::hint::spin_loop();
                 continue;
             }
-            if spins % 1024 == 0
-                && cur != me
-                && !alive(cur)
-                && w.compare_exchange(cur, me, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
+            let owner = cur & !WAITERS;
+            if spins % 8 == 0
+                && owner != me
+                && !alive(owner)
+                && w.compare_exchange(
+                    cur,
+                    me | (cur & WAITERS),
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
             {
                 return (PidLock { w }, true);
             }
-            // SAFETY: no preconditions.
-            unsafe { libc::sched_yield() };
+            if cur & WAITERS == 0
+                && w.compare_exchange(cur, cur | WAITERS, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            mine = me | WAITERS;
+            super::sys::futex_wait(w, cur | WAITERS, std::time::Duration::from_millis(5));
         }
     }
 }
 
 impl Drop for PidLock<'_> {
     fn drop(&mut self) {
-        self.w.store(0, Ordering::Release);
+        if self.w.swap(0, Ordering::Release) & WAITERS != 0 {
+            super::sys::futex_wake(self.w);
+        }
     }
 }
 

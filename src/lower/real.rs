@@ -416,11 +416,7 @@ impl RealLower {
     /// another object; recovery finds such objects again by inode number (`open_handle`
     /// checks it, `core::recover` searches the tree for it).
     pub fn handles_persistent(&self) -> bool {
-        match rustix::fs::fstatfs(&self.mount_fd) {
-            #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every target
-            Ok(st) => PERSISTENT_HANDLES.contains(&(st.f_type as i64)),
-            Err(_) => false,
-        }
+        local_fs(&self.mount_fd)
     }
 
     /// Whether the object at `fd` has a name under LOWER, as far as the kernel's path of the
@@ -587,6 +583,16 @@ pub fn copy_file_range(
 
 /// Local file systems whose file handles name an object for the file system's whole life
 /// (see `RealLower::handles_persistent`).
+/// Whether `fd` is on a local file system (block or memory): its file handles persist, and a
+/// read of its page cache costs a system call, not a network round trip.
+pub fn local_fs(fd: impl std::os::fd::AsFd) -> bool {
+    match rustix::fs::fstatfs(fd) {
+        #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every target
+        Ok(st) => PERSISTENT_HANDLES.contains(&(st.f_type as i64)),
+        Err(_) => false,
+    }
+}
+
 const PERSISTENT_HANDLES: [i64; 5] = [
     0xEF53,      // ext2/3/4
     0x5846_5342, // XFS

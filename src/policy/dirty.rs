@@ -4,13 +4,14 @@
 //!
 //! A copy of the bytes is kept as they are written, by page, so a sync logs them without
 //! reading them back from the lower file system: on a network lower a read costs
-//! milliseconds (JuiceFS: 7.5–32 ms), and the bytes were in hand when they were written. The
-//! copy is bounded, per object and per process; past a bound, or after an operation that
-//! changes bytes other than by writing them, it is dropped and `bytes` answers None: the
-//! caller reads the dirty ranges back, as it always may.
+//! milliseconds (JuiceFS: 7.5–32 ms), and the bytes were in hand when they were written.
+//! The copy is kept only where reading back is expensive (network and FUSE lowers:
+//! `keep_copies`), and it is bounded, per object and per process; past a bound, or after an
+//! operation that changes bytes other than by writing them, it is dropped and `bytes`
+//! answers None: the caller reads the dirty ranges back, as it always may.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::engine::format::PAGE;
 
@@ -21,7 +22,18 @@ const COPY_PAGES_MAX: usize = 65536;
 /// Pages held by every `Dirty` of this process.
 static COPY_PAGES: AtomicUsize = AtomicUsize::new(0);
 
-#[derive(Default, Debug)]
+/// Whether new `Dirty`s of this process keep copies (`keep_copies`).
+static KEEP_COPIES: AtomicBool = AtomicBool::new(true);
+
+/// Keep copies of dirty bytes (the default), or not: on a local lower file system a sync
+/// reads its dirty ranges back from the page cache for one system call per range, less than
+/// a copy costs at every write (an allocation and a copy per page, for bytes that most often
+/// are never synced: a file server's, a build's). Network and FUSE lowers keep them.
+pub fn keep_copies(on: bool) {
+    KEEP_COPIES.store(on, Ordering::Relaxed);
+}
+
+#[derive(Debug)]
 pub struct Dirty {
     /// Byte ranges: start -> end, merged, never empty.
     ranges: BTreeMap<u64, u64>,
@@ -30,9 +42,33 @@ pub struct Dirty {
     copy: BTreeMap<u64, Box<[u8]>>,
     /// Some dirty bytes are not in `copy`.
     partial: bool,
+    /// Keep a copy at all.
+    keep: bool,
+}
+
+/// Whether new `Dirty`s of this process keep copies.
+pub fn copies_kept() -> bool {
+    KEEP_COPIES.load(Ordering::Relaxed)
+}
+
+impl Default for Dirty {
+    /// With copies as this process keeps them (`keep_copies`).
+    fn default() -> Dirty {
+        Dirty::new(KEEP_COPIES.load(Ordering::Relaxed))
+    }
 }
 
 impl Dirty {
+    /// One that keeps a copy of what is written (`keep`), or never does.
+    pub fn new(keep: bool) -> Dirty {
+        Dirty {
+            ranges: BTreeMap::new(),
+            copy: BTreeMap::new(),
+            partial: false,
+            keep,
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.ranges.is_empty()
     }
@@ -101,6 +137,10 @@ impl Dirty {
 
     fn copy_in(&mut self, off: u64, data: &[u8]) {
         if self.partial || data.is_empty() {
+            return;
+        }
+        if !self.keep {
+            self.drop_copy(true);
             return;
         }
         let page = PAGE as u64;
@@ -189,7 +229,7 @@ mod tests {
         fn the_copy_holds_the_last_bytes_written(ops in proptest::collection::vec(
             (0u8..10, 0u64..20_000, 1usize..9000, any::<u8>()), 1..40)) {
             let mut file: Vec<u8> = Vec::new();
-            let mut d = Dirty::default();
+            let mut d = Dirty::new(true);
             let mut forgot = false;
             for (kind, off, len, b) in ops {
                 let data = vec![b; len];
