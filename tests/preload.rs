@@ -1740,3 +1740,56 @@ fn only_files_that_absorption_depends_on_are_watched() {
     assert_eq!(fs::read(root.join("k")).unwrap(), vec![b'z'; 4096]);
     let _ = fs::remove_file(&pm);
 }
+
+/// A chown that changes nothing (SQLite running as root gives each new journal the owner it
+/// already has) leaves the file's syncs absorbed; one that changes the owner makes the next
+/// sync real (the new owner must be as durable as the lower's fsync would make it).
+#[test]
+fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = PathBuf::from(format!(
+        "/dev/shm/pmstack-test-chown-{}.pm",
+        std::process::id()
+    ));
+    let _ = fs::remove_file(&pm);
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    // The first creation after the daemon started writes everything back (the directory's
+    // state is unknown to it); `j` is born in a known directory.
+    a.exec(
+        "open(os.path.join(d, 'p'), 'w').close()\n\
+         fd = os.open(os.path.join(d, 'j'), os.O_RDWR | os.O_CREAT, 0o644)\n\
+         st = os.fstat(fd)\nos.fchown(fd, st.st_uid, st.st_gid)\n\
+         os.write(fd, b'x' * 100)\nos.fsync(fd)\n\
+         os.fchown(fd, 4321, st.st_gid)\nos.write(fd, b'y' * 100)\nos.fsync(fd)",
+    );
+    let pid = a.pid();
+    let v = s.wait_stats("both syncs are counted", |v| {
+        v["attached"].as_array().is_some_and(|x| {
+            x.iter().any(|p| {
+                p["pid"] == pid
+                    && p["absorbed_fsync"].as_u64().unwrap_or(0)
+                        + p["real_syncs"].as_u64().unwrap_or(0)
+                        >= 2
+            })
+        })
+    });
+    let p = v["attached"]
+        .as_array()
+        .and_then(|x| x.iter().find(|p| p["pid"] == pid).cloned())
+        .unwrap();
+    assert_eq!(
+        (p["absorbed_fsync"].as_u64(), p["real_syncs"].as_u64()),
+        (Some(1), Some(1)),
+        "the no-op chown's sync absorbed, the owner change's real: {p}"
+    );
+    drop(a);
+    s.stop();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(fs::metadata(root.join("j")).unwrap().uid(), 4321);
+    let _ = fs::remove_file(&pm);
+}

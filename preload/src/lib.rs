@@ -1048,12 +1048,28 @@ pub unsafe extern "C" fn fchmod(fd: c_int, mode: mode_t) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn fchown(fd: c_int, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    // Owner, group and mode of a tracked file before: a chown that changes none of them
+    // leaves nothing for the next sync to make durable but the change time (SQLite running
+    // as root gives each new journal the database's owner, which it already has; the
+    // journal's syncs stay absorbed).
+    let mut before = None;
+    keep_errno(|| before = lookup(fd).and_then(|_| sys::fstat(fd).ok()));
     let r = unsafe {
         raw(
             libc::SYS_fchown,
             [fd as i64, uid as i64, gid as i64, 0, 0, 0],
         )
     };
+    if let (0, Some(b)) = (r, before) {
+        let mut same = false;
+        keep_errno(|| {
+            same = sys::fstat(fd)
+                .is_ok_and(|a| (a.st_uid, a.st_gid, a.st_mode) == (b.st_uid, b.st_gid, b.st_mode))
+        });
+        if same {
+            return 0;
+        }
+    }
     flag_fd(fd, F_FALLBACK);
     r as c_int
 }
