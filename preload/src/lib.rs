@@ -290,13 +290,18 @@ unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
     if trunc {
         f &= !libc::O_TRUNC;
     }
+    // A file this call created: what the creation learnt of it.
+    let mut born = None;
     // SAFETY: the program passes a C string.
     let fd = if flags & libc::O_CREAT != 0 && flags & libc::O_TMPFILE != libc::O_TMPFILE {
         // A creation under the root is logged (and the new file's syncs absorbed from the
         // first).
         match ns_targets(&[(dirfd, path)]) {
             Some((c, ts)) => match c.create(&ts[0], f, mode) {
-                Ok(fd) => fd,
+                Ok((fd, b)) => {
+                    born = b.map(|b| (c, b));
+                    fd
+                }
                 Err(e) => {
                     set_errno(e.raw_os_error().unwrap_or(libc::EIO));
                     return -1;
@@ -310,27 +315,37 @@ unsafe fn do_open(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
     if fd < 0 {
         return fd;
     }
-    // An absolute path that names the root as its prefix (without "..") is under it as far
-    // as the log is concerned (a symlink inside leading elsewhere on the same file system is
-    // still a file the log can replay by handle; other file systems are refused by device);
-    // anything else is resolved by the kernel.
-    // SAFETY: the program passes a C string.
-    let given = unsafe { CStr::from_ptr(path) }.to_bytes();
-    let path =
-        if dirfd == libc::AT_FDCWD && under_root(given) && !given.windows(2).any(|w| w == b"..") {
-            Some(given.to_vec())
-        } else {
-            sys::fd_path(fd)
-        };
-    let ours = path.as_deref().is_some_and(under_root);
-    let c = if ours { client() } else { None };
-    if ours && c.is_none() && flags & libc::O_ACCMODE != libc::O_RDONLY {
-        mark_unseen(&[fd]);
-    }
-    match c.and_then(|c| c.track_path(fd, sync, path.as_deref()).map(|t| (c, t))) {
+    let new = born.is_some();
+    let tracked = match born {
+        // Under the root, and empty.
+        Some((c, b)) => c.track_born(fd, sync, b).map(|t| (c, t)),
+        None => {
+            // An absolute path that names the root as its prefix (without "..") is under it
+            // as far as the log is concerned (a symlink inside leading elsewhere on the same
+            // file system is still a file the log can replay by handle; other file systems
+            // are refused by device); anything else is resolved by the kernel.
+            // SAFETY: the program passes a C string.
+            let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+            let path = if dirfd == libc::AT_FDCWD
+                && under_root(given)
+                && !given.windows(2).any(|w| w == b"..")
+            {
+                Some(given.to_vec())
+            } else {
+                sys::fd_path(fd)
+            };
+            let ours = path.as_deref().is_some_and(under_root);
+            let c = if ours { client() } else { None };
+            if ours && c.is_none() && flags & libc::O_ACCMODE != libc::O_RDONLY {
+                mark_unseen(&[fd]);
+            }
+            c.and_then(|c| c.track_path(fd, sync, path.as_deref()).map(|t| (c, t)))
+        }
+    };
+    match tracked {
         Some((c, t)) => {
             // (An empty file needs no truncation: a new file, typically.)
-            if trunc && sys::fstat(fd).is_ok_and(|st| st.st_size > 0) {
+            if trunc && !new && sys::fstat(fd).is_ok_and(|st| st.st_size > 0) {
                 if let Err(e) = c.ftruncate(&t, fd, 0) {
                     c.untrack(fd);
                     sys::close(fd);

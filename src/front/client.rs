@@ -327,7 +327,25 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd, st.st_ino)?;
-        let (idx, ()) = claim(&self.table, &st, gen, |slot| {
+        self.track_object(fd, sync, &st, handle, gen, None)
+    }
+
+    /// `track` of a file `create` just made (`Born`: what it already knows of it, so the
+    /// creation costs no more system calls than it must).
+    pub fn track_born(&self, fd: i32, sync: bool, b: Born) -> Option<Arc<Tracked>> {
+        self.track_object(fd, sync, &b.st, b.handle, b.gen, Some(b.write_only))
+    }
+
+    fn track_object(
+        &self,
+        fd: i32,
+        sync: bool,
+        st: &libc::stat,
+        handle: Vec<u8>,
+        gen: u64,
+        write_only_known: Option<bool>,
+    ) -> Option<Arc<Tracked>> {
+        let (idx, ()) = claim(&self.table, st, gen, |slot| {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
@@ -348,7 +366,8 @@ impl Client {
                             // where it can; a write-only one would need a new descriptor (an
                             // open the daemon's watch must answer): keep a copy instead.
                             dirty: crate::policy::dirty::Dirty::new(
-                                crate::policy::dirty::copies_kept() || write_only(fd),
+                                crate::policy::dirty::copies_kept()
+                                    || write_only_known.unwrap_or_else(|| write_only(fd)),
                             ),
                             ..Private::default()
                         }),
@@ -915,6 +934,14 @@ pub(super) fn claim<R>(
     let _g = slot.lock();
     ensure_gen(&slot, gen);
     Some((idx, f(&slot)))
+}
+
+/// A file `create` just made under the root, as it found it.
+pub struct Born {
+    pub(super) st: libc::stat,
+    pub(super) handle: Vec<u8>,
+    pub(super) gen: u64,
+    pub(super) write_only: bool,
 }
 
 /// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).

@@ -50,6 +50,7 @@ impl Target {
 struct Obj {
     slot: usize,
     handle: Vec<u8>,
+    gen: u64,
     st: libc::stat,
 }
 
@@ -141,6 +142,7 @@ impl Client {
         Some(Obj {
             slot: idx,
             handle,
+            gen,
             st,
         })
     }
@@ -500,10 +502,18 @@ impl Client {
     /// marked for the daemon's watch at once (`docs/preload.md`, "Writers outside `pmstack
     /// run`"): every write to it is seen from its birth, so its syncs are absorbed from the
     /// first.
-    pub fn create(&self, t: &Target, flags: i32, mode: u32) -> io::Result<i32> {
+    /// With the descriptor, what the creation learnt of the new file, for `track_born` (None
+    /// if it opened an existing one, or the creation was not logged).
+    pub fn create(
+        &self,
+        t: &Target,
+        flags: i32,
+        mode: u32,
+    ) -> io::Result<(i32, Option<super::client::Born>)> {
         let c = t.cname();
         let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
         let born_marked = std::cell::Cell::new(false);
+        let born = std::cell::Cell::new(None);
         self.logged(
             &[&t.dir],
             || (),
@@ -565,10 +575,16 @@ impl Client {
                     // Counted like every mark (`marks` in the stats); vetting skips it.
                     self.table.note_marked(o.slot, false);
                 }
+                born.set(Some(super::client::Born {
+                    st: o.st,
+                    handle: o.handle,
+                    gen: o.gen,
+                    write_only: flags & libc::O_ACCMODE == libc::O_WRONLY,
+                }));
                 Ok(true)
             },
         )
-        .map(|(fd, _)| fd)
+        .map(|(fd, _)| (fd, born.take()))
     }
 
     /// fsync/fdatasync of a directory under the root: nothing to do if every change of it

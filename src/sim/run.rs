@@ -141,16 +141,19 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 if !model.names.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     ns_op = true;
-                    let fd = c
+                    let (fd, born) = c
                         .create(
                             &target(&name),
                             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
                             0o644,
                         )
                         .unwrap();
-                    let t = c
-                        .track_path(fd, osync, Some(&path(&name)))
-                        .expect("a file under the root is tracked");
+                    // As the library does.
+                    let t = match born {
+                        Some(b) => c.track_born(fd, osync, b),
+                        None => c.track_path(fd, osync, Some(&path(&name))),
+                    }
+                    .expect("a file under the root is tracked");
                     let ino = ino_of(fd);
                     if !alive {
                         entry_made_durable = Some(ino);
