@@ -1643,9 +1643,9 @@ fn stat_of_a_directory_whose_daemon_died_says_it_is_gone() {
 }
 
 /// Opens wait for the daemon only while absorption depends on the file: a file an attached
-/// process wrote and closed without live entries is not watched, one with live entries is
-/// until they expired and a reader opens it, and one that another attached process holds
-/// stays watched. A file born in a directory leaves the other opens there alone.
+/// process wrote and closed without syncing it is not watched; one that was synced, or that
+/// another attached process holds, stays watched; one whose holder died is unmarked at the
+/// next read open. A file born in a directory leaves the other opens there alone.
 #[test]
 fn only_files_that_absorption_depends_on_are_watched() {
     if !common::can_mount() || !have("python3") {
@@ -1693,51 +1693,47 @@ fn only_files_that_absorption_depends_on_are_watched() {
     drop(b);
     s.stop();
 
-    // 2. With write-back: a file whose entries expired after its last close is unmarked at
-    // the next read open, and later opens cost nothing.
+    // 2. A file whose last holder died without closing it (and nobody synced) is unmarked at
+    // the next read open; later opens cost nothing. A file that was synced keeps its mark
+    // after its entries expired (its next syncs stay absorbable).
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "200"]);
     let mut a = Py::spawn(s.run(), &root);
     // A new daemon does not know the directory's state: the first creation writes
-    // everything back, the second is logged, and `k` is absorbed from its first sync.
+    // everything back, the second is logged.
     a.exec(
         "open(os.path.join(d, 'p'), 'w').close()\n\
-         fd = os.open(os.path.join(d, 'k'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(fd, b'z' * 4096)\nos.fsync(fd)",
+         fd = os.open(os.path.join(d, 'k'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(fd, b'z' * 4096)\n\
+         s = os.open(os.path.join(d, 's'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(s, b's' * 4096)\n\
+         os.fsync(s)\nos.close(s)",
     );
-    let pid = a.pid();
-    // A snapshot taken after the absorbed sync: its LSN counter is past the sync's entries.
-    let v = s.wait_stats("the sync is absorbed", |v| {
-        v["attached"].as_array().is_some_and(|x| {
-            x.iter()
-                .any(|p| p["pid"] == pid && p["absorbed_fsync"].as_u64() >= Some(1))
-        })
-    });
+    drop(a); // killed: `k` is still held by a process that no longer exists
+             // A snapshot taken after the sync of `s`: its LSN counter is past the sync's entries.
+    let synced = |v: &serde_json::Value| {
+        v["totals"]["absorbed_fsync"].as_u64().unwrap_or(0)
+            + v["totals"]["real_syncs"].as_u64().unwrap_or(0)
+    };
+    let v = s.wait_stats("the sync of s is counted", |v| synced(v) >= 1);
     let lsn = v["lsn"].as_u64().unwrap();
-    // The entries are still live at the last close (the daemon is told to wait), or
-    // already expired (then the close unmarks): either way, after the write-back below,
-    // one read open at most is watched.
-    a.exec("os.close(fd)");
-    let v = s.wait_stats("the entries expire", |v| {
+    let v = s.wait_stats("the entries of s expire", |v| {
         v["checkpoint_lsn"].as_u64() >= Some(lsn)
     });
     let before = watched(&v);
+    let unmarks = v["unmarks"].as_u64().unwrap();
     for _ in 0..4 {
         cat("k");
     }
-    cat("old");
-    // A new watched open tells when the stats show the cats: b holds `m`, and cat opens it.
-    let mut b = Py::spawn(s.run(), &root);
-    b.exec("m = os.open(os.path.join(d, 'm'), os.O_RDWR | os.O_CREAT, 0o644)");
-    cat("m");
-    let v = s.wait_stats("the open of m is seen", |v| watched(v) > before);
-    assert!(
-        watched(&v) <= before + 2,
-        "k was watched at more than its first open after the write-back: {v}"
+    cat("s");
+    cat("s");
+    let v = s.wait_stats("the opens of s are seen", |v| watched(v) >= before + 3);
+    assert_eq!(
+        watched(&v),
+        before + 3,
+        "k at its first open only, s at both: {v}"
     );
-    assert!(v["unmarks"].as_u64() >= Some(1), "{v}");
-    drop(a);
-    drop(b);
+    assert_eq!(v["unmarks"].as_u64(), Some(unmarks + 1), "k: {v}");
     s.stop();
     assert_eq!(fs::read(root.join("k")).unwrap(), vec![b'z'; 4096]);
+    assert_eq!(fs::read(root.join("s")).unwrap(), vec![b's'; 4096]);
     let _ = fs::remove_file(&pm);
 }
 

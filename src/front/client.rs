@@ -446,8 +446,10 @@ impl Client {
     }
 
     /// Stop watching the object of `fd` if nothing needs the watch any more: no attached
-    /// process holds it open and it has no live entries (replay has nothing to apply over a
-    /// writer outside `pmstack run`), and it is not foreign (the daemon follows those). Every
+    /// process holds it open, nobody synced it since it was marked (a file that is synced
+    /// keeps its mark: its next syncs stay absorbable), it has no live entries (replay has
+    /// nothing to apply over a writer outside `pmstack run`), and it is not foreign (the
+    /// daemon follows those). Every
     /// open of a watched object waits for the daemon; an unwatched one costs nothing. The
     /// object loses what the watch gave it: it is absorbed again only after it was marked
     /// (at the next open for writing or sync), vetted, and really synced once more. Caller
@@ -456,7 +458,7 @@ impl Client {
         let f = slot.flags();
         if !self.watching
             || f & F_MARKED == 0
-            || f & F_FOREIGN != 0
+            || f & (F_FOREIGN | F_SYNCED) != 0
             || slot.holders().next().is_some()
             || self.live(slot)
         {
@@ -652,6 +654,9 @@ impl Client {
         let sync = t.sync || sync_flag;
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
+        if sync {
+            slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
+        }
         let mut p = t.ino.p.lock();
         let serving = self.serving();
         if serving
@@ -733,6 +738,7 @@ impl Client {
     pub fn fsync(&self, t: &Tracked, fd: i32) -> io::Result<()> {
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
+        slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
         let mut p = t.ino.p.lock();
         let cp = self.log.checkpoint_lsn();
         if !self.serving() || !self.absorbable(slot.flags()) || slot.others_lazy(self.pid, cp) {
@@ -956,8 +962,10 @@ pub(super) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) -> bo
     if super::watch::unmark(group, fd).is_err() {
         return false;
     }
-    slot.w(S_FLAGS)
-        .fetch_and(!(F_MARKED | F_VETTED | F_BASELINE), Ordering::AcqRel);
+    slot.w(S_FLAGS).fetch_and(
+        !(F_MARKED | F_VETTED | F_BASELINE | F_SYNCED),
+        Ordering::AcqRel,
+    );
     slot.w(S_FLAGS).fetch_or(F_UNWATCHED, Ordering::AcqRel);
     table.w(H_UNMARKS).fetch_add(1, Ordering::Relaxed);
     true

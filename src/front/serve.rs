@@ -360,10 +360,10 @@ impl Daemon {
     }
 
     /// A read open of a watched object that nothing needs watched any more (no attached
-    /// process holds it and it has no live entries: its last holder exited without closing
-    /// it, or closed it while it had live entries): unmark it, so that later opens cost
-    /// nothing (`Client::unwatch_if_idle` does the same at a holder's last close). Not at a
-    /// write open by an attached process: that one marks it again at once.
+    /// process holds it, nobody synced it, and it has no live entries: its last holder
+    /// exited without closing it): unmark it, so that later opens cost nothing
+    /// (`Client::unwatch_if_idle` does the same at a holder's last close). Not at a write
+    /// open by an attached process: that one marks it again at once.
     fn unwatch_idle(&self, g: &Group, e: &OpenEvent, attached: bool) {
         use std::os::fd::AsRawFd;
         let fd = e.file.as_raw_fd();
@@ -376,7 +376,7 @@ impl Daemon {
         let slot = self.table.slot(idx);
         let idle = |slot: &Slot<'_>| {
             let f = slot.flags();
-            if f & F_MARKED == 0 || f & F_FOREIGN != 0 {
+            if f & F_MARKED == 0 || f & (F_FOREIGN | F_SYNCED) != 0 {
                 return false;
             }
             let cp = self.log.checkpoint_lsn();

@@ -143,6 +143,10 @@ pub const F_VETTED: u64 = 64;
 /// The object was unmarked since the daemon last began vetting it: that vetting no longer
 /// counts (a writer may have opened it unseen in between).
 pub const F_UNWATCHED: u64 = 128;
+/// An attached process synced the object (fsync, or an O_SYNC write) since it was last
+/// marked: it keeps its mark when nobody holds it (its next syncs are likely, and the watch
+/// is what lets them be absorbed). Files nobody syncs are the ones unmarked.
+pub const F_SYNCED: u64 = 256;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
