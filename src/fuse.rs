@@ -31,6 +31,8 @@ pub struct Adapter {
     /// Kernel FUSE passthrough: reads and writes of open files go straight to the lower file
     /// (set in `init` when asked for and the kernel offers it).
     pub passthrough: bool,
+    /// The kernel left dropping privileges on write, truncate and chown to us (`init`).
+    killpriv: bool,
     /// Backing ids per inode (the kernel wants one per inode for all its passthrough handles),
     /// with the number of open handles using it.
     backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
@@ -45,6 +47,7 @@ impl Adapter {
             ttl,
             writeback_cache,
             passthrough,
+            killpriv: false,
             backing: Mutex::new(HashMap::new()),
             pt_handles: Mutex::new(HashMap::new()),
         }
@@ -73,6 +76,42 @@ impl Adapter {
         };
         self.pt_handles.lock().insert(fh, ino);
         Ok(id)
+    }
+
+    /// What a write (`all`: or a truncate) by a caller without CAP_FSETID does natively: drop
+    /// set-user-ID, set-group-ID when group execute is set, and (`all`) the file capability.
+    /// The daemon's own changes to the lower keep them (it has CAP_FSETID), so under
+    /// FUSE_HANDLE_KILLPRIV_V2 it drops them itself, through the core (logged like any
+    /// attribute change). Costs a stat and a getxattr of the lower, no round trip.
+    fn kill_privs(&self, ino: u64, all: bool) -> io::Result<()> {
+        let st = self.core.getattr(ino)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Ok(());
+        }
+        let m = st.st_mode & 0o7777;
+        let mut keep = m;
+        if all {
+            keep &= !libc::S_ISUID;
+        }
+        if m & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+            keep &= !libc::S_ISGID;
+        }
+        if keep != m {
+            self.core
+                .setattr(ino, Some(keep), None, None, None, None, None)?;
+        }
+        if all {
+            match self.core.getxattr(ino, b"security.capability", 0) {
+                Ok(_) => self.core.removexattr(ino, b"security.capability")?,
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ENODATA) | Some(libc::EOPNOTSUPP)
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     fn release_backing(&self, fh: u64) {
@@ -192,10 +231,20 @@ impl Filesystem for Adapter {
                 self.passthrough = false;
             }
         }
+        // Without this the kernel asks for `security.capability` (a GETXATTR round trip) before
+        // every write, to know whether the write must drop it. With it the kernel sends no
+        // such request and leaves dropping set-user-ID, set-group-ID and capabilities to us
+        // (`kill_privs`). Not with the writeback cache (the kernel writes pages back later,
+        // without saying who wrote them) nor with kernel passthrough (writes never reach us).
+        if !self.writeback_cache && !self.passthrough {
+            caps |= InitFlags::FUSE_HANDLE_KILLPRIV_V2;
+        }
         if let Err(missing) = config.add_capabilities(caps) {
             tracing::warn!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
             let _ = config.add_capabilities(caps & !missing);
+            caps &= !missing;
         }
+        self.killpriv = caps.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         Ok(())
     }
 
@@ -220,7 +269,7 @@ impl Filesystem for Adapter {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -228,7 +277,7 @@ impl Filesystem for Adapter {
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
+        ctime: Option<SystemTime>,
         _fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
@@ -237,6 +286,38 @@ impl Filesystem for Adapter {
         reply: ReplyAttr,
     ) {
         let _t = self.time(Op::Setattr);
+        // Under FUSE_HANDLE_KILLPRIV_V2, what the caller's kernel would have dropped: on a
+        // truncate, set-user-ID, set-group-ID and capabilities; on a change of owner, the
+        // set-group-ID bit (the lower drops set-user-ID by itself). The caller's capability
+        // is not in the request: root is taken for CAP_FSETID, anyone else for none.
+        if self.killpriv && req.uid() != 0 && mode.is_none() {
+            let r = if size.is_some() {
+                self.kill_privs(ino.0, true)
+            } else if uid.is_some() || gid.is_some() {
+                self.kill_privs(ino.0, false)
+            } else {
+                Ok(())
+            };
+            if let Err(e) = r {
+                reply.error(err(e));
+                return;
+            }
+        }
+        if [mode, uid, gid].iter().all(Option::is_none)
+            && size.is_none()
+            && atime.is_none()
+            && mtime.is_none()
+            && ctime.is_none()
+        {
+            // Nothing to change: the kernel dropping a file capability before a write (it
+            // removes the attribute by itself). Not a chown(f, -1, -1), which comes with the
+            // change time and, on the lower, drops set-user-ID: a root write must keep it.
+            match self.core.getattr(ino.0) {
+                Ok(st) => reply.attr(&self.ttl, &attr(&st)),
+                Err(e) => reply.error(err(e)),
+            }
+            return;
+        }
         match self
             .core
             .setattr(ino.0, mode, uid, gid, size, time_ns(atime), time_ns(mtime))
@@ -413,16 +494,22 @@ impl Filesystem for Adapter {
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _wf: WriteFlags,
+        wf: WriteFlags,
         _flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         let _t = self.time(Op::Write);
+        if wf.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            if let Err(e) = self.kill_privs(ino.0, true) {
+                reply.error(err(e));
+                return;
+            }
+        }
         match self.core.write(fh.0, offset, data) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),

@@ -566,3 +566,104 @@ fn pmstacks_own_files_are_never_world_writable() {
         assert!(!p.exists(), "{} left behind", p.display());
     }
 }
+
+/// Under FUSE_HANDLE_KILLPRIV_V2 the kernel no longer asks for `security.capability` before
+/// every write (a round trip each) and leaves dropping privileges to pmstack: a write or a
+/// truncate by another user drops set-user-ID, set-group-ID (with group execute) and the file
+/// capability, as on the lower file system; root's writes keep the mode bits.
+#[test]
+fn writes_by_other_users_drop_privileges_as_on_the_lower_without_a_round_trip() {
+    if !can_mount() {
+        return;
+    }
+    for tool in ["setpriv", "setcap", "getcap"] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{tool} is missing (util-linux, libcap2-bin)"
+            );
+            eprintln!("SKIPPED: {tool} is missing");
+            return;
+        }
+    }
+    let mut m = Mount::new(None);
+    use std::os::unix::fs::PermissionsExt;
+    // Another user reaches both trees.
+    fs::set_permissions(m.base.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let native = m.base.path().join("native");
+    fs::create_dir(&native).unwrap();
+    m.mount(&["-o", "allow_other"]);
+    let sh = |user: Option<u32>, cmd: &str| {
+        let mut c = match user {
+            Some(u) => {
+                let mut c = Command::new("setpriv");
+                c.args([
+                    &format!("--reuid={u}"),
+                    &format!("--regid={u}"),
+                    "--clear-groups",
+                    "sh",
+                    "-c",
+                    cmd,
+                ]);
+                c
+            }
+            None => {
+                let mut c = Command::new("sh");
+                c.args(["-c", cmd]);
+                c
+            }
+        };
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{cmd}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let xattr_requests = |mnt: &Path| stat_json(mnt)["latency_us"]["xattr"]["count"].as_u64();
+    let before = xattr_requests(&m.mnt);
+    let mut seen = Vec::new();
+    for dir in [&native, &m.mnt] {
+        let d = dir.display();
+        // (name, what user 65534 does to it)
+        let cases = [
+            ("w", format!("echo x >> {d}/w")),
+            ("t", format!("truncate -s 1 {d}/t")),
+        ];
+        for (name, cmd) in &cases {
+            sh(None, &format!(
+                "echo a > {d}/{name} && chown 65534:65534 {d}/{name} && chmod 06775 {d}/{name} && setcap cap_net_raw+ep {d}/{name}"
+            ));
+            sh(Some(65534), cmd);
+        }
+        // Root's writes keep everything (CAP_FSETID).
+        sh(None, &format!(
+            "echo a > {d}/r && chmod 06775 {d}/r && setcap cap_net_raw+ep {d}/r && for i in $(seq 100); do echo y >> {d}/r; done"
+        ));
+        let got: Vec<String> = ["w", "t", "r"]
+            .iter()
+            .map(|n| {
+                let mode = fs::metadata(dir.join(n)).unwrap().permissions().mode() & 0o7777;
+                let cap = sh(None, &format!("getcap {d}/{n} | sed 's/.* //'"));
+                format!("{n} {mode:o} [{cap}]")
+            })
+            .collect();
+        seen.push(got);
+    }
+    assert_eq!(
+        seen[0], seen[1],
+        "privileges after writes: the lower's (left) and the mount's (right)"
+    );
+    // Any write drops the capability; root's keep set-user-ID and set-group-ID.
+    assert_eq!(seen[0][2], "r 6775 []", "root keeps the mode bits");
+    assert!(seen[0][0].starts_with("w 775 []"), "{:?}", seen[0]);
+    // Root's 100 writes asked nothing about xattrs (setcap and getcap did: a handful).
+    let after = xattr_requests(&m.mnt);
+    assert!(
+        after.unwrap_or(0) - before.unwrap_or(0) < 50,
+        "xattr requests {before:?} -> {after:?}: the kernel still asks before every write"
+    );
+    m.umount();
+}
