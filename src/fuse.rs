@@ -277,7 +277,7 @@ impl Filesystem for Adapter {
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
-        ctime: Option<SystemTime>,
+        _ctime: Option<SystemTime>,
         _fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
@@ -302,21 +302,6 @@ impl Filesystem for Adapter {
                 reply.error(err(e));
                 return;
             }
-        }
-        if [mode, uid, gid].iter().all(Option::is_none)
-            && size.is_none()
-            && atime.is_none()
-            && mtime.is_none()
-            && ctime.is_none()
-        {
-            // Nothing to change: the kernel dropping a file capability before a write (it
-            // removes the attribute by itself). Not a chown(f, -1, -1), which comes with the
-            // change time and, on the lower, drops set-user-ID: a root write must keep it.
-            match self.core.getattr(ino.0) {
-                Ok(st) => reply.attr(&self.ttl, &attr(&st)),
-                Err(e) => reply.error(err(e)),
-            }
-            return;
         }
         match self
             .core

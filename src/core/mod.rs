@@ -1007,10 +1007,14 @@ impl Core {
                 && atime.is_none()
                 && mtime.is_none()
             {
-                // A change of nothing but ctime (chown(f, -1, -1)): the lower updates ctime
-                // the same way. Nothing to log: ctime is not part of the contract.
+                // A change of nothing but ctime: a chown(f, -1, -1), or the kernel dropping a
+                // file capability before a write (the two look alike here). A chmod to the
+                // mode it has updates ctime and, done by the daemon (CAP_FSETID), drops no
+                // set-user-ID or set-group-ID bit, which a write by root must keep. Nothing to
+                // log: ctime is not part of the contract.
+                let st = self.stat_of(&i)?;
                 self.lower
-                    .chown(self.nfd(&i)?.as_raw_fd(), u32::MAX, u32::MAX)?;
+                    .chmod(self.nfd(&i)?.as_raw_fd(), st.st_mode & 0o7777)?;
                 return self.stat_of(&i);
             }
             if let Some(s) = size {
