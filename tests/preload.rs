@@ -41,6 +41,23 @@ fn have(tool: &str) -> bool {
     ok
 }
 
+/// The record of attached process `pid` in the daemon's stats `v`.
+fn proc_stats(v: &serde_json::Value, pid: u64) -> Option<serde_json::Value> {
+    v["attached"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
+}
+
+/// A PM region path in /dev/shm for test `name` of this process, with nothing there yet.
+fn shm_region(name: &str) -> PathBuf {
+    let pm = PathBuf::from(format!(
+        "/dev/shm/pmstack-test-{name}-{}.pm",
+        std::process::id()
+    ));
+    let _ = fs::remove_file(&pm);
+    pm
+}
+
 struct Serve {
     child: Option<Child>,
     dir: PathBuf,
@@ -107,15 +124,10 @@ impl Serve {
         pid: u64,
         min_real: u64,
     ) -> (serde_json::Value, serde_json::Value) {
-        let proc_of = |v: &serde_json::Value| {
-            v["attached"]
-                .as_array()
-                .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
-        };
         let st = self.wait_stats(what, |v| {
-            proc_of(v).is_some_and(|p| p["real_syncs"].as_u64() >= Some(min_real))
+            proc_stats(v, pid).is_some_and(|p| p["real_syncs"].as_u64() >= Some(min_real))
         });
-        (proc_of(&st).expect("found above"), st)
+        (proc_stats(&st, pid).expect("found above"), st)
     }
 
     fn run(&self) -> Command {
@@ -986,11 +998,7 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let plain = || Command::new("env");
     let counts = |s: &Serve, pid: u64| -> (u64, u64) {
-        let v = s.stats();
-        let p = v["attached"]
-            .as_array()
-            .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
-            .unwrap_or_default();
+        let p = proc_stats(&s.stats(), pid).unwrap_or_default();
         (
             p["absorbed_fsync"].as_u64().unwrap_or(0),
             p["real_syncs"].as_u64().unwrap_or(0),
@@ -1399,19 +1407,11 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     }
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
-    let pm = PathBuf::from(format!(
-        "/dev/shm/pmstack-test-nsdir-{}.pm",
-        std::process::id()
-    ));
-    let _ = fs::remove_file(&pm);
+    let pm = shm_region("nsdir");
     let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     // (namespace write-backs, absorbed directory fsyncs, logged operations) of `pid`.
     let counts = |pid: u64| -> (u64, u64, u64) {
-        let v = s.stats();
-        let p = v["attached"]
-            .as_array()
-            .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
-            .unwrap_or_default();
+        let p = proc_stats(&s.stats(), pid).unwrap_or_default();
         let g = |k: &str| p[k].as_u64().unwrap_or(0);
         (g("ns_write_backs"), g("absorbed_dir_fsync"), g("ns_ops"))
     };
@@ -1527,11 +1527,7 @@ fn closing_files_releases_what_the_library_kept_for_them() {
     }
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
-    let pm = PathBuf::from(format!(
-        "/dev/shm/pmstack-test-release-{}.pm",
-        std::process::id()
-    ));
-    let _ = fs::remove_file(&pm);
+    let pm = shm_region("release");
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     // Each absorbed sync of a write-only descriptor opens a read descriptor for the bytes;
     // with a limit of 128 descriptors, 2000 files would run out if those were kept.
@@ -1544,10 +1540,7 @@ fn closing_files_releases_what_the_library_kept_for_them() {
     // The loop did not just fall back to real syncs: its syncs were absorbed.
     let pid = a.pid();
     s.wait_stats("the syncs were absorbed", |v| {
-        v["attached"].as_array().is_some_and(|x| {
-            x.iter()
-                .any(|p| p["pid"] == pid && p["absorbed_fsync"].as_u64() >= Some(1900))
-        })
+        proc_stats(v, pid).is_some_and(|p| p["absorbed_fsync"].as_u64() >= Some(1900))
     });
     drop(a);
     s.stop();
@@ -1654,11 +1647,7 @@ fn only_files_that_absorption_depends_on_are_watched() {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
     // Outside the root: the attached processes' own opens of the region are not counted.
-    let pm = PathBuf::from(format!(
-        "/dev/shm/pmstack-test-unwatch-{}.pm",
-        std::process::id()
-    ));
-    let _ = fs::remove_file(&pm);
+    let pm = shm_region("unwatch");
     fs::write(root.join("old"), b"old").unwrap();
     let cat = |name: &str| {
         let out = Command::new("cat").arg(root.join(name)).output().unwrap();
@@ -1747,11 +1736,7 @@ fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
     }
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
-    let pm = PathBuf::from(format!(
-        "/dev/shm/pmstack-test-chown-{}.pm",
-        std::process::id()
-    ));
-    let _ = fs::remove_file(&pm);
+    let pm = shm_region("chown");
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut a = Py::spawn(s.run(), &root);
     // The first creation after the daemon started writes everything back (the directory's
@@ -1764,20 +1749,13 @@ fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
          os.fchown(fd, 4321, st.st_gid)\nos.write(fd, b'y' * 100)\nos.fsync(fd)",
     );
     let pid = a.pid();
+    let synced = |p: &serde_json::Value| {
+        p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0)
+    };
     let v = s.wait_stats("both syncs are counted", |v| {
-        v["attached"].as_array().is_some_and(|x| {
-            x.iter().any(|p| {
-                p["pid"] == pid
-                    && p["absorbed_fsync"].as_u64().unwrap_or(0)
-                        + p["real_syncs"].as_u64().unwrap_or(0)
-                        >= 2
-            })
-        })
+        proc_stats(v, pid).is_some_and(|p| synced(&p) >= 2)
     });
-    let p = v["attached"]
-        .as_array()
-        .and_then(|x| x.iter().find(|p| p["pid"] == pid).cloned())
-        .unwrap();
+    let p = proc_stats(&v, pid).unwrap();
     assert_eq!(
         (p["absorbed_fsync"].as_u64(), p["real_syncs"].as_u64()),
         (Some(1), Some(1)),

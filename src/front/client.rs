@@ -427,8 +427,7 @@ impl Client {
 
     /// The object has entries the checkpoint has not expired.
     fn live(&self, slot: &Slot<'_>) -> bool {
-        slot.w(S_FID).load(Ordering::Acquire) != 0
-            && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= self.log.checkpoint_lsn()
+        slot.live(self.log.checkpoint_lsn())
     }
 
     /// Have the daemon report opens of this object (see `watch`), once per object. Caller
@@ -445,23 +444,13 @@ impl Client {
         }
     }
 
-    /// Stop watching the object of `fd` if nothing needs the watch any more: no attached
-    /// process holds it open, nobody synced it since it was marked (a file that is synced
-    /// keeps its mark: its next syncs stay absorbable), it has no live entries (replay has
-    /// nothing to apply over a writer outside `pmstack run`), and it is not foreign (the
-    /// daemon follows those). Every
-    /// open of a watched object waits for the daemon; an unwatched one costs nothing. The
-    /// object loses what the watch gave it: it is absorbed again only after it was marked
-    /// (at the next open for writing or sync), vetted, and really synced once more. Caller
-    /// holds the slot lock.
+    /// Stop watching the object of `fd` if nothing needs the watch any more
+    /// (`Slot::unwatchable`; every holder record counts). Every open of a watched object
+    /// waits for the daemon; an unwatched one costs nothing. The object loses what the watch
+    /// gave it: it is absorbed again only after it was marked (at the next open for
+    /// writing), vetted, and really synced once more. Caller holds the slot lock.
     fn unwatch_if_idle(&self, slot: &Slot<'_>, fd: i32) {
-        let f = slot.flags();
-        if !self.watching
-            || f & F_MARKED == 0
-            || f & (F_FOREIGN | F_SYNCED) != 0
-            || slot.holders().next().is_some()
-            || self.live(slot)
-        {
+        if !self.watching || !slot.unwatchable(self.log.checkpoint_lsn(), |_| true) {
             return;
         }
         if let Some(g) = &self.group {
@@ -746,6 +735,7 @@ impl Client {
         }
         if !p.dirty.is_empty() && p.mark >= cp {
             let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
+            let mut fd_write_only = None; // asked once per sync
             for (s, e) in ranges {
                 let buf = match p.dirty.bytes(s, e) {
                     Some(b) => b,
@@ -753,7 +743,7 @@ impl Client {
                         // No copy of these bytes (a local lower, too many, or changed by
                         // fallocate): read them back, through the program's descriptor if
                         // it can read.
-                        let rfd = if !write_only(fd) {
+                        let rfd = if !*fd_write_only.get_or_insert_with(|| write_only(fd)) {
                             fd
                         } else {
                             if p.rfd.is_none() {
@@ -956,11 +946,11 @@ fn write_only(fd: i32) -> bool {
 }
 
 /// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller
-/// holds the slot lock and checked that nothing needs the watch. False if the mark could not
-/// be removed (the slot stays watched).
-pub(super) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) -> bool {
+/// holds the slot lock and checked that nothing needs the watch. If the mark cannot be
+/// removed, the slot stays watched.
+pub(super) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) {
     if super::watch::unmark(group, fd).is_err() {
-        return false;
+        return;
     }
     slot.w(S_FLAGS).fetch_and(
         !(F_MARKED | F_VETTED | F_BASELINE | F_SYNCED),
@@ -968,7 +958,6 @@ pub(super) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) -> bo
     );
     slot.w(S_FLAGS).fetch_or(F_UNWATCHED, Ordering::AcqRel);
     table.w(H_UNMARKS).fetch_add(1, Ordering::Relaxed);
-    true
 }
 
 /// Mark the object of `fd` in `table` as written by someone the library cannot follow (a

@@ -374,25 +374,16 @@ impl Daemon {
             return;
         };
         let slot = self.table.slot(idx);
+        // Holders that died holding it hold it no more.
         let idle = |slot: &Slot<'_>| {
-            let f = slot.flags();
-            if f & F_MARKED == 0 || f & (F_FOREIGN | F_SYNCED) != 0 {
-                return false;
-            }
-            let cp = self.log.checkpoint_lsn();
-            if slot.w(S_FID).load(Ordering::Acquire) != 0
-                && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
-            {
-                return false; // live entries
-            }
-            for r in slot.holders() {
+            slot.unwatchable(self.log.checkpoint_lsn(), |r| {
                 let pid = self.table.proc_word(r, P_PID).load(Ordering::Acquire);
-                if pid != 0 && alive(pid) {
-                    return false;
+                let holds = pid != 0 && alive(pid);
+                if !holds {
+                    slot.unhold(r);
                 }
-                slot.unhold(r); // died holding it
-            }
-            true
+                holds
+            })
         };
         if !idle(&slot) || (attached && watch::open_is_write(e.pid)) {
             return;
@@ -434,8 +425,7 @@ impl Daemon {
             let slot = self.table.slot(i);
             let _g = slot.lock();
             slot.w(S_FLAGS).fetch_or(F_FOREIGN, Ordering::AcqRel);
-            live |= slot.w(S_FID).load(Ordering::Acquire) != 0
-                && slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp;
+            live |= slot.live(cp);
             self.foreign.lock().insert(i);
         }
         if live {

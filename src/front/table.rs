@@ -117,7 +117,8 @@ pub const S_FLAGS: usize = 7;
 pub const S_LAZY: usize = 8;
 pub const LAZY_MAX: usize = 3;
 /// Attached processes holding the object open (bit `rec` of two words: one per process
-/// record). An object nobody attached holds and without live entries is no longer watched.
+/// record). An object nobody attached holds is no longer watched unless something else
+/// needs the watch (`Slot::unwatchable`).
 pub const S_HOLDERS: usize = S_LAZY + 2 * LAZY_MAX;
 const _: () = assert!(S_HOLDERS + 2 <= SLOT_WORDS && MAX_PROCS <= 128);
 /// Directories have no lazy writers: their first lazy word holds the ctime (ns) recorded when
@@ -510,6 +511,25 @@ impl<'a> Slot<'a> {
 
     pub fn flags(&self) -> u64 {
         self.w(S_FLAGS).load(Ordering::Acquire)
+    }
+
+    /// The object has entries the checkpoint `cp` has not expired.
+    pub fn live(&self, cp: u64) -> bool {
+        self.w(S_FID).load(Ordering::Acquire) != 0
+            && self.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
+    }
+
+    /// Nothing needs the watch on the object any more: it is marked, not foreign, nobody
+    /// synced it since it was marked (a synced file keeps its mark: its next syncs stay
+    /// absorbable), it has no entries the checkpoint `cp` has not expired (replay has nothing
+    /// to apply over a writer outside `pmstack run`), and no holder `holds` it (the caller
+    /// says which holder records still count).
+    pub fn unwatchable(&self, cp: u64, mut holds: impl FnMut(usize) -> bool) -> bool {
+        let f = self.flags();
+        f & F_MARKED != 0
+            && f & (F_FOREIGN | F_SYNCED) == 0
+            && !self.live(cp)
+            && !self.holders().any(&mut holds)
     }
 
     /// Process record `rec` holds the object open.
