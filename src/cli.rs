@@ -1357,6 +1357,11 @@ fn stats_json(core: &Core, rec: &Option<RecoverySummary>) -> serde_json::Value {
             ((l.pages_free() * PAGE) as u64).into(),
         );
         m.insert("pm_full_events".into(), s.full.load(Relaxed).into());
+        m.insert("pm_kind".into(), l.pm().kind().name().into());
+        m.insert(
+            "flush".into(),
+            pmstack::pmem::flush::flush_kind().name().into(),
+        );
     }
     if core.opts.mode == Mode::Adaptive {
         let (e, l) = core.adaptive_blocks();
@@ -1512,6 +1517,8 @@ fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
         "region_bytes": s.sb.region_bytes,
         "uuid": uuid::Uuid::from_bytes(s.sb.uuid).to_string(),
         "lower_id": uuid::Uuid::from_bytes(s.sb.lower_id).to_string(),
+        "pm_kind": r.kind().name(),
+        "flush": pmstack::pmem::flush::flush_kind().name(),
         "clean": s.clean,
         "checkpoint_lsn": s.checkpoint,
         "max_lsn": s.max_lsn,
@@ -1536,6 +1543,15 @@ fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
             } else {
                 "NOT clean (recovery needed)"
             }
+        );
+        println!(
+            "  PM: {} ({}), flush: {}",
+            r.kind().name(),
+            match r.durability() {
+                Durability::PowerFailSafe => "survives power loss",
+                _ => "survives a crash of pmstack, NOT a power loss",
+            },
+            out["flush"].as_str().unwrap_or("?")
         );
         println!(
             "  live entries: {}, live bytes: {}, pages in use: {}",

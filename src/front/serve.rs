@@ -694,6 +694,8 @@ impl Daemon {
             "pid": my_pid(),
             "root": self.opts.root,
             "pm": self.opts.region,
+            "pm_kind": self.log.pm().kind().name(),
+            "flush": crate::pmem::flush::flush_kind().name(),
             "user": self.opts.user.name,
             "totals": counters(&self.table.totals()),
             "attached": procs,

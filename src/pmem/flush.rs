@@ -17,6 +17,18 @@ pub enum FlushKind {
     Clflush,
 }
 
+impl FlushKind {
+    /// The instruction's name, or "none" on an eADR platform.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlushKind::None => "none",
+            FlushKind::Clwb => "clwb",
+            FlushKind::ClflushOpt => "clflushopt",
+            FlushKind::Clflush => "clflush",
+        }
+    }
+}
+
 /// The best flush instruction of this CPU, detected once.
 pub fn flush_kind() -> FlushKind {
     static KIND: OnceLock<FlushKind> = OnceLock::new();

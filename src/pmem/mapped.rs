@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::flush::{copy_nt, flush_range, sfence};
-use super::{Durability, Pmem};
+use super::{Durability, PmKind, Pmem};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
-    #[error("PM region {path}: {err}{}", io_hint(err))]
+    #[error("PM region {path}: {err}{}", io_hint(path, err))]
     Io { path: PathBuf, err: std::io::Error },
     #[error(
         "PM region {path} is {len} bytes; at least {min} bytes are needed (use a larger --size)"
@@ -25,8 +25,11 @@ pub enum MapError {
 }
 
 /// What to do about an I/O error on the region's path.
-fn io_hint(e: &std::io::Error) -> &'static str {
+fn io_hint(path: &Path, e: &std::io::Error) -> &'static str {
     match e.kind() {
+        std::io::ErrorKind::NotFound if path.parent().is_some_and(|d| d.is_dir()) => {
+            " (no region there: `pmstack format` makes one, a mount or serve makes one on first use)"
+        }
         std::io::ErrorKind::NotFound => {
             " (its directory does not exist: create it, or give --pm a path in an existing directory)"
         }
@@ -41,6 +44,7 @@ pub struct MappedRegion {
     ptr: *mut u8,
     len: usize,
     durability: Durability,
+    kind: PmKind,
     _file: File,
     path: PathBuf,
 }
@@ -155,8 +159,13 @@ impl MappedRegion {
                 0,
             )
         };
-        let (ptr, durability) = if synced != libc::MAP_FAILED {
-            (synced as *mut u8, Durability::PowerFailSafe)
+        let (ptr, durability, kind) = if synced != libc::MAP_FAILED {
+            let kind = if is_devdax {
+                PmKind::Devdax
+            } else {
+                PmKind::Fsdax
+            };
+            (synced as *mut u8, Durability::PowerFailSafe, kind)
         } else {
             // SAFETY: as above.
             let p = unsafe {
@@ -172,17 +181,17 @@ impl MappedRegion {
             if p == libc::MAP_FAILED {
                 return Err(io(std::io::Error::last_os_error()));
             }
-            let d = if is_devdax {
-                Durability::PowerFailSafe
+            if is_devdax {
+                (p as *mut u8, Durability::PowerFailSafe, PmKind::Devdax)
             } else {
-                Durability::ProcessCrashOnly
-            };
-            (p as *mut u8, d)
+                (p as *mut u8, Durability::ProcessCrashOnly, PmKind::Emulated)
+            }
         };
         Ok(MappedRegion {
             ptr,
             len,
             durability,
+            kind,
             _file: f,
             path: path.to_owned(),
         })
@@ -205,7 +214,12 @@ fn devdax_size(path: &Path) -> std::io::Result<u64> {
     use std::os::unix::fs::MetadataExt;
     let rdev = md.rdev();
     let (maj, min) = (libc::major(rdev), libc::minor(rdev));
-    let s = std::fs::read_to_string(format!("/sys/dev/char/{maj}:{min}/size"))?;
+    let s = std::fs::read_to_string(format!("/sys/dev/char/{maj}:{min}/size")).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a character device that is not a device-DAX device (give /dev/daxX.Y, or a file)",
+        )
+    })?;
     s.trim()
         .parse()
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "bad devdax size"))
@@ -282,6 +296,9 @@ impl Pmem for MappedRegion {
     }
     fn durability(&self) -> Durability {
         self.durability
+    }
+    fn kind(&self) -> PmKind {
+        self.kind
     }
     fn sync_backing(&self) {
         if self.durability == Durability::ProcessCrashOnly {

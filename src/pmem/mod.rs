@@ -24,6 +24,30 @@ pub enum Durability {
     Simulated,
 }
 
+/// What a region is mapped from, as `stat` and `check` report it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PmKind {
+    /// A device-DAX character device (`/dev/daxX.Y`).
+    Devdax,
+    /// A file on a DAX-mounted file system, mapped with `MAP_SYNC`.
+    Fsdax,
+    /// An ordinary file (page cache): emulated PM.
+    Emulated,
+    /// The crash-simulating backend of the tests.
+    Simulated,
+}
+
+impl PmKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            PmKind::Devdax => "devdax",
+            PmKind::Fsdax => "fsdax",
+            PmKind::Emulated => "emulated",
+            PmKind::Simulated => "simulated",
+        }
+    }
+}
+
 /// A persistent-memory region. Offsets are bytes from the start of the region.
 ///
 /// Writers must not store to the same bytes concurrently (the log engine hands out disjoint
@@ -65,6 +89,10 @@ pub trait Pmem: Send + Sync {
         self.fence();
     }
     fn durability(&self) -> Durability;
+    /// What the region is mapped from.
+    fn kind(&self) -> PmKind {
+        PmKind::Simulated
+    }
     /// Best-effort: make the mapping's backing store durable (msync), used for emulated
     /// regions before exit. No-op for real PM.
     fn sync_backing(&self) {}

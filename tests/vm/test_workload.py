@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""The VM rig's checker must pass what the contract allows and fail what it forbids.
+
+Run: python3 -m unittest discover -s tests/vm -p 'test_*.py'  (cargo test runs it too:
+tests/vm_rig.rs).
+"""
+import os
+import shutil
+import tempfile
+import unittest
+
+import workload as w
+
+
+def state_after(seed, n):
+    """The directory after operations 0..n-1, and operation n."""
+    model = {}
+    for i, op in w.operations(seed):
+        if i == n:
+            return model, op
+        w.apply(model, op)
+
+
+def materialize(d, state):
+    for n in os.listdir(d):
+        os.unlink(os.path.join(d, n))
+    for n, b in state.items():
+        with open(os.path.join(d, n), "wb") as f:
+            f.write(b)
+
+
+class Checker(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.d = os.path.join(self.tmp, "c0")
+        os.mkdir(self.d)
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp)
+
+    def test_the_writer_s_own_directory_passes(self):
+        shutil.rmtree(self.d)
+        console = os.path.join(self.tmp, "console")
+        w.writer("t", self.d, 7, True, 0.3, console)
+        with open(console) as f:
+            acks = [l for l in f.read().split("\n") if l.startswith("@@ACK")]
+        self.assertGreater(len(acks), 5)
+        ok, msg = w.check(self.d, 7, len(acks))
+        self.assertTrue(ok, msg)
+
+    def test_an_acknowledged_operation_lost_fails(self):
+        # For every prefix, a directory one acknowledged operation short must fail unless
+        # that operation changed nothing.
+        failed = 0
+        for acked in range(1, 60):
+            before, _ = state_after(11, acked - 1)
+            after, _ = state_after(11, acked)
+            materialize(self.d, before)
+            ok, msg = w.check(self.d, 11, acked)
+            if before != after:
+                self.assertFalse(ok, "acked %d: a lost operation passed: %s" % (acked, msg))
+                failed += 1
+        self.assertGreater(failed, 40)
+
+    def test_the_operation_in_flight_may_be_whole_absent_or_per_page(self):
+        seen = set()
+        for n in range(0, 200):
+            before, op = state_after(5, n)
+            after = dict(before)
+            w.apply(after, op)
+            materialize(self.d, before)
+            self.assertTrue(w.check(self.d, 5, n)[0])
+            materialize(self.d, after)
+            self.assertTrue(w.check(self.d, 5, n)[0])
+            if op["kind"] in ("write", "dsync") and len(op["data"]) > w.PAGE and op["off"] + len(op["data"]) <= len(before[op["name"]]):
+                # The first page new, the rest old: a torn multi-page write in flight.
+                mixed = dict(before)
+                b = bytearray(before[op["name"]])
+                b[op["off"] : op["off"] + w.PAGE] = op["data"][: w.PAGE]
+                mixed[op["name"]] = bytes(b)
+                materialize(self.d, mixed)
+                self.assertTrue(w.check(self.d, 5, n)[0])
+                seen.add("mix")
+            if op["kind"] in ("write", "dsync"):
+                # Bytes nobody wrote are never accepted.
+                bad = dict(after)
+                b = bytearray(after[op["name"]])
+                b[op["off"]] ^= 0xFF
+                bad[op["name"]] = bytes(b)
+                materialize(self.d, bad)
+                self.assertFalse(w.check(self.d, 5, n)[0])
+                seen.add("bad")
+        self.assertEqual(seen, {"mix", "bad"})
+
+    def test_a_name_the_log_removed_coming_back_fails(self):
+        for n in range(1, 300):
+            before, op = state_after(3, n)
+            if op["kind"] == "unlink":
+                after = dict(before)
+                w.apply(after, op)
+                # Acknowledged unlink (acked n+1), name back.
+                materialize(self.d, before)
+                self.assertFalse(w.check(self.d, 3, n + 1)[0])
+                return
+        self.fail("no unlink in 300 operations")
+
+
+if __name__ == "__main__":
+    unittest.main()

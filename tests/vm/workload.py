@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""The writer and the checker of the VM power-cut rig (tests/vm/rig).
+
+The writer runs in the guest: one thread, one directory, an endless deterministic sequence of
+operations (create, write + fsync or fdatasync, O_DSYNC/O_SYNC writes, truncate, rename,
+unlink) drawn from a seed. After each operation is durable by the contract it prints
+`@@ACK <name> <i>@@` on the console and waits until the line has left the guest (tcdrain):
+what the host saw acknowledged, the guest had acknowledged.
+
+The checker runs after the next boot's recovery. It regenerates the sequence from the seed and
+accepts the directory only if it equals the state after some prefix of at least the
+acknowledged operations, where the one operation after that prefix (the one in flight at the
+cut) may be seen whole, not at all, or, for writes, page by page old or new. Every byte is
+self-identifying (seed, operation, page), so a failure says whose bytes were found.
+"""
+import hashlib
+import os
+import random
+import sys
+import termios
+import time
+
+PAGE = 4096
+NAMES = ["f%02d" % i for i in range(10)]
+MAX_PAGES = 16
+# Operations after the last acknowledgement the host saw that may be in the directory: the
+# next one (acknowledged, its line not yet out) and the one in flight after it, plus slack.
+LOOKAHEAD = 3
+
+
+def page_bytes(seed, op, page):
+    head = b"<pmstack-vm seed=%d op=%d page=%d>" % (seed, op, page)
+    fill = hashlib.sha256(head).digest()
+    return (head + fill * (PAGE // len(fill) + 1))[:PAGE]
+
+
+def data(seed, op, off, length):
+    """`length` bytes written by operation `op` at offset `off`; page p of the file carries
+    the header of (seed, op, p)."""
+    out = bytearray()
+    pos = off
+    while pos < off + length:
+        p = pos // PAGE
+        blk = page_bytes(seed, op, p)
+        start = pos - p * PAGE
+        end = min(PAGE, off + length - p * PAGE)
+        out += blk[start:end]
+        pos = p * PAGE + end
+    return bytes(out)
+
+
+def operations(seed):
+    """Yields (i, op) forever; op is a dict. The model it keeps is the directory after ops
+    0..i-1, so every op is valid when performed in order."""
+    rnd = random.Random(seed)
+    model = {}
+    i = 0
+    while True:
+        free = [n for n in NAMES if n not in model]
+        have = sorted(model)
+        choices = []
+        if free:
+            choices += ["create"] * (6 if len(have) < 3 else 2)
+        if have:
+            choices += ["write"] * 4 + ["dsync"] * 2 + ["truncate"] + ["rename"] * 2
+            choices += ["unlink"] if len(have) > 2 else []
+        kind = rnd.choice(choices)
+        dir_sync = rnd.random() < 0.5
+        if kind == "create":
+            name = rnd.choice(free)
+            length = rnd.randint(1, 3 * PAGE + 100)
+            op = {"kind": kind, "name": name, "data": data(seed, i, 0, length)}
+        elif kind in ("write", "dsync"):
+            name = rnd.choice(have)
+            size = len(model[name])
+            off = rnd.randrange(0, size // PAGE + 1) * PAGE
+            length = rnd.choice([PAGE, 2 * PAGE, rnd.randint(1, 3 * PAGE)])
+            if off + length > MAX_PAGES * PAGE:
+                off = 0
+            op = {"kind": kind, "name": name, "off": off, "data": data(seed, i, off, length)}
+            if kind == "write":
+                op["sync"] = rnd.choice(["fsync", "fdatasync"])
+            else:
+                op["flag"] = rnd.choice(["O_DSYNC", "O_SYNC"])
+        elif kind == "truncate":
+            name = rnd.choice(have)
+            op = {"kind": kind, "name": name, "size": rnd.randint(0, len(model[name]) + PAGE)}
+        elif kind == "rename":
+            src = rnd.choice(have)
+            dst = rnd.choice([n for n in NAMES if n != src])
+            op = {"kind": kind, "name": src, "to": dst}
+        else:
+            op = {"kind": kind, "name": rnd.choice(have)}
+        op["dir_sync"] = dir_sync
+        yield i, op
+        apply(model, op)
+        i += 1
+
+
+def apply(model, op):
+    k, n = op["kind"], op["name"]
+    if k == "create":
+        model[n] = op["data"]
+    elif k in ("write", "dsync"):
+        b = bytearray(model[n])
+        off, d = op["off"], op["data"]
+        if len(b) < off + len(d):
+            b += bytes(off + len(d) - len(b))
+        b[off : off + len(d)] = d
+        model[n] = bytes(b)
+    elif k == "truncate":
+        b = model[n][: op["size"]]
+        model[n] = b + bytes(op["size"] - len(b))
+    elif k == "rename":
+        model[op["to"]] = model.pop(n)
+    elif k == "unlink":
+        del model[n]
+
+
+def touched(op):
+    return {op["name"], op["to"]} if op["kind"] == "rename" else {op["name"]}
+
+
+# ---------------------------------------------------------------- the writer
+
+
+def write_all(fd, buf, off=None):
+    done = 0
+    while done < len(buf):
+        if off is None:
+            n = os.write(fd, buf[done:])
+        else:
+            n = os.pwrite(fd, buf[done:], off + done)
+        done += n
+
+
+def perform(dirpath, dirfd, op, sync):
+    k, path = op["kind"], os.path.join(dirpath, op["name"])
+    if k == "create":
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        write_all(fd, op["data"])
+        if sync:
+            os.fsync(fd)
+        os.close(fd)
+    elif k == "write":
+        fd = os.open(path, os.O_WRONLY)
+        write_all(fd, op["data"], op["off"])
+        if sync:
+            (os.fsync if op["sync"] == "fsync" else os.fdatasync)(fd)
+        os.close(fd)
+    elif k == "dsync":
+        flag = getattr(os, op["flag"]) if sync else 0
+        fd = os.open(path, os.O_WRONLY | flag)
+        write_all(fd, op["data"], op["off"])
+        os.close(fd)
+    elif k == "truncate":
+        fd = os.open(path, os.O_WRONLY)
+        os.ftruncate(fd, op["size"])
+        if sync:
+            os.fsync(fd)
+        os.close(fd)
+    elif k == "rename":
+        os.rename(path, os.path.join(dirpath, op["to"]))
+    elif k == "unlink":
+        os.unlink(path)
+    # Namespace operations are durable when they return (docs/contract.md); half of them
+    # are followed by a directory fsync anyway, as portable programs do.
+    if sync and op["dir_sync"] and k in ("create", "rename", "unlink"):
+        os.fsync(dirfd)
+
+
+def say(console, line):
+    os.write(console, ("@@%s@@\n" % line).encode())
+    try:
+        termios.tcdrain(console)
+    except termios.error:
+        pass  # not a terminal (a test writing to a file)
+
+
+def writer(name, dirpath, seed, sync, seconds, console_path):
+    console = os.open(console_path, os.O_WRONLY | os.O_NOCTTY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.mkdir(dirpath)
+    parent = os.open(os.path.dirname(dirpath), os.O_RDONLY | os.O_DIRECTORY)
+    if sync:
+        os.fsync(parent)
+    dirfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+    say(console, "READY %s" % name)
+    deadline = time.monotonic() + seconds
+    for i, op in operations(seed):
+        if time.monotonic() > deadline:
+            break
+        perform(dirpath, dirfd, op, sync)
+        say(console, "ACK %s %d" % (name, i))
+    say(console, "WRITER-END %s" % name)
+
+
+# ---------------------------------------------------------------- the checker
+
+
+def read_dir(dirpath):
+    state, odd = {}, []
+    for n in sorted(os.listdir(dirpath)):
+        p = os.path.join(dirpath, n)
+        if os.path.islink(p) or not os.path.isfile(p):
+            odd.append(n)
+            continue
+        with open(p, "rb") as f:
+            state[n] = f.read()
+    return state, odd
+
+
+def page_mix(actual, old, new):
+    """`actual` shows an unacknowledged write whole, not at all, or per page old or new."""
+    if actual is None or len(actual) not in (len(old), len(new)):
+        return False
+    for start in range(0, len(actual), PAGE):
+        end = min(start + PAGE, len(actual))
+        seg = actual[start:end]
+        if not ((len(old) >= end and seg == old[start:end]) or (len(new) >= end and seg == new[start:end])):
+            return False
+    return True
+
+
+def in_flight_ok(op, before, after, actual):
+    k = op["kind"]
+    n = op["name"]
+    a = actual.get(n)
+    if k == "create":
+        return a is None or page_mix(a, b"", after[n])
+    if k in ("write", "dsync"):
+        return page_mix(a, before[n], after[n])
+    if k == "truncate":
+        return a in (before[n], after[n])
+    if k == "unlink":
+        return a in (None, before[n])
+    if k == "rename":
+        d = actual.get(op["to"])
+        return (a == before[n] and d == before.get(op["to"])) or (a is None and d == before[n])
+    return False
+
+
+def matches(prefix_state, op, actual):
+    """The directory is prefix_state with `op` (the next operation) in flight."""
+    after = dict(prefix_state)
+    apply(after, op)
+    t = touched(op)
+    for n in set(prefix_state) | set(actual):
+        if n not in t and prefix_state.get(n) != actual.get(n):
+            return False
+    return in_flight_ok(op, prefix_state, after, actual)
+
+
+def whose(b):
+    """The header of the first page of b, or a description of what it holds."""
+    if not b:
+        return "empty"
+    s = b[:80]
+    if s.startswith(b"<pmstack-vm"):
+        return s[: s.index(b">") + 1].decode(errors="replace")
+    if s.strip(b"\0") == b"":
+        return "zeros"
+    return "unknown bytes %r" % s[:24]
+
+
+def check(dirpath, seed, acked):
+    """Returns (ok, message)."""
+    if not os.path.isdir(dirpath):
+        return False, "%s is missing (it was made durable before the first operation)" % dirpath
+    actual, odd = read_dir(dirpath)
+    if odd:
+        return False, "entries that are not regular files: %s" % odd
+    model = {}
+    gen = operations(seed)
+    states = []
+    for i, op in gen:
+        if i >= acked:
+            states.append((i, dict(model), op))
+        if i >= acked + LOOKAHEAD:
+            break
+        apply(model, op)
+    for j, state, op in states:
+        if matches(state, op, actual):
+            nbytes = sum(len(v) for v in actual.values())
+            return True, "prefix %d (acked %d), %d files, %d bytes" % (j, acked, len(actual), nbytes)
+    # Explain against the acknowledged state.
+    _, state, _ = states[0]
+    diffs = []
+    for n in sorted(set(state) | set(actual)):
+        want, got = state.get(n), actual.get(n)
+        if want == got:
+            continue
+        if got is None:
+            diffs.append("%s missing (want %d bytes, %s)" % (n, len(want), whose(want)))
+        elif want is None:
+            diffs.append("%s present (%d bytes, %s) but the log of acknowledged ops removed or never made it" % (n, len(got), whose(got)))
+        else:
+            first = next((p for p in range(0, max(len(want), len(got)), PAGE) if want[p : p + PAGE] != got[p : p + PAGE]), 0)
+            diffs.append(
+                "%s differs: %d bytes, want %d; page %d has %s, want %s"
+                % (n, len(got), len(want), first // PAGE, whose(got[first:]), whose(want[first:]))
+            )
+    return False, "acked %d, matches no prefix %d..%d: %s" % (acked, acked, acked + LOOKAHEAD, "; ".join(diffs[:6]))
+
+
+def main(argv):
+    if len(argv) >= 2 and argv[1] == "write":
+        # workload.py write NAME DIR SEED SYNC(0|1) SECONDS CONSOLE
+        name, d, seed, sync, secs, console = argv[2:8]
+        writer(name, d, int(seed), sync == "1", float(secs), console)
+        return 0
+    if len(argv) >= 2 and argv[1] == "check":
+        # workload.py check DIR SEED ACKED
+        ok, msg = check(argv[2], int(argv[3]), int(argv[4]))
+        print(("ok " if ok else "FAIL ") + msg)
+        return 0 if ok else 1
+    print("usage: workload.py write NAME DIR SEED SYNC SECONDS CONSOLE | check DIR SEED ACKED", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
