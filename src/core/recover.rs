@@ -55,6 +55,11 @@ struct Replayer<'a> {
     /// by inode number, searched once, on the first handle that did not open.
     by_ino: Option<HashMap<u64, OwnedFd>>,
     sum: RecoverySummary,
+    /// Told after every step that changes the lower (a placed or removed name, a replayed
+    /// file): the progress display, and the crash simulator's kill points.
+    progress: &'a dyn Fn(u64, u64),
+    /// Namespace steps taken, of `plan.namespace.len()` (shown as at most that many).
+    ns_steps: u64,
 }
 
 impl Replayer<'_> {
@@ -195,6 +200,13 @@ impl Replayer<'_> {
     /// than re-creating them, and re-creating only objects the lower file system lost.
     /// Replaying records one by one is ambiguous when the lower already holds later states
     /// (names reused, objects moved back and forth); the end state is not.
+    /// One namespace step done (a name placed, moved aside or removed).
+    fn ns_step(&mut self) {
+        self.ns_steps += 1;
+        let total = (self.plan.namespace.len() + self.plan.files.len()) as u64;
+        (self.progress)(self.ns_steps.min(self.plan.namespace.len() as u64), total);
+    }
+
     fn namespace(&mut self) {
         let plan = self.plan;
         let mut target: BTreeMap<(u64, Vec<u8>), Option<u64>> = BTreeMap::new();
@@ -412,6 +424,24 @@ impl Replayer<'_> {
             .cloned()
             .collect();
         let mut stash: Vec<(i32, Vec<u8>, (u64, u64))> = Vec::new(); // displaced objects
+                                                                     // Objects an interrupted recovery had moved aside: the log is the same, so they are
+                                                                     // placed or removed now as that recovery would have (left alone, they would stay in
+                                                                     // the user's directories for good).
+        let mut dirs: Vec<i32> = order.iter().filter_map(|k| self.resolve(k.0)).collect();
+        dirs.sort_unstable();
+        dirs.dedup();
+        for d in dirs {
+            let Ok(entries) = self.lower.read_dir(d) else {
+                continue;
+            };
+            for (name, _, _) in entries {
+                if name.starts_with(STASH_PREFIX) {
+                    if let Some((_, id)) = self.at(d, &name) {
+                        stash.push((d, name, id));
+                    }
+                }
+            }
+        }
         let mut rounds = 0;
         while !pending.is_empty() && rounds < 64 {
             rounds += 1;
@@ -419,7 +449,11 @@ impl Replayer<'_> {
             let mut next = Vec::new();
             for key in pending {
                 let want = target[&key].expect("filtered");
-                match self.place(&key, want, &ends, &mut stash) {
+                let placed = self.place(&key, want, &ends, &mut stash);
+                if placed.is_ok() {
+                    self.ns_step();
+                }
+                match placed {
                     Ok(Some(true)) => self.sum.namespace_ops += 1,
                     Ok(Some(false)) => self.sum.namespace_skipped += 1,
                     Ok(None) => next.push(key), // parent not there yet
@@ -460,6 +494,7 @@ impl Replayer<'_> {
                     Ok(()) => {
                         self.sum.namespace_ops += 1;
                         self.touched_dirs.push(p);
+                        self.ns_step();
                     }
                     Err(e) => self
                         .sum
@@ -476,6 +511,7 @@ impl Replayer<'_> {
                     .errors
                     .push(format!("removing {}: {e}", String::from_utf8_lossy(&tmp)));
             }
+            self.ns_step();
         }
     }
 
@@ -587,8 +623,24 @@ impl Replayer<'_> {
             // One name per displaced entry: two links of one object moved aside under one
             // name would be a rename between links of one file, which does nothing.
             let n = stash.iter().filter(|(_, _, id)| *id == c).count();
-            let tmp = format!(".pmstack-recover-{}-{}-{n}", c.0, c.1).into_bytes();
-            l.rename(p, name, p, OsStr::from_bytes(&tmp), 0)?;
+            // A leftover of an interrupted recovery may hold the name already: never
+            // replace it, take the next free one.
+            let mut k = n;
+            let tmp = loop {
+                let mut tmp = STASH_PREFIX.to_vec();
+                tmp.extend_from_slice(format!("{}-{}-{k}", c.0, c.1).as_bytes());
+                match l.rename(p, name, p, OsStr::from_bytes(&tmp), libc::RENAME_NOREPLACE) {
+                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) && k < n + 1024 => k += 1,
+                    // Lowers without RENAME_NOREPLACE (some FUSE file systems).
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EINVAL) && self.at(p, &tmp).is_none() =>
+                    {
+                        l.rename(p, name, p, OsStr::from_bytes(&tmp), 0)?;
+                        break tmp;
+                    }
+                    r => break r.map(|_| tmp)?,
+                }
+            };
             stash.push((p, tmp, c));
         }
         self.touched_dirs.push(p);
@@ -730,6 +782,9 @@ struct Ends<'a> {
 }
 
 /// The name under which recovery makes an object again before it is bound and moved.
+/// Names under which recovery moves an object aside while it reorders names.
+const STASH_PREFIX: &[u8] = b".pmstack-recover-";
+
 fn new_name(fid: u64) -> Vec<u8> {
     format!(".pmstack-new-{fid}").into_bytes()
 }
@@ -855,6 +910,8 @@ pub fn replay_with(
         handles_persistent: lower.handles_persistent(),
         by_ino: None,
         sum: RecoverySummary::default(),
+        progress,
+        ns_steps: 0,
     };
     let total = (plan.namespace.len() + plan.files.len()) as u64;
     let mut done = 0;

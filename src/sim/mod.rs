@@ -816,7 +816,7 @@ fn recover_and_check(
         // Recovery killed at a random point (after some of its steps), then recovery again
         // from what PM kept: it must give the same answer.
         let (log1, s1) = Log::open(pm.clone()).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let stop_at = rng.gen_range(0..4u64);
+        let stop_at = rng.gen_range(0..12u64);
         let steps = std::sync::atomic::AtomicU64::new(0);
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             recover(&log1, &s1, &lower2, &|_, _| {

@@ -388,6 +388,14 @@ mod tests {
         expect_contract([780, 58907], |s| run_history_preload(s, 50, true));
     }
 
+    /// A recovery killed in its namespace pass, after it moved an object aside: the next
+    /// recovery left it under the aside name (`.pmstack-recover-*`), its real name missing.
+    /// Fails without the leftover scan at the start of `Replayer::namespace`.
+    #[test]
+    fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
+        expect_contract([6943], |s| run_history_preload(s, 50, false));
+    }
+
     /// Seeds of the long run that found violations (a new file made durable by a real sync,
     /// then an unlink in flight at the crash: recovery re-created it with only the log's later
     /// bytes). Each fails on the commit before `ReplayPlan::durable_creations`.

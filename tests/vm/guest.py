@@ -2,8 +2,10 @@
 """The guest side of the VM power-cut rig (tests/vm/rig); runs at every boot of the guest.
 
 It reads /payload/job.json, written by the host for this boot:
-  {"cycle": K, "first": bool, "write": bool, "seconds": S, "seeds": {cfg: seed},
-   "check": {"cycle": K-1, "seeds": {cfg: seed}, "acked": {cfg: n}} or null}
+  {"boot": B, "first": bool, "write": bool, "seconds": S, "seeds": {cfg: seed},
+   "check": {"boot": A, "seeds": {cfg: seed}, "acked": {cfg: n}} or null}
+Writers of boot B write directory cB of each lower; the check is of the directories of boot A
+(the last boot whose writers were cut), after recovery.
 
 Hardware (from the host): three virtual NVDIMMs and two virtio disks besides the root and the
 payload. NVDIMM regions 0 and 1 are devdax devices, region 2 is fsdax with ext4 -o dax on it;
@@ -32,7 +34,11 @@ CONSOLE = "/dev/ttyS0"
 LOWER, CONTROL, PMFS = "/tmp/lower", "/tmp/control", "/tmp/pmfs"
 CONFIGS = ["m-devdax", "r-devdax", "m-fsdax", "r-fsdax"]
 # Size of the region files on the fsdax mount (the devdax regions are their whole device).
-PM_FILE_SIZE = "128M"
+PM_FILE_SIZE = "64M"
+# Write-back period: the devdax configurations write back rarely, so that a cut leaves the
+# whole cycle in the log and recovery replays it; the fsdax ones use the default (5 s), so
+# that cuts also land between and inside write-backs.
+WRITEBACK_MS = {"m-devdax": "60000", "r-devdax": "60000", "m-fsdax": "5000", "r-fsdax": "5000"}
 
 
 def say(line):
@@ -43,7 +49,10 @@ def say(line):
 def sh(*cmd, check=True, timeout=600):
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if check and r.returncode != 0:
-        raise RuntimeError("%s: exit %d: %s" % (" ".join(cmd), r.returncode, r.stdout.strip()[-2000:]))
+        dmesg = subprocess.run(["dmesg"], stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-5:]
+        raise RuntimeError(
+            "%s: exit %d: %s (dmesg: %s)" % (" ".join(cmd), r.returncode, r.stdout.strip()[-2000:], " | ".join(dmesg))
+        )
     return r.stdout
 
 
@@ -70,13 +79,15 @@ def setup_pm(first):
     pmem = "/dev/" + by_region[2]["blockdev"]
     os.makedirs(PMFS, exist_ok=True)
     if first:
-        sh("mkfs.ext4", "-q", "-F", pmem)
+        # DAX needs blocks of the page size (mke2fs picks 1 KiB on a device this small).
+        sh("mkfs.ext4", "-q", "-F", "-b", "4096", pmem)
     sh("mount", "-o", "dax", pmem, PMFS)
-    domains = sorted(
-        open("/sys/bus/nd/devices/%s/persistence_domain" % d).read().strip()
-        for d in os.listdir("/sys/bus/nd/devices")
-        if d.startswith("region")
-    )
+    domains = []
+    for d in sorted(os.listdir("/sys/bus/nd/devices")):
+        if d.startswith("region"):
+            # Hidden when the platform declares no persistence domain.
+            p = "/sys/bus/nd/devices/%s/persistence_domain" % d
+            domains.append(open(p).read().strip() if os.path.exists(p) else "undeclared")
     say("PLATFORM persistence_domain=%s" % ",".join(domains))
     return {
         "m-devdax": dax[0],
@@ -118,14 +129,15 @@ def pm_info(c, pm):
     info = json.loads(sh(PMSTACK, "check", "--pm", pm, "--json"))
     say(
         "PMINFO %s kind=%s flush=%s clean=%s live=%s"
-        % (c, info.get("pm_kind"), info.get("flush"), info.get("clean"), info.get("live_entries"))
+        % (c, info.get("pm_kind"), info.get("flush"), json.dumps(info.get("clean")), info.get("live_entries"))
     )
 
 
 def check(job, pms):
     chk = job["check"]
-    k = chk["cycle"]
+    k = chk["boot"]
     for c in CONFIGS:
+        say("RECOVERING %s live=%s" % (c, json.loads(sh(PMSTACK, "check", "--pm", pms[c], "--json"))["live_entries"]))
         secs = recover(c, pms[c])
         pm_info(c, pms[c])
         d = os.path.join(LOWER, c, "c%d" % k)
@@ -133,27 +145,33 @@ def check(job, pms):
             ["python3", WORKLOAD, "check", d, str(chk["seeds"][c]), str(chk["acked"][c])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        say("CHECK %s cycle=%d recovery_s=%.1f %s" % (c, k, secs, r.stdout.strip().replace("@@", "")))
+        say("CHECK %s boot=%d recovery_s=%.1f %s" % (c, k, secs, r.stdout.strip().replace("@@", "")))
     d = os.path.join(CONTROL, "c%d" % k)
     if chk["acked"].get("control", 0) > 0 or os.path.exists(d):
         r = subprocess.run(
             ["python3", WORKLOAD, "check", d, str(chk["seeds"]["control"]), str(chk["acked"].get("control", 0))],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        say("CONTROL cycle=%d %s" % (k, r.stdout.strip().replace("@@", "")))
+        say("CONTROL boot=%d %s" % (k, r.stdout.strip().replace("@@", "")))
     os.sync()
 
 
-def wait_served(lower):
+def wait_served(lower, proc, log_path):
     for _ in range(600):
         if subprocess.run([PMSTACK, "stat", lower], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
             return
+        if proc.poll() is not None:
+            break
         time.sleep(0.5)
-    raise RuntimeError("pmstack serve %s did not come up" % lower)
+    raise RuntimeError("pmstack serve %s did not come up (exit %s): %s" % (lower, proc.poll(), open(log_path).read()[-1500:]))
 
 
 def write(job, pms):
-    k, secs = job["cycle"], str(job["seconds"])
+    k, secs = job["boot"], str(job["seconds"])
+    if job["first"]:
+        # A device is never taken over unasked: it is formatted once, bound to its lower.
+        for c in ("m-devdax", "r-devdax"):
+            sh(PMSTACK, "format", "--pm", pms[c], "--lower", os.path.join(LOWER, c))
     procs = []
     for c in CONFIGS:
         lower = os.path.join(LOWER, c)
@@ -161,13 +179,18 @@ def write(job, pms):
         seed = str(job["seeds"][c])
         if c.startswith("m-"):
             os.makedirs(mountpoint(c), exist_ok=True)
-            sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pms[c], "--pm-size", PM_FILE_SIZE)
+            sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pms[c], "--pm-size", PM_FILE_SIZE,
+               "--flush-interval-ms", WRITEBACK_MS[c])
             d = os.path.join(mountpoint(c), name)
             cmd = ["python3", WORKLOAD, "write", c, d, seed, "1", secs, CONSOLE]
         else:
-            log = open("/tmp/serve-%s.log" % c, "w")
-            subprocess.Popen([PMSTACK, "serve", lower, "--pm", pms[c], "--pm-size", PM_FILE_SIZE], stdout=log, stderr=log)
-            wait_served(lower)
+            log_path = "/tmp/serve-%s.log" % c
+            log = open(log_path, "w")
+            serve = subprocess.Popen(
+                [PMSTACK, "serve", lower, "--pm", pms[c], "--pm-size", PM_FILE_SIZE, "--flush-interval-ms", WRITEBACK_MS[c]],
+                stdout=log, stderr=log,
+            )
+            wait_served(lower, serve, log_path)
             d = os.path.join(lower, name)
             cmd = [PMSTACK, "run", "--require-daemon", "--root", lower, "--", "python3", WORKLOAD, "write", c, d, seed, "1", secs, CONSOLE]
         procs.append(subprocess.Popen(cmd))
@@ -180,7 +203,7 @@ def write(job, pms):
 
 def main():
     job = json.load(open(PAYLOAD + "/job.json"))
-    say("BOOT cycle=%d" % job["cycle"])
+    say("BOOT %d" % job["boot"])
     pms = setup_pm(job["first"])
     setup_lowers()
     if job["check"]:
