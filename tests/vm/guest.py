@@ -201,11 +201,69 @@ def write(job, pms):
     say("WRITERS-END")
 
 
+# Benchmark configurations (`tests/vm/rig bench`, `bench/run --vm`): the lower alone, the
+# mount and pmstack run on each kind of PM, and the mount on emulated PM in the guest's
+# /dev/shm for comparison.
+BENCH = {
+    "vm-ext4": ("plain", None),
+    "vm-ext4+pmstack-sync-devdax": ("mount", "m-devdax"),
+    "vm-ext4+pmstack-sync-fsdax": ("mount", "m-fsdax"),
+    "vm-ext4+pmstack-sync-emulated": ("mount", "emulated"),
+    "vm-ext4+pmstack-run-devdax": ("run", "r-devdax"),
+    "vm-ext4+pmstack-run-fsdax": ("run", "r-fsdax"),
+}
+
+
+def bench(spec, pms):
+    pms = dict(pms, emulated="/dev/shm/emulated.pm")
+    for c in ("m-devdax", "r-devdax"):
+        sh(PMSTACK, "format", "--pm", pms[c], "--lower", os.path.join(LOWER, c))
+    dirs, wrap, serves = {}, {}, []
+    for cfg in spec["configs"]:
+        how, c = BENCH[cfg]
+        lower = os.path.join(LOWER, c or "plain")
+        os.makedirs(lower, exist_ok=True)
+        if how == "plain":
+            dirs[cfg], wrap[cfg] = lower, []
+        elif how == "mount":
+            os.makedirs(mountpoint(c), exist_ok=True)
+            sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pms[c], "--pm-size", PM_FILE_SIZE)
+            dirs[cfg], wrap[cfg] = mountpoint(c), []
+        else:
+            log_path = "/tmp/serve-%s.log" % c
+            serve = subprocess.Popen([PMSTACK, "serve", lower, "--pm", pms[c], "--pm-size", PM_FILE_SIZE],
+                                     stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+            wait_served(lower, serve, log_path)
+            serves.append(serve)
+            dirs[cfg], wrap[cfg] = lower, [PMSTACK, "run", "--require-daemon", "--root", lower, "--"]
+    for w, args in spec["workloads"].items():
+        for cfg in spec["configs"]:
+            os.makedirs(os.path.join(dirs[cfg], w), exist_ok=True)
+        for rep in range(spec["reps"]):
+            for cfg in spec["configs"]:  # interleaved
+                cmd = wrap[cfg] + ["fio", "--name=job", "--directory=" + os.path.join(dirs[cfg], w),
+                                   "--runtime=%dms" % int(spec["runtime"] * 1000), "--time_based",
+                                   "--output-format=json", "--group_reporting"] + args
+                out = sh(*cmd)
+                j = json.loads(out[out.index("{"):])["jobs"][0]
+                say("BENCH %s %s %d %.1f" % (w, cfg, rep, j["read"]["iops"] + j["write"]["iops"]))
+        for cfg in spec["configs"]:
+            sh("rm", "-rf", os.path.join(dirs[cfg], w))
+    for cfg in spec["configs"]:
+        if BENCH[cfg][0] == "mount":
+            sh(PMSTACK, "umount", dirs[cfg])
+    for serve in serves:
+        serve.terminate()
+        serve.wait()
+
+
 def main():
     job = json.load(open(PAYLOAD + "/job.json"))
     say("BOOT %d" % job["boot"])
     pms = setup_pm(job["first"])
     setup_lowers()
+    if job.get("bench"):
+        bench(job["bench"], pms)
     if job["check"]:
         check(job, pms)
     if job["write"]:
