@@ -104,6 +104,29 @@ fn bad_input_is_one_clear_line_and_writes_nothing() {
     assert_eq!(fs::read(p("bad.pm")).unwrap(), bad);
     let (ok, _) = run(&["check", "--pm", &p("r.pm")]);
     assert!(ok);
+    // check says what the region is mapped from and the flush this CPU uses (the VM rig,
+    // tests/vm, checks devdax, fsdax and eADR's "none").
+    let out = Command::new(common::bin())
+        .args(["check", "--json", "--pm", &p("r.pm")])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pm_kind"], "emulated", "{v}");
+    assert!(
+        ["clwb", "clflushopt", "clflush", "none"].contains(&v["flush"].as_str().unwrap_or("")),
+        "{v}"
+    );
+    let text = Command::new(common::bin())
+        .args(["check", "--pm", &p("r.pm")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("PM: emulated") && text.contains("NOT a power loss"),
+        "{text}"
+    );
+    // A character device that is not device-DAX is named as such.
+    one_line_error(&["check", "--pm", "/dev/null"], "not a device-DAX device");
 }
 
 #[test]

@@ -194,6 +194,9 @@ def write(job, pms):
             d = os.path.join(lower, name)
             cmd = [PMSTACK, "run", "--require-daemon", "--root", lower, "--", "python3", WORKLOAD, "write", c, d, seed, "1", secs, CONSOLE]
         procs.append(subprocess.Popen(cmd))
+        # What a running front end says about its region (the mount's stats, serve's).
+        st = json.loads(sh(PMSTACK, "stat", mountpoint(c) if c.startswith("m-") else lower, "--json"))
+        say("STAT %s kind=%s flush=%s" % (c, st.get("pm_kind"), st.get("flush")))
     d = os.path.join(CONTROL, "c%d" % k)
     procs.append(subprocess.Popen(["python3", WORKLOAD, "write", "control", d, str(job["seeds"]["control"]), "0", secs, CONSOLE]))
     for p in procs:
