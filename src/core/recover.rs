@@ -10,6 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 
 use crate::engine::{AttrOp, FileOp, Log, NodeKind, NsOp, ReplayPlan, ROOT_FID};
 use crate::lower::real::{self, RealLower};
+use crate::pmem::Pmem;
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct RecoverySummary {
@@ -41,6 +42,8 @@ pub type Rebind<'a> = &'a dyn Fn(u64, &[u8]) -> Result<(), String>;
 struct Replayer<'a> {
     lower: &'a RealLower,
     plan: &'a ReplayPlan,
+    /// The region the plan was made from: out-of-place data is written from it.
+    pm: &'a dyn Pmem,
     rebind: Option<Rebind<'a>>,
     /// Directories whose entries recovery changed: fsynced before the log is emptied.
     touched_dirs: Vec<i32>,
@@ -728,11 +731,13 @@ impl Replayer<'_> {
         } else {
             None
         };
+        let mut buf = Vec::new();
         for (_, op) in ops {
             self.sum.file_ops += 1;
             match (op, &fd) {
-                (FileOp::Write { off, bytes }, Some(fd)) => {
-                    real::pwrite_all(fd.as_raw_fd(), bytes, *off)?;
+                (FileOp::Write { .. } | FileOp::Page { .. }, Some(fd)) => {
+                    let (off, bytes) = op.data(self.pm, &mut buf).expect("a data operation");
+                    real::pwrite_all(fd.as_raw_fd(), bytes, off)?;
                     self.sum.bytes_replayed += bytes.len() as u64;
                 }
                 (FileOp::Attr(AttrOp::Truncate(s)), Some(fd)) => {
@@ -880,15 +885,17 @@ pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), String
 pub fn replay(
     lower: &RealLower,
     plan: &ReplayPlan,
+    pm: &dyn Pmem,
     progress: &dyn Fn(u64, u64),
 ) -> RecoverySummary {
-    replay_with(lower, plan, progress, None)
+    replay_with(lower, plan, pm, progress, None)
 }
 
 /// `replay`, binding re-created objects in the log through `rebind`.
 pub fn replay_with(
     lower: &RealLower,
     plan: &ReplayPlan,
+    pm: &dyn Pmem,
     progress: &dyn Fn(u64, u64),
     rebind: Option<Rebind<'_>>,
 ) -> RecoverySummary {
@@ -902,6 +909,7 @@ pub fn replay_with(
     let mut r = Replayer {
         lower,
         plan,
+        pm,
         rebind,
         touched_dirs: Vec::new(),
         nodes: HashMap::new(),
@@ -945,15 +953,19 @@ pub fn replay_with(
             .push(format!("syncfs of the lower directory: {e}"));
     }
     r.sum.unbound_fids = plan.unbound.clone();
+    let mut buf = Vec::new();
     for fid in &plan.unbound {
         for (lsn, op) in plan.files.get(fid).into_iter().flatten() {
-            r.sum.unplaced.push(match op {
-                FileOp::Write { off, bytes } => serde_json::json!({
+            r.sum.unplaced.push(match op.data(pm, &mut buf) {
+                Some((off, bytes)) => serde_json::json!({
                     "fid": fid, "lsn": lsn, "write": {"offset": off, "len": bytes.len(),
                     "hex": bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()}}),
-                FileOp::Attr(a) => {
-                    serde_json::json!({"fid": fid, "lsn": lsn, "attr": format!("{a:?}")})
-                }
+                None => match op {
+                    FileOp::Attr(a) => {
+                        serde_json::json!({"fid": fid, "lsn": lsn, "attr": format!("{a:?}")})
+                    }
+                    _ => serde_json::json!({"fid": fid, "lsn": lsn, "attr": format!("{op:?}")}),
+                },
             });
         }
         for (lsn, op) in plan
@@ -988,7 +1000,7 @@ pub fn recover(
     let sum = if plan.is_empty() {
         RecoverySummary::default()
     } else {
-        replay_with(lower, &plan, progress, Some(&rebind))
+        replay_with(lower, &plan, &**log.pm(), progress, Some(&rebind))
     };
     if !sum.errors.is_empty() {
         return Err(format!(

@@ -58,16 +58,22 @@ fn recovered_live(img: Vec<u8>) -> Result<Vec<(u64, Item)>, String> {
     for (l, op) in plan.namespace {
         out.push((l, Item::Ns(format!("{op:?}"))));
     }
+    let mut buf = Vec::new();
     for (fid, ops) in plan.files {
         for (l, op) in ops {
             out.push((
                 l,
-                match op {
-                    FileOp::Write { off, bytes } => Item::Write { fid, off, bytes },
-                    FileOp::Attr(a) => Item::Attr {
+                match (op.data(&pm, &mut buf), &op) {
+                    (Some((off, bytes)), _) => Item::Write {
+                        fid,
+                        off,
+                        bytes: bytes.to_vec(),
+                    },
+                    (None, FileOp::Attr(a)) => Item::Attr {
                         fid,
                         op: format!("{a:?}"),
                     },
+                    (None, other) => unreachable!("{other:?} carries data"),
                 },
             ));
         }

@@ -279,6 +279,12 @@ impl Pmem for MappedRegion {
         // SAFETY: in range (checked).
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), buf.as_mut_ptr(), buf.len()) }
     }
+    unsafe fn mapped(&self, off: usize, len: usize) -> Option<&[u8]> {
+        self.check(off, len);
+        // SAFETY: in range (checked) and mapped for our lifetime; the caller promises no
+        // store to the range while the slice lives.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
+    }
     fn load_u64(&self, off: usize) -> u64 {
         self.check(off, 8);
         assert!(off % 8 == 0);

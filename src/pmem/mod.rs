@@ -78,6 +78,14 @@ pub trait Pmem: Send + Sync {
     /// Atomic compare-and-swap on an 8-byte word; Ok(old) if it held `current`.
     fn compare_exchange_u64(&self, off: usize, current: u64, new: u64) -> Result<u64, u64>;
     fn read(&self, off: usize, buf: &mut [u8]);
+    /// The region's own memory at `off..off+len`, where the backend can lend it (a mapped
+    /// region); None otherwise (then `read` a copy).
+    ///
+    /// # Safety
+    /// Nothing may store to the range while the slice lives.
+    unsafe fn mapped(&self, _off: usize, _len: usize) -> Option<&[u8]> {
+        None
+    }
     fn load_u64(&self, off: usize) -> u64;
     /// Write back the cache lines covering `off..off+len` (ordering needs `fence`).
     fn flush(&self, off: usize, len: usize);

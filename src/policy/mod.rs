@@ -90,7 +90,7 @@ pub fn append_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{scan, FileOp, Log};
+    use crate::engine::{scan, Log};
     use crate::pmem::sim::SimPmem;
     use std::sync::Arc;
 
@@ -124,8 +124,9 @@ mod tests {
             let s = scan(&*sim).unwrap();
             let plan = s.plan(&*sim).unwrap();
             let mut got = vec![0u8; len];
+            let mut buf = Vec::new();
             for (_, op) in &plan.files[&77] {
-                if let FileOp::Write { off: o, bytes } = op {
+                if let Some((o, bytes)) = op.data(&*sim, &mut buf) {
                     let s = (o - off) as usize;
                     got[s..s + bytes.len()].copy_from_slice(bytes);
                 }

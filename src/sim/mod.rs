@@ -838,7 +838,7 @@ fn recover_and_check(
     // not emptied. Recovery then runs again from the same log and must give the same answer.
     if seed % 3 == 0 {
         cov.double_replays += 1;
-        let _ = crate::core::recover::replay(&lower2, &plan, &|_, _| {});
+        let _ = crate::core::recover::replay(&lower2, &plan, &**log2.pm(), &|_, _| {});
     }
     let sum =
         recover(&log2, &s2, &lower2, &|_, _| {}).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
