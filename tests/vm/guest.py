@@ -33,6 +33,13 @@ WORKLOAD = PAYLOAD + "/workload.py"
 CONSOLE = "/dev/ttyS0"
 LOWER, CONTROL, PMFS = "/tmp/lower", "/tmp/control", "/tmp/pmfs"
 CONFIGS = ["m-devdax", "r-devdax", "m-fsdax", "r-fsdax"]
+# Writers per configuration, each in its own directory ("m-devdax.0" writes c<boot>w0): their
+# operations interleave in one log.
+WRITERS_PER_CONFIG = 2
+
+
+def writers(c):
+    return [("%s.%d" % (c, i), "c%%dw%d" % i) for i in range(WRITERS_PER_CONFIG)]
 # Size of the region files on the fsdax mount (the devdax regions are their whole device).
 PM_FILE_SIZE = "64M"
 # Write-back period: the devdax configurations write back rarely, so that a cut leaves the
@@ -140,12 +147,13 @@ def check(job, pms):
         say("RECOVERING %s live=%s" % (c, json.loads(sh(PMSTACK, "check", "--pm", pms[c], "--json"))["live_entries"]))
         secs = recover(c, pms[c])
         pm_info(c, pms[c])
-        d = os.path.join(LOWER, c, "c%d" % k)
-        r = subprocess.run(
-            ["python3", WORKLOAD, "check", d, str(chk["seeds"][c]), str(chk["acked"][c])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        say("CHECK %s boot=%d recovery_s=%.1f %s" % (c, k, secs, r.stdout.strip().replace("@@", "")))
+        for w, dname in writers(c):
+            d = os.path.join(LOWER, c, dname % k)
+            r = subprocess.run(
+                ["python3", WORKLOAD, "check", d, str(chk["seeds"][w]), str(chk["acked"][w])],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            say("CHECK %s boot=%d recovery_s=%.1f %s" % (w, k, secs, r.stdout.strip().replace("@@", "")))
     d = os.path.join(CONTROL, "c%d" % k)
     if chk["acked"].get("control", 0) > 0 or os.path.exists(d):
         r = subprocess.run(
@@ -175,14 +183,11 @@ def write(job, pms):
     procs = []
     for c in CONFIGS:
         lower = os.path.join(LOWER, c)
-        name = "c%d" % k
-        seed = str(job["seeds"][c])
         if c.startswith("m-"):
             os.makedirs(mountpoint(c), exist_ok=True)
             sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pms[c], "--pm-size", PM_FILE_SIZE,
                "--flush-interval-ms", WRITEBACK_MS[c])
-            d = os.path.join(mountpoint(c), name)
-            cmd = ["python3", WORKLOAD, "write", c, d, seed, "1", secs, CONSOLE]
+            top, prefix = mountpoint(c), []
         else:
             log_path = "/tmp/serve-%s.log" % c
             log = open(log_path, "w")
@@ -191,9 +196,11 @@ def write(job, pms):
                 stdout=log, stderr=log,
             )
             wait_served(lower, serve, log_path)
-            d = os.path.join(lower, name)
-            cmd = [PMSTACK, "run", "--require-daemon", "--root", lower, "--", "python3", WORKLOAD, "write", c, d, seed, "1", secs, CONSOLE]
-        procs.append(subprocess.Popen(cmd))
+            top, prefix = lower, [PMSTACK, "run", "--require-daemon", "--root", lower, "--"]
+        for w, dname in writers(c):
+            d = os.path.join(top, dname % k)
+            cmd = prefix + ["python3", WORKLOAD, "write", w, d, str(job["seeds"][w]), "1", secs, CONSOLE]
+            procs.append(subprocess.Popen(cmd))
         # What a running front end says about its region (the mount's stats, serve's).
         st = json.loads(sh(PMSTACK, "stat", mountpoint(c) if c.startswith("m-") else lower, "--json"))
         say("STAT %s kind=%s flush=%s" % (c, st.get("pm_kind"), st.get("flush")))

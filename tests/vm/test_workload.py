@@ -22,11 +22,17 @@ def state_after(seed, n):
 
 
 def materialize(d, state):
-    for n in os.listdir(d):
-        os.unlink(os.path.join(d, n))
-    for n, b in state.items():
-        with open(os.path.join(d, n), "wb") as f:
-            f.write(b)
+    shutil.rmtree(d)
+    os.mkdir(d)
+    for n, v in sorted(state.items(), key=lambda kv: kv[1] != w.DIR):  # directories first
+        p = os.path.join(d, n)
+        if v == w.DIR:
+            os.mkdir(p)
+        elif isinstance(v, tuple):
+            os.symlink(v[1], p)
+        else:
+            with open(p, "wb") as f:
+                f.write(v)
 
 
 class Checker(unittest.TestCase):
@@ -91,6 +97,11 @@ class Checker(unittest.TestCase):
                 self.assertFalse(w.check(self.d, 5, n)[0])
                 seen.add("bad")
         self.assertEqual(seen, {"mix", "bad"})
+
+    def test_histories_reach_every_kind_of_operation(self):
+        kinds = {op["kind"] for _, (_, op) in zip(range(3000), w.operations(9))}
+        self.assertEqual(kinds, {"create", "symlink", "write", "dsync", "truncate", "fallocate", "rename",
+                                 "unlink", "mkdir", "rmdir"})
 
     def test_a_name_the_log_removed_coming_back_fails(self):
         for n in range(1, 300):

@@ -49,29 +49,48 @@ def data(seed, op, off, length):
     return bytes(out)
 
 
+DIR = ("dir",)  # a directory in the model (files are bytes, symlinks ("symlink", target))
+SUBDIRS = ["d0", "d1", "d2"]
+
+
+def is_file(v):
+    return isinstance(v, bytes)
+
+
 def operations(seed):
-    """Yields (i, op) forever; op is a dict. The model it keeps is the directory after ops
-    0..i-1, so every op is valid when performed in order."""
+    """Yields (i, op) forever; op is a dict. The model it keeps is the tree after ops 0..i-1
+    (relative paths: "f03", "d1/f00"), so every op is valid when performed in order."""
     rnd = random.Random(seed)
     model = {}
     i = 0
     while True:
-        free = [n for n in NAMES if n not in model]
-        have = sorted(model)
+        dirs = [""] + [d for d in SUBDIRS if model.get(d) == DIR]
+        slots = [os.path.join(d, n) for d in dirs for n in NAMES]
+        free = [n for n in slots if n not in model]
+        files = sorted(n for n, v in model.items() if is_file(v))
+        entries = sorted(n for n, v in model.items() if v != DIR)
         choices = []
         if free:
-            choices += ["create"] * (6 if len(have) < 3 else 2)
-        if have:
-            choices += ["write"] * 4 + ["dsync"] * 2 + ["truncate"] + ["rename"] * 2
-            choices += ["unlink"] if len(have) > 2 else []
+            choices += ["create"] * (6 if len(files) < 3 else 2) + ["symlink"]
+        if files:
+            choices += ["write"] * 4 + ["dsync"] * 2 + ["truncate", "fallocate"]
+        if entries:
+            choices += ["rename"] * 2 + (["unlink"] if len(entries) > 2 else [])
+        if len(dirs) <= len(SUBDIRS):
+            choices += ["mkdir"]
+        empty = [d for d in dirs[1:] if not any(n.startswith(d + "/") for n in model)]
+        if empty:
+            choices += ["rmdir"] * 2
         kind = rnd.choice(choices)
         dir_sync = rnd.random() < 0.5
         if kind == "create":
             name = rnd.choice(free)
             length = rnd.randint(1, 3 * PAGE + 100)
             op = {"kind": kind, "name": name, "data": data(seed, i, 0, length)}
+        elif kind == "symlink":
+            op = {"kind": kind, "name": rnd.choice(free), "target": "target-%d-%d" % (seed, i)}
         elif kind in ("write", "dsync"):
-            name = rnd.choice(have)
+            name = rnd.choice(files)
             size = len(model[name])
             off = rnd.randrange(0, size // PAGE + 1) * PAGE
             length = rnd.choice([PAGE, 2 * PAGE, rnd.randint(1, 3 * PAGE)])
@@ -83,14 +102,22 @@ def operations(seed):
             else:
                 op["flag"] = rnd.choice(["O_DSYNC", "O_SYNC"])
         elif kind == "truncate":
-            name = rnd.choice(have)
+            name = rnd.choice(files)
             op = {"kind": kind, "name": name, "size": rnd.randint(0, len(model[name]) + PAGE)}
+        elif kind == "fallocate":
+            name = rnd.choice(files)
+            off = rnd.randint(0, min(len(model[name]) + PAGE, (MAX_PAGES - 2) * PAGE))
+            op = {"kind": kind, "name": name, "off": off, "len": rnd.randint(1, 2 * PAGE)}
         elif kind == "rename":
-            src = rnd.choice(have)
-            dst = rnd.choice([n for n in NAMES if n != src])
+            src = rnd.choice(entries)
+            dst = rnd.choice([n for n in slots if n != src])
             op = {"kind": kind, "name": src, "to": dst}
+        elif kind == "unlink":
+            op = {"kind": kind, "name": rnd.choice(entries)}
+        elif kind == "mkdir":
+            op = {"kind": kind, "name": rnd.choice([d for d in SUBDIRS if d not in dirs])}
         else:
-            op = {"kind": kind, "name": rnd.choice(have)}
+            op = {"kind": kind, "name": rnd.choice(empty)}
         op["dir_sync"] = dir_sync
         yield i, op
         apply(model, op)
@@ -101,6 +128,12 @@ def apply(model, op):
     k, n = op["kind"], op["name"]
     if k == "create":
         model[n] = op["data"]
+    elif k == "symlink":
+        model[n] = ("symlink", op["target"])
+    elif k == "mkdir":
+        model[n] = DIR
+    elif k in ("rmdir", "unlink"):
+        del model[n]
     elif k in ("write", "dsync"):
         b = bytearray(model[n])
         off, d = op["off"], op["data"]
@@ -111,10 +144,11 @@ def apply(model, op):
     elif k == "truncate":
         b = model[n][: op["size"]]
         model[n] = b + bytes(op["size"] - len(b))
+    elif k == "fallocate":
+        end = op["off"] + op["len"]
+        model[n] = model[n] + bytes(max(0, end - len(model[n])))
     elif k == "rename":
         model[op["to"]] = model.pop(n)
-    elif k == "unlink":
-        del model[n]
 
 
 def touched(op):
@@ -134,7 +168,15 @@ def write_all(fd, buf, off=None):
         done += n
 
 
-def perform(dirpath, dirfd, op, sync):
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def perform(dirpath, op, sync):
     k, path = op["kind"], os.path.join(dirpath, op["name"])
     if k == "create":
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -142,6 +184,12 @@ def perform(dirpath, dirfd, op, sync):
         if sync:
             os.fsync(fd)
         os.close(fd)
+    elif k == "symlink":
+        os.symlink(op["target"], path)
+    elif k == "mkdir":
+        os.mkdir(path)
+    elif k == "rmdir":
+        os.rmdir(path)
     elif k == "write":
         fd = os.open(path, os.O_WRONLY)
         write_all(fd, op["data"], op["off"])
@@ -153,9 +201,12 @@ def perform(dirpath, dirfd, op, sync):
         fd = os.open(path, os.O_WRONLY | flag)
         write_all(fd, op["data"], op["off"])
         os.close(fd)
-    elif k == "truncate":
+    elif k in ("truncate", "fallocate"):
         fd = os.open(path, os.O_WRONLY)
-        os.ftruncate(fd, op["size"])
+        if k == "truncate":
+            os.ftruncate(fd, op["size"])
+        else:
+            os.posix_fallocate(fd, op["off"], op["len"])
         if sync:
             os.fsync(fd)
         os.close(fd)
@@ -165,8 +216,9 @@ def perform(dirpath, dirfd, op, sync):
         os.unlink(path)
     # Namespace operations are durable when they return (docs/contract.md); half of them
     # are followed by a directory fsync anyway, as portable programs do.
-    if sync and op["dir_sync"] and k in ("create", "rename", "unlink"):
-        os.fsync(dirfd)
+    if sync and op["dir_sync"] and k in ("create", "symlink", "mkdir", "rmdir", "rename", "unlink"):
+        for n in touched(op):
+            fsync_dir(os.path.dirname(os.path.join(dirpath, n)))
 
 
 def say(console, line):
@@ -183,13 +235,12 @@ def writer(name, dirpath, seed, sync, seconds, console_path):
     parent = os.open(os.path.dirname(dirpath), os.O_RDONLY | os.O_DIRECTORY)
     if sync:
         os.fsync(parent)
-    dirfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
     say(console, "READY %s" % name)
     deadline = time.monotonic() + seconds
     for i, op in operations(seed):
         if time.monotonic() > deadline:
             break
-        perform(dirpath, dirfd, op, sync)
+        perform(dirpath, op, sync)
         say(console, "ACK %s %d" % (name, i))
     say(console, "WRITER-END %s" % name)
 
@@ -198,14 +249,22 @@ def writer(name, dirpath, seed, sync, seconds, console_path):
 
 
 def read_dir(dirpath):
+    """The tree under dirpath as the model has it, and entries the model cannot hold."""
     state, odd = {}, []
-    for n in sorted(os.listdir(dirpath)):
-        p = os.path.join(dirpath, n)
-        if os.path.islink(p) or not os.path.isfile(p):
-            odd.append(n)
-            continue
-        with open(p, "rb") as f:
-            state[n] = f.read()
+    for top, dirs, files in os.walk(dirpath):
+        rel = os.path.relpath(top, dirpath)
+        for n in sorted(dirs + files):
+            r = n if rel == "." else os.path.join(rel, n)
+            p = os.path.join(top, n)
+            if os.path.islink(p):
+                state[r] = ("symlink", os.readlink(p))
+            elif os.path.isdir(p):
+                state[r] = DIR
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    state[r] = f.read()
+            else:
+                odd.append(r)
     return state, odd
 
 
@@ -229,10 +288,12 @@ def in_flight_ok(op, before, after, actual):
         return a is None or page_mix(a, b"", after[n])
     if k in ("write", "dsync"):
         return page_mix(a, before[n], after[n])
-    if k == "truncate":
+    if k in ("truncate", "fallocate"):
         return a in (before[n], after[n])
-    if k == "unlink":
+    if k in ("unlink", "rmdir"):
         return a in (None, before[n])
+    if k in ("mkdir", "symlink"):
+        return a in (None, after[n])
     if k == "rename":
         d = actual.get(op["to"])
         return (a == before[n] and d == before.get(op["to"])) or (a is None and d == before[n])
@@ -252,6 +313,10 @@ def matches(prefix_state, op, actual):
 
 def whose(b):
     """The header of the first page of b, or a description of what it holds."""
+    if b == DIR:
+        return "a directory"
+    if isinstance(b, tuple):
+        return "a symlink to %s" % b[1]
     if not b:
         return "empty"
     s = b[:80]
@@ -268,7 +333,7 @@ def check(dirpath, seed, acked):
         return False, "%s is missing (it was made durable before the first operation)" % dirpath
     actual, odd = read_dir(dirpath)
     if odd:
-        return False, "entries that are not regular files: %s" % odd
+        return False, "entries that are neither files, directories nor symlinks: %s" % odd
     model = {}
     gen = operations(seed)
     states = []
@@ -280,8 +345,8 @@ def check(dirpath, seed, acked):
         apply(model, op)
     for j, state, op in states:
         if matches(state, op, actual):
-            nbytes = sum(len(v) for v in actual.values())
-            return True, "prefix %d (acked %d), %d files, %d bytes" % (j, acked, len(actual), nbytes)
+            nbytes = sum(len(v) for v in actual.values() if is_file(v))
+            return True, "prefix %d (acked %d), %d entries, %d bytes" % (j, acked, len(actual), nbytes)
     # Explain against the acknowledged state.
     _, state, _ = states[0]
     diffs = []
@@ -290,9 +355,11 @@ def check(dirpath, seed, acked):
         if want == got:
             continue
         if got is None:
-            diffs.append("%s missing (want %d bytes, %s)" % (n, len(want), whose(want)))
+            diffs.append("%s missing (want %s)" % (n, whose(want)))
         elif want is None:
-            diffs.append("%s present (%d bytes, %s) but the log of acknowledged ops removed or never made it" % (n, len(got), whose(got)))
+            diffs.append("%s present (%s) but the acknowledged operations removed it or never made it" % (n, whose(got)))
+        elif not (is_file(want) and is_file(got)):
+            diffs.append("%s is %s, want %s" % (n, whose(got), whose(want)))
         else:
             first = next((p for p in range(0, max(len(want), len(got)), PAGE) if want[p : p + PAGE] != got[p : p + PAGE]), 0)
             diffs.append(
