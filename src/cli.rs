@@ -897,11 +897,14 @@ fn open_region_inner(
             "pmstack: previous shutdown was not clean; recovering {n} log entries onto {}",
             lower.display()
         );
-        let show = n > 1000;
-        let progress = |d, t| {
-            if show && (d % 256 == 0 || d == t) {
-                eprint!("\rpmstack: recovery {d}/{t}");
-            }
+        let shown = Progress::new("recovery");
+        let progress = |d: u64, t: u64| {
+            shown.tick(|| {
+                format!(
+                    "{d}/{t} operations ({}%)",
+                    (d * 100).checked_div(t).unwrap_or(100)
+                )
+            })
         };
         let sum = match &replay_as {
             None => recover(&log, &s, real, &progress),
@@ -915,9 +918,7 @@ fn open_region_inner(
             }
         }
         .map_err(|e| anyhow!("recovery of {} failed: {e}", pm.display()))?;
-        if show {
-            eprintln!();
-        }
+        shown.done();
         if !sum.unbound_fids.is_empty() {
             let dir = Path::new("/var/lib/pmstack");
             let file = dir.join(format!(
@@ -1400,6 +1401,12 @@ fn umount(mp: &Path) -> Result<()> {
         ),
         None => bail!("{} is not a mount point; nothing was unmounted", mp.display()),
     }
+    // What the drain has to write, from the daemon's last stats (shown if it takes a while).
+    let live_mib = fs::read_to_string(state.with_extension("stats"))
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|v| v["pm_bytes_used"].as_u64())
+        .map(|b| b >> 20);
     let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
     // SAFETY: valid C string.
     if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
@@ -1417,13 +1424,22 @@ fn umount(mp: &Path) -> Result<()> {
     }
     if let Some(pid) = pid {
         let t0 = Instant::now();
+        let shown = Progress::new("unmount");
+        let live = live_mib.map_or(String::new(), |m| format!("{m} MiB of live log, "));
         // Until it exits (a zombie has: its parent may be slow to reap it).
         while pmstack::front::table::alive(pid) {
             if t0.elapsed() > Duration::from_secs(600) {
                 bail!("pmstack daemon {pid} is still draining the log after 10 minutes");
             }
+            shown.tick(|| {
+                format!(
+                    "writing the log back into the lower directory ({live}{} s)",
+                    t0.elapsed().as_secs()
+                )
+            });
             std::thread::sleep(Duration::from_millis(20));
         }
+        shown.done();
         let stats = fs::read_to_string(state.with_extension("stats")).unwrap_or_default();
         let _ = fs::remove_file(state.with_extension("stats"));
         // The daemon's log file, unless it has something to say.
@@ -1705,6 +1721,58 @@ fn human_stats(v: &serde_json::Value, indent: usize) -> String {
         }
     }
     out
+}
+
+/// Progress of a long step (recovery, the unmount's drain), shown once it has taken more than
+/// a second: a line rewritten in place on a terminal, a line every few seconds otherwise (a
+/// log file or the journal).
+struct Progress {
+    what: &'static str,
+    start: Instant,
+    last: std::sync::Mutex<Option<Instant>>,
+    terminal: bool,
+}
+
+impl Progress {
+    fn new(what: &'static str) -> Self {
+        use std::io::IsTerminal;
+        Progress {
+            what,
+            start: Instant::now(),
+            last: std::sync::Mutex::new(None),
+            terminal: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn tick(&self, text: impl FnOnce() -> String) {
+        if self.start.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        let every = if self.terminal {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(5)
+        };
+        let Ok(mut last) = self.last.lock() else {
+            return;
+        };
+        if last.is_some_and(|l| l.elapsed() < every) {
+            return;
+        }
+        *last = Some(Instant::now());
+        if self.terminal {
+            eprint!("\rpmstack: {}: {}\x1b[K", self.what, text());
+        } else {
+            eprintln!("pmstack: {}: {}", self.what, text());
+        }
+    }
+
+    /// Ends the line rewritten in place, if one was shown.
+    fn done(&self) {
+        if self.terminal && self.last.lock().is_ok_and(|l| l.is_some()) {
+            eprintln!();
+        }
+    }
 }
 
 fn human_bytes(n: u64) -> String {

@@ -63,6 +63,10 @@ struct Replayer<'a> {
     progress: &'a dyn Fn(u64, u64),
     /// Namespace steps taken, of `plan.namespace.len()` (shown as at most that many).
     ns_steps: u64,
+    /// Operations replayed into files, of all the plan's file operations.
+    file_ops_done: u64,
+    /// Every step of the plan: its namespace operations and its file operations.
+    total: u64,
 }
 
 impl Replayer<'_> {
@@ -206,8 +210,17 @@ impl Replayer<'_> {
     /// One namespace step done (a name placed, moved aside or removed).
     fn ns_step(&mut self) {
         self.ns_steps += 1;
-        let total = (self.plan.namespace.len() + self.plan.files.len()) as u64;
-        (self.progress)(self.ns_steps.min(self.plan.namespace.len() as u64), total);
+        (self.progress)(
+            self.ns_steps.min(self.plan.namespace.len() as u64),
+            self.total,
+        );
+    }
+
+    /// One operation replayed into a file.
+    fn file_step(&mut self) {
+        self.file_ops_done += 1;
+        let done = self.plan.namespace.len() as u64 + self.file_ops_done;
+        (self.progress)(done, self.total);
     }
 
     fn namespace(&mut self) {
@@ -736,9 +749,10 @@ impl Replayer<'_> {
             self.sum.file_ops += 1;
             match (op, &fd) {
                 (FileOp::Write { .. } | FileOp::Page { .. }, Some(fd)) => {
-                    let (off, bytes) = op.data(self.pm, &mut buf).expect("a data operation");
-                    real::pwrite_all(fd.as_raw_fd(), bytes, off)?;
-                    self.sum.bytes_replayed += bytes.len() as u64;
+                    if let Some((off, bytes)) = op.data(self.pm, &mut buf) {
+                        real::pwrite_all(fd.as_raw_fd(), bytes, off)?;
+                        self.sum.bytes_replayed += bytes.len() as u64;
+                    }
                 }
                 (FileOp::Attr(AttrOp::Truncate(s)), Some(fd)) => {
                     real::ftruncate(fd.as_raw_fd(), *s)?
@@ -763,6 +777,7 @@ impl Replayer<'_> {
                 }
                 _ => {}
             }
+            self.file_step();
         }
         if let Some(fd) = fd {
             real::fsync(fd.as_raw_fd(), false)?;
@@ -920,9 +935,9 @@ pub fn replay_with(
         sum: RecoverySummary::default(),
         progress,
         ns_steps: 0,
+        file_ops_done: 0,
+        total: (plan.namespace.len() + plan.files.values().map(Vec::len).sum::<usize>()) as u64,
     };
-    let total = (plan.namespace.len() + plan.files.len()) as u64;
-    let mut done = 0;
     r.namespace();
     // Directory changes durable by each directory's own fsync: syncfs alone is not enough
     // on lowers that ignore it (FUSE clients of network file systems).
@@ -937,15 +952,12 @@ pub fn replay_with(
             r.sum.errors.push(format!("fsync of a directory: {e}"));
         }
     }
-    done += plan.namespace.len() as u64;
-    progress(done, total);
+    progress(plan.namespace.len() as u64, r.total);
     for (fid, ops) in &plan.files {
         r.sum.files += 1;
         if let Err(e) = r.file(*fid, ops) {
             r.sum.errors.push(format!("file id {fid}: {e}"));
         }
-        done += 1;
-        progress(done, total);
     }
     if let Err(e) = lower.syncfs() {
         r.sum
