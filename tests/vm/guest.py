@@ -15,6 +15,8 @@ Configurations, all running at once, so that one power cut hits all of them:
   m-devdax   pmstack mount (sync mode), region on devdax
   r-devdax   pmstack serve + pmstack run, region on devdax
   m-fsdax    pmstack mount (sync mode), region in a file on the fsdax mount (MAP_SYNC)
+  s-fsdax    pmstack mount --mode strict, region in a file on the fsdax mount: its writers
+             never sync (a write is durable when it returns; so is every namespace operation)
   r-fsdax    pmstack serve + pmstack run, region in a file on the fsdax mount
   control    the plain lower, no syncs at all (shows the cut loses what was not synced)
 
@@ -32,7 +34,7 @@ PMSTACK = PAYLOAD + "/bin/pmstack"
 WORKLOAD = PAYLOAD + "/workload.py"
 CONSOLE = "/dev/ttyS0"
 LOWER, CONTROL, PMFS = "/tmp/lower", "/tmp/control", "/tmp/pmfs"
-CONFIGS = ["m-devdax", "r-devdax", "m-fsdax", "r-fsdax"]
+CONFIGS = ["m-devdax", "r-devdax", "m-fsdax", "r-fsdax", "s-fsdax"]
 # Writers per configuration, each in its own directory ("m-devdax.0" writes c<boot>w0): their
 # operations interleave in one log.
 WRITERS_PER_CONFIG = 2
@@ -45,7 +47,15 @@ PM_FILE_SIZE = "64M"
 # Write-back period: the devdax configurations write back rarely, so that a cut leaves the
 # whole cycle in the log and recovery replays it; the fsdax ones use the default (5 s), so
 # that cuts also land between and inside write-backs.
-WRITEBACK_MS = {"m-devdax": "60000", "r-devdax": "60000", "m-fsdax": "5000", "r-fsdax": "5000"}
+WRITEBACK_MS = {"m-devdax": "60000", "r-devdax": "60000", "m-fsdax": "5000", "r-fsdax": "5000", "s-fsdax": "5000"}
+
+
+def is_mount(c):
+    return c.startswith(("m-", "s-"))
+
+
+def mount_mode(c):
+    return "strict" if c.startswith("s-") else "sync"
 
 
 def say(line):
@@ -101,6 +111,7 @@ def setup_pm(first):
         "r-devdax": dax[1],
         "m-fsdax": PMFS + "/m.pm",
         "r-fsdax": PMFS + "/r.pm",
+        "s-fsdax": PMFS + "/s.pm",
     }
 
 
@@ -123,9 +134,9 @@ def recover(c, pm):
     `pmstack recover` or the next serve."""
     lower = os.path.join(LOWER, c)
     t0 = time.monotonic()
-    if c.startswith("m-"):
+    if is_mount(c):
         os.makedirs(mountpoint(c), exist_ok=True)
-        sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pm)
+        sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pm, "--mode", mount_mode(c))
         sh(PMSTACK, "umount", mountpoint(c))
     else:
         sh(PMSTACK, "recover", "--pm", pm, lower)
@@ -183,10 +194,10 @@ def write(job, pms):
     procs = []
     for c in CONFIGS:
         lower = os.path.join(LOWER, c)
-        if c.startswith("m-"):
+        if is_mount(c):
             os.makedirs(mountpoint(c), exist_ok=True)
             sh(PMSTACK, "mount", lower, mountpoint(c), "--pm", pms[c], "--pm-size", PM_FILE_SIZE,
-               "--flush-interval-ms", WRITEBACK_MS[c])
+               "--flush-interval-ms", WRITEBACK_MS[c], "--mode", mount_mode(c))
             top, prefix = mountpoint(c), []
         else:
             log_path = "/tmp/serve-%s.log" % c
@@ -199,10 +210,11 @@ def write(job, pms):
             top, prefix = lower, [PMSTACK, "run", "--require-daemon", "--root", lower, "--"]
         for w, dname in writers(c):
             d = os.path.join(top, dname % k)
-            cmd = prefix + ["python3", WORKLOAD, "write", w, d, str(job["seeds"][w]), "1", secs, CONSOLE]
+            sync = "0" if mount_mode(c) == "strict" and is_mount(c) else "1"
+            cmd = prefix + ["python3", WORKLOAD, "write", w, d, str(job["seeds"][w]), sync, secs, CONSOLE]
             procs.append(subprocess.Popen(cmd))
         # What a running front end says about its region (the mount's stats, serve's).
-        st = json.loads(sh(PMSTACK, "stat", mountpoint(c) if c.startswith("m-") else lower, "--json"))
+        st = json.loads(sh(PMSTACK, "stat", mountpoint(c) if is_mount(c) else lower, "--json"))
         say("STAT %s kind=%s flush=%s" % (c, st.get("pm_kind"), st.get("flush")))
     d = os.path.join(CONTROL, "c%d" % k)
     procs.append(subprocess.Popen(["python3", WORKLOAD, "write", "control", d, str(job["seeds"]["control"]), "0", secs, CONSOLE]))
