@@ -12,14 +12,15 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 use pmstack::config::{CacheMode, LogTarget, Settings};
-use pmstack::core::recover::{recover, RecoverySummary};
+use pmstack::core::recover::RecoverySummary;
 use pmstack::core::{Core, Mode, Options};
 use pmstack::engine::format::PAGE;
 use pmstack::engine::{scan, Log};
-use pmstack::lower::creds::{self, Creds};
-use pmstack::lower::{lease, RealLower, MARKER};
+use pmstack::lower::creds;
+use pmstack::lower::RealLower;
 use pmstack::pmem::mapped::MappedRegion;
 use pmstack::pmem::{Durability, Pmem};
+use pmstack::region::{default_pm, Observer, OpenOptions, Region};
 
 const RUN_DIR: &str = "/run/pmstack";
 
@@ -647,325 +648,50 @@ fn is_mountpoint(p: &Path) -> bool {
     mount_type(p).is_some()
 }
 
-/// The lower directory's identity (the marker file), created if `create`.
-fn lower_id(lower: &Path, create: bool) -> Result<Option<[u8; 16]>> {
-    let m = lower.join(MARKER);
-    match fs::read_to_string(&m) {
-        Ok(s) => {
-            let u = uuid::Uuid::parse_str(s.trim()).map_err(|_| {
-                anyhow!(
-                    "{} is not a pmstack marker (remove it or restore it)",
-                    m.display()
-                )
-            })?;
-            Ok(Some(*u.as_bytes()))
-        }
-        Err(_) if create => {
-            let u = uuid::Uuid::new_v4();
-            let mut f =
-                fs::File::create(&m).with_context(|| format!("creating marker {}", m.display()))?;
-            writeln!(f, "{u}")?;
-            f.sync_all()?;
-            fs::File::open(lower)?.sync_all()?;
-            Ok(Some(*u.as_bytes()))
-        }
-        Err(_) => Ok(None),
+/// The operator's view of a region being opened: lines on stderr, warnings in the log too,
+/// and the progress of a recovery.
+struct Operator {
+    shown: Progress,
+}
+
+impl Observer for Operator {
+    fn say(&self, msg: &str) {
+        eprintln!("pmstack: {msg}");
     }
-}
-
-fn default_pm(lower: &Path) -> PathBuf {
-    PathBuf::from(format!("/dev/shm/pmstack-{}.pm", id_of(lower)))
-}
-
-fn lock_region(path: &Path) -> Result<fs::File> {
-    let f = fs::File::open(path)?;
-    // SAFETY: plain flock on an owned fd.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        bail!(
-            "PM region {} is in use by another pmstack (a second mount of one region is refused)",
-            path.display()
-        );
+    fn warn(&self, msg: &str) {
+        warn_user(msg);
     }
-    Ok(f)
-}
-
-/// One owner per lower directory: a mount and a `pmstack serve` (or two of either, with
-/// different regions bound to one lower) would each replay its log over the other's newer
-/// bytes. An flock on a file named after the lower's marker, holding the owner's pid.
-fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File> {
-    let dir = Path::new("/run/pmstack");
-    fs::create_dir_all(dir).map_err(|e| {
-        anyhow!(
-            "cannot create {}: {e} (run pmstack as root, or create it writable for this user)",
-            dir.display()
-        )
-    })?;
-    let p = dir.join(format!("lower-{}.lock", uuid::Uuid::from_bytes(*id)));
-    let mut f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .open(&p)
-        .map_err(|e| {
-            anyhow!(
-                "cannot take the lower directory's lock {}: {e} (pmstack keeps one owner per lower directory there: run it as root, or let this user write {})",
-                p.display(),
-                dir.display()
+    fn progress(&self, done: u64, total: u64) {
+        self.shown.tick(|| {
+            format!(
+                "{done}/{total} operations ({}%)",
+                (done * 100).checked_div(total).unwrap_or(100)
             )
-        })?;
-    // SAFETY: plain flock on an owned fd.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let mut who = String::new();
-        let _ = std::io::Read::read_to_string(&mut f, &mut who);
-        bail!(
-            "{} is already in use by pmstack process {} (a mount over it, or `pmstack serve`): one pmstack per lower directory; stop that one first",
-            lower.display(),
-            who.trim()
-        );
+        })
     }
-    f.set_len(0)?;
-    write!(f, "{}", std::process::id())?;
-    Ok(f)
-}
-
-/// What keeps a region and its lower directory ours while they are open: the region's
-/// flock, the host's lock on the lower, and the lease inside the lower (across nodes), which
-/// records a clean shutdown when the region is clean as they are released.
-struct RegionLocks {
-    _region: fs::File,
-    _lower: fs::File,
-    lease: Option<lease::Lease>,
-    log: Option<Arc<Log>>,
-}
-
-impl Drop for RegionLocks {
-    fn drop(&mut self) {
-        if let (Some(l), Some(log)) = (self.lease.as_mut(), &self.log) {
-            if log.is_clean() {
-                if let Err(e) = l.release_clean() {
-                    warn_user(&format!(
-                        "{e}; the next start elsewhere will ask for --take-over"
-                    ));
-                }
-            }
-        }
+    fn progress_done(&self) {
+        self.shown.done();
     }
 }
 
 /// Open (or create and format) the region bound to `lower`, recovering a crashed log.
 fn open_region(
     pm: &Path,
-    size: u64,
     lower: &Path,
     real: &RealLower,
-    take_over: bool,
-) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
-    open_region_areas(pm, size, lower, real, 16, take_over, None)
-}
-
-/// Whose region a command may open: the region file's owner is whose log it is
-/// (`lower::creds`). A region of the daemon's own user is opened as is; a region of another
-/// user only by a command that acts for that user (`serve --user`, `recover`), and its log
-/// is replayed with that user's rights.
-fn region_owner(pm: &Path, acting_for: Option<&Creds>) -> Result<Option<Creds>> {
-    use std::os::unix::fs::MetadataExt;
-    let owner = fs::metadata(pm)
-        .with_context(|| format!("PM region {}", pm.display()))?
-        .uid();
-    if owner == creds::euid() {
-        return Ok(None);
-    }
-    let who = creds::user_with_id(owner)?;
-    match acting_for {
-        Some(u) if u.uid == owner => Ok(Some(who)),
-        _ => bail!(
-            "PM region {} belongs to user {} (it was served with `--user {}`): its log may hold anything that user's programs wrote, so only `pmstack serve --user {}` or `pmstack recover` opens it (both replay it with that user's rights)",
-            pm.display(),
-            who.name,
-            who.name,
-            who.name
-        ),
-    }
-}
-
-/// `open_region`, formatting a new region with `areas` append areas (`serve` leases one to
-/// every attached process).
-fn open_region_areas(
-    pm: &Path,
-    size: u64,
-    lower: &Path,
-    real: &RealLower,
-    areas: u32,
-    take_over: bool,
-    serve_user: Option<&Creds>,
-) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
-    let fresh = !pm.exists();
-    let had_marker = lower.join(MARKER).exists();
-    let had_lease = lower.join(lease::LEASE).exists();
-    let new = NewRegion { size, areas };
-    let r = open_region_inner(pm, &new, lower, real, fresh, take_over, serve_user);
-    if r.is_err() && !had_lease {
-        let _ = fs::remove_file(lower.join(lease::LEASE));
-    }
-    if r.is_err() && fresh {
-        // A refused first start leaves nothing behind: not the new region, not the marker.
-        let _ = fs::remove_file(pm);
-        if !had_marker {
-            let _ = fs::remove_file(lower.join(MARKER));
-        }
-    }
-    r
-}
-
-/// What a region created by this start looks like.
-struct NewRegion {
-    size: u64,
-    /// Append areas (`serve` leases one to every attached process).
-    areas: u32,
-}
-
-fn open_region_inner(
-    pm: &Path,
-    new: &NewRegion,
-    lower: &Path,
-    real: &RealLower,
-    fresh: bool,
-    take_over: bool,
-    serve_user: Option<&Creds>,
-) -> Result<(Arc<Log>, RegionLocks, Option<RecoverySummary>)> {
-    if fresh {
-        let id = lower_id(lower, true)?.expect("created");
-        let region = MappedRegion::create(pm, new.size)?;
-        Log::format(Arc::new(region), id, new.areas)?;
-    }
-    // Whose log this is (its owner's rights replay it), checked before anything is written.
-    let replay_as = region_owner(pm, serve_user)?;
-    let lock = lock_region(pm)?;
-    let region: Arc<dyn Pmem> = Arc::new(MappedRegion::open(pm, 0)?);
-    let s = scan(&*region).map_err(|e| anyhow!("PM region {}: {e}", pm.display()))?;
-    let bound = s.sb.lower_id;
-    let lower_lock = match lower_id(lower, false)? {
-        Some(id) if id == bound => lock_lower(&id, lower)?,
-        Some(_) => bail!(
-            "PM region {} belongs to another lower directory, not {}; give the right --pm or `pmstack format --force` it",
-            pm.display(),
-            lower.display()
-        ),
-        None => bail!(
-            "{} has no pmstack marker but PM region {} is bound to a lower directory; give the right --pm, or rebind the region with `pmstack format --force`",
-            lower.display(),
-            pm.display()
-        ),
+    opts: &OpenOptions<'_>,
+) -> Result<Region> {
+    let obs = Operator {
+        shown: Progress::new("recovery"),
     };
-    let needs_recovery = !s.clean || s.live_entries().next().is_some();
-    let lease = lease::acquire(
+    Ok(Region::open(
+        pm,
         lower,
-        &lease::Taker {
-            region: uuid::Uuid::from_bytes(s.sb.uuid).to_string(),
-            pm,
-            needs_recovery,
-            take_over,
-        },
-    )?;
-    if lease.unlocked {
-        warn_user(&format!(
-            "the file system of {} does not enforce locks: pmstack cannot stop another node from stacking over it too; make sure no other node does",
-            lower.display()
-        ));
-    }
-    let mut lock = RegionLocks {
-        _region: lock,
-        _lower: lower_lock,
-        lease: Some(lease),
-        log: None,
-    };
-    let (log, s) = Log::open(region).map_err(|e| {
-        anyhow!(
-            "PM region {}: {e}; run `pmstack check --pm {}`",
-            pm.display(),
-            pm.display()
-        )
-    })?;
-    let log = Arc::new(log);
-    lock.log = Some(log.clone());
-    let mut summary = None;
-    if !s.clean || s.live_entries().next().is_some() {
-        let n = s.live_entries().count();
-        eprintln!(
-            "pmstack: previous shutdown was not clean; recovering {n} log entries onto {}",
-            lower.display()
-        );
-        let shown = Progress::new("recovery");
-        let progress = |d: u64, t: u64| {
-            shown.tick(|| {
-                format!(
-                    "{d}/{t} operations ({}%)",
-                    (d * 100).checked_div(t).unwrap_or(100)
-                )
-            })
-        };
-        let sum = match &replay_as {
-            None => recover(&log, &s, real, &progress),
-            Some(u) => {
-                eprintln!(
-                    "pmstack: the region belongs to user {}: replaying its log with that user's rights",
-                    u.name
-                );
-                u.run(|| recover(&log, &s, real, &progress))
-                    .map_err(|e| anyhow!("replaying as user {}: {e}", u.name))?
-            }
-        }
-        .map_err(|e| anyhow!("recovery of {} failed: {e}", pm.display()))?;
-        shown.done();
-        if !sum.unbound_fids.is_empty() {
-            let dir = Path::new("/var/lib/pmstack");
-            let file = dir.join(format!(
-                "unplaced-{}-{}.json",
-                uuid::Uuid::from_bytes(log.superblock().uuid),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs())
-            ));
-            let saved = fs::create_dir_all(dir)
-                .and_then(|_| {
-                    // It holds file data: root's only.
-                    pmstack::lower::write_atomic_mode(
-                        &file,
-                        &serde_json::to_string_pretty(&sum.unplaced).unwrap_or_default(),
-                        0o600,
-                    )
-                })
-                .map_or_else(
-                    |e| format!("could not be saved ({e})"),
-                    |_| format!("are saved in {}", file.display()),
-                );
-            eprintln!(
-                "pmstack: warning: {} record(s) of {} object(s) (file ids {:?}) name no lower object (their binding was lost) and were not applied; they {saved}; everything else was recovered",
-                sum.unplaced.len(),
-                sum.unbound_fids.len(),
-                sum.unbound_fids
-            );
-        }
-        summary = Some(sum);
-    } else {
-        log.reset();
-    }
-    // A region this daemon's user owned, now served to another user: theirs from here on
-    // (what it held was replayed with the owner's rights above, and is gone).
-    if let (None, Some(u)) = (&replay_as, serve_user) {
-        if u.uid != creds::euid() {
-            rustix::fs::chown(
-                pm,
-                Some(rustix::fs::Uid::from_raw(u.uid)),
-                Some(rustix::fs::Gid::from_raw(u.gid)),
-            )
-            .with_context(|| format!("giving PM region {} to user {}", pm.display(), u.name))?;
-        }
-    }
-    log.set_clean(false);
-    Ok((log, lock, summary))
+        real,
+        opts,
+        &obs,
+        Box::new(|m: &str| warn_user(m)),
+    )?)
 }
 
 /// A stacking file system holds a descriptor per cached inode: use the hard limit.
@@ -1129,14 +855,26 @@ fn mount(m: Mount) -> Result<()> {
             ));
         }
         let pm = a.pm.clone().unwrap_or_else(|| default_pm(&lower));
-        let (log, lock, sum) = open_region(&pm, a.pm_size, &lower, &real, m.take_over)?;
+        let mut region = open_region(
+            &pm,
+            &lower,
+            &real,
+            &OpenOptions {
+                size: a.pm_size,
+                areas: 16,
+                take_over: m.take_over,
+                acting_for: None,
+            },
+        )?;
+        let log = region.log().clone();
         if log.pm().durability() != Durability::PowerFailSafe {
             warn_user(&format!(
                 "PM region {} is emulated (not persistent memory): it survives a pmstack crash but NOT a power loss; use a devdax device or a file on an fsdax mount for power-fail safety",
                 pm.display()
             ));
         }
-        (Some(log), Some(lock), sum)
+        let sum = region.recovery.take();
+        (Some(log), Some(region), sum)
     };
     let opts = Options {
         mode: a.mode,
@@ -1464,45 +1202,7 @@ fn umount(mp: &Path) -> Result<()> {
 
 fn format_cmd(pm: &Path, size: u64, lower: &Path, force: bool) -> Result<()> {
     let lower = check_lower(lower)?;
-    if size < 64 * PAGE as u64 {
-        bail!("--size {size} is too small: a region needs at least 256K");
-    }
-    if pm.exists() {
-        let md = fs::metadata(pm)?;
-        let _lock = lock_region(pm)?;
-        let scanned = MappedRegion::open(pm, 0)
-            .ok()
-            .and_then(|r| scan(&r).ok())
-            .map(|s| (s.live_entries().count(), s.clean));
-        match scanned {
-            Some((live, clean)) if (live > 0 || !clean) && !force => {
-                bail!("PM region {} holds {live} live log entries (unclean shutdown); run `pmstack recover` first, or --force to discard them", pm.display());
-            }
-            // Something that is not a pmstack region: never overwritten without --force
-            // (a device is formatted: that is what a fresh devdax device looks like).
-            None if md.is_file() && md.len() > 0 && !force => bail!(
-                "{} exists and is not a pmstack region ({} bytes); formatting would overwrite it: choose another path, or give --force to overwrite it",
-                pm.display(),
-                md.len()
-            ),
-            _ => {}
-        }
-    }
-    let had_marker = lower.join(MARKER).exists();
-    let id = lower_id(&lower, true)?.expect("created");
-    let log = MappedRegion::create(pm, size)
-        .map_err(anyhow::Error::from)
-        .and_then(|region| Ok(Log::format(Arc::new(region), id, 16)?));
-    let log = match log {
-        Ok(l) => l,
-        Err(e) => {
-            if !had_marker {
-                let _ = fs::remove_file(lower.join(MARKER)); // nothing left behind
-            }
-            return Err(e);
-        }
-    };
-    log.pm().sync_backing();
+    pmstack::region::format(pm, size, &lower, 16, force)?;
     println!(
         "formatted {} ({} MiB) for lower {}",
         pm.display(),
@@ -1615,7 +1315,19 @@ fn recover_cmd(pm: &Path, lower: &Path) -> Result<()> {
         use std::os::unix::fs::MetadataExt;
         creds::user_with_id(fs::metadata(pm)?.uid())?
     };
-    let (log, _lock, sum) = open_region_areas(pm, 0, &lower, &real, 16, false, Some(&owner))?;
+    let mut region = open_region(
+        pm,
+        &lower,
+        &real,
+        &OpenOptions {
+            size: 0,
+            areas: 16,
+            take_over: false,
+            acting_for: Some(&owner),
+        },
+    )?;
+    let log = region.log().clone();
+    let sum = region.recovery.take();
     log.set_clean(true);
     match sum {
         Some(s) => println!(
@@ -1979,15 +1691,19 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         // network file system) that would expire entries the lower never made durable.
         bail!("{} is on a file system that does not honour syncfs (a FUSE or network file system); `pmstack serve` cannot write back safely there: use `pmstack mount`, which fsyncs each changed object", root.display());
     }
-    let (log, _lock, sum) = open_region_areas(
+    let mut region = open_region(
         &pm,
-        a.pm_size,
         &root,
         &real,
-        pmstack::engine::format::MAX_AREAS,
-        a.take_over,
-        user.as_ref(),
+        &OpenOptions {
+            size: a.pm_size,
+            areas: pmstack::engine::format::MAX_AREAS,
+            take_over: a.take_over,
+            acting_for: user.as_ref(),
+        },
     )?;
+    let log = region.log().clone();
+    let sum = region.recovery.take();
     if log.pm().durability() != Durability::PowerFailSafe {
         warn_user(&format!(
             "PM region {} is emulated (not on a DAX device): it survives a crash of pmstack or of the programs, NOT a power loss",

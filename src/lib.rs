@@ -13,4 +13,5 @@ pub mod lower;
 pub mod metrics;
 pub mod pmem;
 pub mod policy;
+pub mod region;
 pub mod sim;

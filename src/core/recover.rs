@@ -994,13 +994,39 @@ pub fn replay_with(
     r.sum
 }
 
-/// Recover a region onto `lower` if it holds live entries; then empty the log.
+/// Recover a region onto `lower` if it holds live entries; then empty the log. A lower that
+/// is not the directory the region is bound to (no marker, or another one) is refused before
+/// anything is written: replaying onto it would write one directory's data into another.
 pub fn recover(
     log: &Log,
     scan: &crate::engine::Scan,
     lower: &RealLower,
     progress: &dyn Fn(u64, u64),
 ) -> Result<RecoverySummary, String> {
+    let bound = scan.sb.lower_id;
+    match lower.marker_id() {
+        Ok(Some(id)) if id == bound => {}
+        Ok(Some(_)) => {
+            return Err(format!(
+                "the lower directory's marker ({}) names another directory than the one this region is bound to ({}); nothing was replayed",
+                crate::lower::MARKER,
+                uuid::Uuid::from_bytes(bound)
+            ))
+        }
+        Ok(None) => {
+            return Err(format!(
+                "the lower directory has no pmstack marker ({}) but this region is bound to {}; nothing was replayed",
+                crate::lower::MARKER,
+                uuid::Uuid::from_bytes(bound)
+            ))
+        }
+        Err(e) => {
+            return Err(format!(
+                "reading the lower directory's marker ({}): {e}; nothing was replayed",
+                crate::lower::MARKER
+            ))
+        }
+    }
     let plan = scan.plan(&**log.pm())?;
     let rebind = |fid: u64, handle: &[u8]| -> Result<(), String> {
         let mut a = log.area();

@@ -174,7 +174,7 @@ fn recovery_interrupted_after_recreating_a_file_loses_nothing() {
     let names: Vec<_> = fs::read_dir(&r.lower)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .filter(|n| n.starts_with(".pmstack-"))
+        .filter(|n| n.starts_with(".pmstack-") && n != crate::lower::MARKER)
         .collect();
     assert!(names.is_empty(), "recovery left temporary names: {names:?}");
 }
@@ -202,6 +202,39 @@ fn recovery_onto_a_copy_of_the_lower_is_refused_and_writes_nothing() {
     assert!(e.contains("copy"), "{e}");
     assert_eq!(fs::read(copy.join("f")).unwrap(), b"y");
     assert_eq!(fs::read(r.lower.join("f")).unwrap(), b"x");
+}
+
+/// `recover` itself refuses a directory its region is not bound to (no marker, or another
+/// one) and writes nothing there, so every caller of the library is protected, not only the
+/// commands that open regions through `region::Region`; the log is kept for the right one.
+#[test]
+fn recovery_onto_another_directory_is_refused_by_the_library() {
+    let r = rig();
+    write_synced(&r.core, 1, "f", b"acknowledged");
+    let other = r.lower.parent().unwrap().join("other");
+    fs::create_dir(&other).unwrap();
+    let img = r.sim.persisted_image();
+    let (_, sum) = recover_image(img.clone(), &other);
+    let e = sum.expect_err("a directory without a marker must be refused");
+    assert!(e.contains("no pmstack marker"), "{e}");
+    crate::lower::write_marker(&other, [9; 16]).unwrap();
+    let (_, sum) = recover_image(img.clone(), &other);
+    let e = sum.expect_err("a directory with another marker must be refused");
+    assert!(e.contains("another directory"), "{e}");
+    let names: Vec<_> = fs::read_dir(&other)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        names,
+        [crate::lower::MARKER],
+        "nothing may be written there"
+    );
+    fs::remove_file(r.lower.join("f")).unwrap();
+    let (_, sum) = recover_image(img, &r.lower);
+    sum.unwrap();
+    assert_eq!(fs::read(r.lower.join("f")).unwrap(), b"acknowledged");
 }
 
 /// B3: live records whose binding is gone (a log written by the racy client) do not make the

@@ -16,6 +16,22 @@ pub use real::RealLower;
 /// The lower root marker that binds a PM region to this directory.
 pub const MARKER: &str = ".pmstack-id";
 
+/// The identity a marker's text names (a UUID on one line).
+pub fn parse_marker(text: &str) -> Option<[u8; 16]> {
+    uuid::Uuid::parse_str(text.trim())
+        .ok()
+        .map(|u| *u.as_bytes())
+}
+
+/// Gives `dir` the marker naming `id`, made durable (the file and its directory entry).
+pub fn write_marker(dir: &std::path::Path, id: [u8; 16]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(dir.join(MARKER))?;
+    writeln!(f, "{}", uuid::Uuid::from_bytes(id))?;
+    f.sync_all()?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// pmstack's own files in the lower directory's root (the marker and the lease), which a
 /// mount does not show.
 pub fn is_internal(root_entry: &[u8]) -> bool {

@@ -110,6 +110,26 @@ impl RealLower {
         self.root.as_raw_fd()
     }
 
+    /// The identity this directory's marker (`MARKER`) names: `None` without a marker, an
+    /// error for a marker that does not hold one.
+    pub fn marker_id(&self) -> io::Result<Option<[u8; 16]>> {
+        let fd = match rustix::fs::openat(
+            &self.root,
+            super::MARKER,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let mut text = String::new();
+        io::Read::read_to_string(&mut std::fs::File::from(fd), &mut text)?;
+        super::parse_marker(&text)
+            .map(Some)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "not a pmstack marker"))
+    }
+
     /// Open `name` in `dir` as an O_PATH descriptor, never following a symlink and never
     /// leaving the directory.
     pub fn lookup(&self, dir: RawFd, name: &OsStr) -> io::Result<(OwnedFd, Stat)> {

@@ -142,6 +142,7 @@ pub fn core_on_sim_pm(
 ) -> (Arc<SimPmem>, Arc<Core>) {
     let sim = Arc::new(SimPmem::new(pages * 4096));
     let log = Arc::new(Log::format(sim.clone(), [3; 16], areas).unwrap());
+    crate::lower::write_marker(lower, [3; 16]).unwrap();
     log.set_clean(false);
     let opts = Options {
         mode,

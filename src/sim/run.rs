@@ -65,6 +65,7 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
     let sim = Arc::new(SimPmem::new(2048 * 4096));
     // The daemon keeps `OPEN_AREAS` append areas; the program leases one of the rest.
     let log = Arc::new(Log::format(sim.clone(), [3; 16], 16).unwrap());
+    crate::lower::write_marker(&lower, [3; 16]).unwrap();
     // As `serve` starts on an empty log: every page chunk back to the shared pool.
     log.reset();
     log.set_clean(false);
