@@ -1,0 +1,363 @@
+//! The data path: opens and handles, reads, writes (logged first where the write rule says
+//! so), fsync (the dirty bytes logged, or a real sync as the fallback), fallocate.
+
+use super::{Core, FileState, Handle, Inode, Mode, R};
+use crate::engine::format::PAGE;
+use crate::engine::{AttrOp, Log};
+use crate::lower::errno;
+use crate::lower::real;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Core {
+    pub fn open(&self, ino: u64, flags: i32) -> R<u64> {
+        let i = self.inode(ino)?;
+        // O_DIRECT stays with the kernel's side of the mount (it bypasses the FUSE page
+        // cache): the daemon's buffers carry no alignment, and O_DIRECT on the lower
+        // descriptor would fail such writes with EINVAL. It never promised durability.
+        let base = flags
+            & !(libc::O_APPEND
+                | libc::O_CREAT
+                | libc::O_EXCL
+                | libc::O_TRUNC
+                | libc::O_DIRECT
+                | self.absorbed_sync_flags());
+        let mut fl = base;
+        // Write-only handles are opened read-write when permitted, so fsync can read back the
+        // dirty bytes to log them.
+        if fl & libc::O_ACCMODE == libc::O_WRONLY {
+            fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
+        }
+        let fd = match self.lower.reopen(self.nfd(&i)?.as_raw_fd(), fl) {
+            Ok(fd) => fd,
+            Err(_) if fl != base => self.lower.reopen(self.nfd(&i)?.as_raw_fd(), base)?,
+            Err(e) => return Err(e),
+        };
+        if flags & libc::O_TRUNC != 0 {
+            self.setattr_size(&i, 0)?;
+        }
+        Ok(self.add_handle(i, fd, flags))
+    }
+
+    /// O_SYNC/O_DSYNC of a handle are the log's to honour in the PM modes (every write
+    /// through such a handle is logged and committed before it returns; a write the log
+    /// cannot take is made durable with an fsync): kept off the lower descriptor, where each
+    /// write would otherwise also wait for the disk. Without the log (passthrough, where the
+    /// kernel may write to the lower descriptor directly) they stay.
+    pub(super) fn absorbed_sync_flags(&self) -> i32 {
+        if self.logging().is_some() {
+            libc::O_SYNC | libc::O_DSYNC
+        } else {
+            0
+        }
+    }
+
+    pub(super) fn add_handle(&self, ino: Arc<Inode>, fd: OwnedFd, flags: i32) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let sync_writes = flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
+        self.handles.write().insert(
+            fh,
+            Arc::new(Handle {
+                ino,
+                fd,
+                sync_writes,
+            }),
+        );
+        fh
+    }
+
+    pub fn handle(&self, fh: u64) -> R<Arc<Handle>> {
+        self.handles
+            .read()
+            .get(&fh)
+            .cloned()
+            .ok_or_else(|| errno(libc::EBADF))
+    }
+
+    pub fn release(&self, fh: u64) {
+        self.handles.write().remove(&fh);
+    }
+
+    pub fn read(&self, fh: u64, off: u64, size: u32) -> R<Vec<u8>> {
+        let h = self.handle(fh)?;
+        let mut buf = vec![0u8; size as usize];
+        let mut got = 0;
+        while got < buf.len() {
+            let n = real::pread(h.fd.as_raw_fd(), &mut buf[got..], off + got as u64)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        buf.truncate(got);
+        Ok(buf)
+    }
+
+    pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> R<usize> {
+        self.settled(|| {
+            let h = self.handle(fh)?;
+            let fd = h.fd.as_raw_fd();
+            let Some(log) = self.logging() else {
+                let n = real::pwrite_all(fd, data, off)?;
+                if h.sync_writes {
+                    real::fsync(fd, true)?;
+                }
+                return Ok(n);
+            };
+            let strict = self.opts.mode == Mode::Strict;
+            let mut throttled = false;
+            loop {
+                let g = self.gate.read();
+                let i = &h.ino;
+                let mut st = i.st.lock();
+                let first = off / PAGE as u64;
+                let last = (off + data.len().max(1) as u64 - 1) / PAGE as u64;
+                let touches_live = st.live_pages.range(first..=last).next().is_some();
+                // strict: every write is durable on return. sync: O_SYNC handles, files switched
+                // to eager by active sync, and pages with live entries (see FileState::live_pages).
+                let mut eager = crate::policy::must_log_first(
+                    strict || h.sync_writes || st.eager,
+                    st.live_attr || touches_live,
+                );
+                if self.opts.mode == Mode::Adaptive {
+                    let p = st.predictor.get_or_insert_with(Default::default);
+                    eager |= p.on_write(first..=last, Instant::now());
+                }
+                self.note_changed(i);
+                if !eager {
+                    let n = real::pwrite_all(fd, data, off)?;
+                    st.dirty.add(off, &data[..n]);
+                    st.dirty_mark = log.lsn_now();
+                    st.bytes_since_sync += n as u64;
+                    st.pages_since_sync.extend(first..=last);
+                    return Ok(n);
+                }
+                let mut a = log.area();
+                match self.log_bytes(&mut a, i, &mut st, off, data) {
+                    Ok(()) => {
+                        a.commit();
+                        drop(a);
+                        if h.sync_writes {
+                            self.stats.absorbed_osync.fetch_add(1, Ordering::Relaxed);
+                        }
+                        if let Some(p) = st.predictor.as_mut() {
+                            p.logged(first..=last);
+                        }
+                        let n = real::pwrite_all(fd, data, off)?;
+                        st.dirty.overwritten(off, &data[..n]);
+                        self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
+                        if self.pm_low(log) {
+                            self.wake_flusher();
+                        }
+                        return Ok(n);
+                    }
+                    Err(_) => {
+                        a.commit();
+                        drop(a);
+                        if strict && !throttled {
+                            // strict mode throttles writers until write-back frees PM (the gate and
+                            // the inode are released: write-back needs them), then retries once.
+                            drop(st);
+                            drop(g);
+                            self.throttle(log);
+                            throttled = true;
+                            continue;
+                        }
+                        // PM full: the bytes go to the lower FS and are made durable there.
+                        let n = real::pwrite_all(fd, data, off)?;
+                        self.fall_back_file(log, i, &mut st)?;
+                        return Ok(n);
+                    }
+                }
+            }
+        })
+    }
+
+    /// fsync/fdatasync. In sync mode: log every dirty range, commit, never touch the disk.
+    /// In strict mode everything is durable already: ENOSYS tells the kernel to stop asking
+    /// (it then treats every later fsync as done without a round trip).
+    pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> R<()> {
+        self.settled(|| {
+            if self.opts.mode == Mode::Strict && self.log.is_some() {
+                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+                return Err(errno(libc::ENOSYS));
+            }
+            let i = self.inode(ino)?;
+            let Some(log) = self.logging() else {
+                let fd = match fh.and_then(|f| self.handle(f).ok()) {
+                    Some(h) => return real::fsync(h.fd.as_raw_fd(), datasync),
+                    None => self
+                        .lower
+                        .reopen(self.nfd(&i)?.as_raw_fd(), libc::O_RDONLY)?,
+                };
+                return real::fsync(fd.as_raw_fd(), datasync);
+            };
+            let _g = self.gate.read();
+            let mut st = i.st.lock();
+            // Active sync (NVLog §4.4): many pages dirtied for few bytes means logging at write
+            // time is cheaper than collecting at sync time; switch per file, and back.
+            let bytes_pages = st.bytes_since_sync.div_ceil(PAGE as u64).max(1);
+            let was = st.eager;
+            st.eager = st.pages_since_sync.len() as u64 > self.opts.sensitivity * bytes_pages
+                || (st.bytes_since_sync > 0 && st.bytes_since_sync < 512 && !st.dirty.is_empty());
+            if st.eager != was {
+                self.stats
+                    .active_sync_switches
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            st.bytes_since_sync = 0;
+            st.pages_since_sync.clear();
+            let FileState {
+                dirty, predictor, ..
+            } = &mut *st;
+            if let Some(p) = predictor {
+                // Dirty ranges are never empty (add_range), so e - 1 >= s.
+                let lazy = dirty
+                    .ranges()
+                    .flat_map(|(s, e)| s / PAGE as u64..=(e - 1) / PAGE as u64);
+                let o = p.on_sync(lazy, Instant::now(), self.adaptive_decay());
+                self.record(o);
+            }
+            if st.dirty.is_empty() {
+                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            if self.log_dirty(log, &i, &mut st, fh) {
+                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
+                if self.pm_low(log) {
+                    self.wake_flusher();
+                }
+                return Ok(());
+            }
+            // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
+            self.fall_back_file(log, &i, &mut st)
+        })
+    }
+
+    /// Log the dirty bytes of `i` (from their copy, else read back through handle `fh` or a
+    /// descriptor of the object) and commit. False if PM is full or the bytes are unreadable:
+    /// the caller falls back to the lower file system's fsync.
+    pub(super) fn log_dirty(
+        &self,
+        log: &Log,
+        i: &Arc<Inode>,
+        st: &mut FileState,
+        fh: Option<u64>,
+    ) -> bool {
+        let ranges: Vec<(u64, u64)> = st.dirty.ranges().collect();
+        let mut rd: Option<Arc<Handle>> = None;
+        let mut a = log.area();
+        let mut ok = true;
+        for (s, e) in &ranges {
+            let buf = match st.dirty.bytes(*s, *e) {
+                Some(b) => b,
+                None => {
+                    if rd.is_none() {
+                        rd = match fh.and_then(|f| self.handle(f).ok()) {
+                            Some(h) => Some(h),
+                            None => self
+                                .nfd(i)
+                                .and_then(|n| self.lower.reopen(n.as_raw_fd(), libc::O_RDONLY))
+                                .ok()
+                                .map(|fd| {
+                                    Arc::new(Handle {
+                                        ino: i.clone(),
+                                        fd,
+                                        sync_writes: false,
+                                    })
+                                }),
+                        };
+                    }
+                    let Some(h) = &rd else {
+                        ok = false;
+                        break;
+                    };
+                    let mut buf = vec![0u8; (e - s) as usize];
+                    match real::pread(h.fd.as_raw_fd(), &mut buf, *s) {
+                        Ok(n) => buf.truncate(n), // the file may have shrunk since; a truncate entry covers the rest
+                        Err(_) => {
+                            ok = false;
+                            break;
+                        }
+                    }
+                    self.stats
+                        .readback_bytes
+                        .fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    buf
+                }
+            };
+            if buf.is_empty() {
+                continue;
+            }
+            if self.log_bytes(&mut a, i, st, *s, &buf).is_err() {
+                ok = false;
+                break;
+            }
+        }
+        a.commit();
+        drop(a);
+        if ok {
+            st.dirty.clear();
+        }
+        ok
+    }
+
+    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> R<()> {
+        self.settled(|| {
+            let h = self.handle(fh)?;
+            let _g = self.gate.read();
+            if let Some(log) = self.logging() {
+                // Dirty bytes are logged first: a collapse or insert moves them and a punch
+                // zeroes them, and the Fallocate entry replays that on top of them.
+                let mut st = h.ino.st.lock();
+                if !st.dirty.is_empty() && !self.log_dirty(log, &h.ino, &mut st, Some(fh)) {
+                    self.fall_back_file(log, &h.ino, &mut st)?;
+                }
+            }
+            real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
+            self.log_attr(
+                &h.ino,
+                AttrOp::Fallocate {
+                    mode: mode as u32,
+                    offset: off,
+                    len,
+                },
+            )
+        })
+    }
+
+    pub fn lseek(&self, fh: u64, off: i64, whence: i32) -> R<i64> {
+        let h = self.handle(fh)?;
+        real::lseek(h.fd.as_raw_fd(), off, whence)
+    }
+
+    pub fn copy_file_range(
+        &self,
+        fh_in: u64,
+        off_in: u64,
+        fh_out: u64,
+        off_out: u64,
+        len: u64,
+    ) -> R<usize> {
+        let hi = self.handle(fh_in)?;
+        let ho = self.handle(fh_out)?;
+        if self.logging().is_none() {
+            return real::copy_file_range(
+                hi.fd.as_raw_fd(),
+                off_in,
+                ho.fd.as_raw_fd(),
+                off_out,
+                len,
+            );
+        }
+        // Through the write path, so the copy obeys the same logging rules as a write.
+        let data = self.read(fh_in, off_in, len.min(16 << 20) as u32)?;
+        self.write(fh_out, off_out, &data)
+    }
+
+    pub fn fd_of(&self, fh: u64) -> R<RawFd> {
+        Ok(self.handle(fh)?.fd.as_raw_fd())
+    }
+}

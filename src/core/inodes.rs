@@ -1,0 +1,221 @@
+//! The inode table: lower objects as inodes (identity by device, inode number and file
+//! handle), lookups and forgets, orphans that keep their log identity, the bounded cache of
+//! inode descriptors.
+
+use super::{kind_of, Core, Inode, Orphan, Table, R};
+use crate::engine::ROOT_FID;
+use crate::lower::errno;
+use crate::lower::real::{fstat, Stat};
+use parking_lot::Mutex;
+use std::ffi::OsStr;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+impl Core {
+    pub fn inode(&self, ino: u64) -> R<Arc<Inode>> {
+        self.table
+            .read()
+            .by_ino
+            .get(&ino)
+            .cloned()
+            .ok_or_else(|| errno(libc::ESTALE))
+    }
+
+    pub(super) fn hidden(&self, parent: &Inode, name: &OsStr) -> bool {
+        parent.ino == 1 && crate::lower::is_internal(name.as_bytes())
+    }
+
+    /// Map a lower object into the table (one inode per lower object: hard links share it).
+    pub(super) fn intern(&self, fd: OwnedFd, st: &Stat) -> Arc<Inode> {
+        let key = (st.st_dev, st.st_ino);
+        {
+            let t = self.table.read();
+            if let Some(i) = t.by_dev_ino.get(&key).and_then(|i| t.by_ino.get(i)) {
+                i.nlookup.fetch_add(1, Ordering::Relaxed);
+                return i.clone();
+            }
+        }
+        let mut t = self.table.write();
+        if let Some(i) = t
+            .by_dev_ino
+            .get(&key)
+            .and_then(|i| t.by_ino.get(i))
+            .cloned()
+        {
+            i.nlookup.fetch_add(1, Ordering::Relaxed);
+            return i;
+        }
+        // The lower inode number, unless it collides with the root's 1 or another device.
+        let ino = if st.st_dev == self.root_dev_ino.0
+            && st.st_ino > 1
+            && !t.by_ino.contains_key(&st.st_ino)
+        {
+            st.st_ino
+        } else {
+            self.next_ino.fetch_add(1, Ordering::Relaxed)
+        };
+        let handle = self.handle_at(fd.as_raw_fd(), st.st_ino);
+        let (fid, state) = match self.adopt_orphan(&mut t, key, &handle) {
+            Some(o) => (o.fid, o.state),
+            None => (
+                self.log.as_ref().map_or(ino, |l| l.next_lsn()),
+                self.file_state(),
+            ),
+        };
+        debug_assert!(fid != ROOT_FID);
+        let inode = Arc::new(Inode {
+            ino,
+            fid,
+            node: super::node::Node::new(fd, handle),
+            kind: kind_of(st.st_mode),
+            dev_ino: key,
+            nlookup: AtomicU64::new(1),
+            queued: AtomicU64::new(0),
+            st: Mutex::new(state),
+        });
+        t.by_ino.insert(ino, inode.clone());
+        t.by_dev_ino.insert(key, ino);
+        drop(t);
+        self.bound_node_fds();
+        inode
+    }
+
+    /// A descriptor (O_PATH) of `i`'s lower object: the cached one, or reopened by handle.
+    pub fn nfd(&self, i: &Inode) -> R<Arc<OwnedFd>> {
+        if let Some(f) = i.node.cached() {
+            return Ok(f);
+        }
+        let f = i.node.fill(self.lower.open_handle(&i.node.handle)?);
+        self.bound_node_fds();
+        Ok(f)
+    }
+
+    /// Keep cached inode descriptors at or below `node_fds_max`: close the least recently
+    /// used ones of inodes no request and no open file is using (the table holds the only
+    /// reference), down to three quarters of the bound.
+    ///
+    /// Called from `nfd`, which may run while an inode's `st` is held (fsync reading dirty
+    /// bytes back, a fallback's real sync). `table` comes before `st` in the lock order
+    /// (write-back walks the table and locks each inode), so the table is only tried here:
+    /// when it is busy, eviction waits for the next reopen and the bound is passed briefly.
+    pub(super) fn bound_node_fds(&self) {
+        use super::node::NODE_FDS_OPEN;
+        let open = NODE_FDS_OPEN.load(Ordering::Relaxed);
+        if open <= self.node_fds_max || !self.reopen_ok {
+            return;
+        }
+        let Some(t) = self.table.try_read() else {
+            return;
+        };
+        let mut idle: Vec<(u64, u64)> = t
+            .by_ino
+            .values()
+            .filter(|i| i.ino != 1 && Arc::strong_count(i) == 1 && i.node.evictable())
+            .map(|i| (i.node.last_use(), i.ino))
+            .collect();
+        let excess = open.saturating_sub(self.node_fds_max * 3 / 4);
+        if idle.len() > excess {
+            idle.select_nth_unstable(excess);
+            idle.truncate(excess);
+        }
+        let mut closed = 0;
+        for (_, ino) in idle {
+            if let Some(i) = t.by_ino.get(&ino) {
+                closed += i.node.evict() as u64;
+            }
+        }
+        self.stats
+            .node_fds_evicted
+            .fetch_add(closed, Ordering::Relaxed);
+    }
+
+    pub fn stat_of(&self, i: &Inode) -> R<Stat> {
+        let mut st = fstat(self.nfd(i)?.as_raw_fd())?;
+        st.st_ino = i.ino;
+        Ok(st)
+    }
+
+    pub fn lookup(&self, parent: u64, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
+        let p = self.inode(parent)?;
+        if self.hidden(&p, name) {
+            return Err(errno(libc::ENOENT));
+        }
+        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
+        let i = self.intern(fd, &st);
+        let st = self.stat_of(&i)?;
+        Ok((i, st))
+    }
+
+    pub fn forget(&self, ino: u64, n: u64) {
+        if ino == 1 {
+            return;
+        }
+        let mut t = self.table.write();
+        if let Some(i) = t.by_ino.get(&ino) {
+            if i.nlookup
+                .fetch_sub(n.min(i.nlookup.load(Ordering::Relaxed)), Ordering::Relaxed)
+                <= n
+            {
+                let (key, fid, handle) = (i.dev_ino, i.fid, i.node.handle.clone());
+                let state = std::mem::take(&mut *i.st.lock());
+                t.by_ino.remove(&ino);
+                t.by_dev_ino.remove(&key);
+                // The fid stays this object's while live records name it (it was bound after
+                // the last write-back horizon), or while it has state that matters.
+                if !self.needs_bind(&state)
+                    || !state.dirty.is_empty()
+                    || !state.live_pages.is_empty()
+                    || state.live_attr
+                {
+                    t.orphans.insert(key, Orphan { fid, handle, state });
+                }
+            }
+        }
+    }
+
+    /// The orphan of `key`, if the object at `fd` is the same object (same file handle).
+    /// An orphan whose object is gone (its inode number reused) is dropped: its records
+    /// belong to a deleted object.
+    pub(super) fn adopt_orphan(
+        &self,
+        t: &mut Table,
+        key: (u64, u64),
+        handle: &[u8],
+    ) -> Option<Orphan> {
+        let o = t.orphans.remove(&key)?;
+        (o.handle == handle).then_some(o)
+    }
+
+    /// The orphaned fid of the object with `handle`, without adopting it (transient lookups).
+    pub(super) fn orphan_fid(&self, key: (u64, u64), handle: &[u8]) -> Option<u64> {
+        let t = self.table.read();
+        let o = t.orphans.get(&key)?;
+        (o.handle == handle).then_some(o.fid)
+    }
+
+    /// The file handle of the object at `fd` (empty where the lower has none): kept in its
+    /// node for reopening after eviction, for Bind records, and to recognize it after FORGET.
+    pub(super) fn handle_at(&self, fd: RawFd, ino: u64) -> Vec<u8> {
+        if self.root_handle.is_empty() {
+            return Vec::new(); // the lower gives no handles
+        }
+        self.lower.handle(fd, ino).unwrap_or_default()
+    }
+
+    pub fn getattr(&self, ino: u64) -> R<Stat> {
+        let i = self.inode(ino)?;
+        self.stat_of(&i)
+    }
+
+    /// The FUSE inode number the kernel should see for a directory entry.
+    pub fn entry_ino(&self, ino: u64) -> u64 {
+        let t = self.table.read();
+        match t.by_dev_ino.get(&(self.root_dev_ino.0, ino)) {
+            Some(i) => *i,
+            None if ino == 1 || ino == self.root_dev_ino.1 => 1,
+            None => ino,
+        }
+    }
+}

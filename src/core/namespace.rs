@@ -1,0 +1,469 @@
+//! The namespace: creations, removals, renames and links done on the lower and logged in
+//! one order with their LSNs, directory handles, directory fsync.
+
+use super::{kind_of, Core, DirHandle, Inode, Mode, NEED_FULL_WRITE_BACK, R};
+use crate::engine::{NodeKind, NsOp, Record, ROOT_FID};
+use crate::lower::errno;
+use crate::lower::real::{self, fstat, Stat};
+use parking_lot::Mutex;
+use std::ffi::OsStr;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+impl Core {
+    /// Run a namespace operation on the lower FS and log `rec(…)` for it, ordered with every
+    /// other namespace operation; durable when this returns.
+    pub(super) fn ns_op<T>(
+        &self,
+        bind: &[&Arc<Inode>],
+        lower_op: impl FnOnce() -> R<T>,
+        rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>,
+    ) -> R<T> {
+        let Some(log) = self.logging() else {
+            return lower_op();
+        };
+        let _g = self.gate.read();
+        let order = self.ns_order.lock();
+        let out = lower_op()?;
+        let lsn = log.next_lsn();
+        drop(order);
+        let Some((op, child)) = rec(&out) else {
+            return Ok(out);
+        };
+        for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
+            self.note_changed(i);
+        }
+        // Bind records first (inode locks taken one at a time, never while holding an area:
+        // writers lock inode then area, so the reverse order here could deadlock).
+        let mut binds: Vec<&Inode> = Vec::new();
+        for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
+            if i.fid != ROOT_FID
+                && self.needs_bind(&i.st.lock())
+                && !binds.iter().any(|b| b.fid == i.fid)
+            {
+                binds.push(i);
+            }
+        }
+        let mut a = log.area();
+        let mut bound = Vec::new();
+        let mut r = self.bind_root(&mut a).map(|_| 0);
+        for i in binds.into_iter().take_while(|_| r.is_ok()) {
+            match crate::policy::append_bind(&mut a, i.fid, &i.node.handle) {
+                Ok(l) => bound.push((i, l)),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        if r.is_ok() {
+            r = a.append(&Record::Ns(op), Some(lsn));
+        }
+        a.commit();
+        drop(a);
+        for (i, l) in bound {
+            let mut st = i.st.lock();
+            st.bind_lsn = st.bind_lsn.max(l);
+        }
+        match r {
+            Ok(_) => {
+                self.stats.ns_ops.fetch_add(1, Ordering::Relaxed);
+                Ok(out)
+            }
+            Err(_) => {
+                // PM full: make the operation durable in the lower file system (syncfs: the
+                // directories involved, and every namespace operation ordered before it), then
+                // expire the namespace records up to it. Reconciliation at recovery would
+                // otherwise restore the names those older records describe, undoing this
+                // acknowledged operation (e.g. moving a renamed file back).
+                self.log_full();
+                {
+                    let set = self.to_sync.lock();
+                    self.make_durable(&set)?;
+                }
+                if log
+                    .write_back(crate::engine::NAMESPACE_FID, lsn + 1)
+                    .is_err()
+                {
+                    NEED_FULL_WRITE_BACK.with(|c| c.set(true));
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Run the steps that follow the creation of `name` in `p`; if one fails (EMFILE, say),
+    /// remove what was created, so the caller's error leaves no half-made object behind.
+    pub(super) fn undo_on_error<T>(
+        &self,
+        p: &Inode,
+        name: &OsStr,
+        is_dir: bool,
+        f: impl FnOnce() -> R<T>,
+    ) -> R<T> {
+        f().inspect_err(|_| {
+            if let Ok(pf) = self.nfd(p) {
+                let _ = self.lower.unlink(pf.as_raw_fd(), name, is_dir);
+            }
+        })
+    }
+
+    pub(super) fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
+        let (fd, st) = self.lower.lookup(self.nfd(p)?.as_raw_fd(), name)?;
+        let i = self.intern(fd, &st);
+        let st = self.stat_of(&i)?;
+        Ok((i, st))
+    }
+
+    pub(super) fn create_rec(p: &Inode, name: &OsStr, i: &Inode, st: &Stat, target: &[u8]) -> NsOp {
+        NsOp::Create {
+            parent: p.fid,
+            name: name.as_bytes().to_vec(),
+            child: i.fid,
+            kind: NodeKind::from_mode(st.st_mode),
+            mode: st.st_mode & 0o7777,
+            rdev: st.st_rdev,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            target: target.to_vec(),
+        }
+    }
+
+    /// Apply the caller's ownership to a new object (allow_other: new files belong to the
+    /// calling user).
+    pub(super) fn own(&self, i: &Inode, uid: u32, gid: u32) {
+        if rustix::process::geteuid().is_root() && (uid != 0 || gid != 0) {
+            if let Ok(f) = self.nfd(i) {
+                let _ = self.lower.chown(f.as_raw_fd(), uid, gid);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn mknod(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        rdev: u64,
+        target: Option<&[u8]>,
+        uid: u32,
+        gid: u32,
+    ) -> R<(Arc<Inode>, Stat)> {
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            if self.hidden(&p, name) {
+                return Err(errno(libc::EPERM));
+            }
+            let t = target.unwrap_or(b"");
+            self.ns_op(
+                &[&p],
+                || {
+                    match mode & libc::S_IFMT {
+                        libc::S_IFDIR => {
+                            self.lower
+                                .mkdir(self.nfd(&p)?.as_raw_fd(), name, mode & 0o7777)?
+                        }
+                        libc::S_IFLNK => self.lower.symlink(self.nfd(&p)?.as_raw_fd(), name, t)?,
+                        _ => self
+                            .lower
+                            .mknod(self.nfd(&p)?.as_raw_fd(), name, mode, rdev)?,
+                    }
+                    let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+                    self.undo_on_error(&p, name, is_dir, || {
+                        let (i, _) = self.created(&p, name)?;
+                        self.own(&i, uid, gid);
+                        let st = self.stat_of(&i)?;
+                        Ok((i, st))
+                    })
+                },
+                |(i, st)| Some((Self::create_rec(&p, name, i, st, t), Some(i.clone()))),
+            )
+        })
+    }
+
+    pub fn create(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        flags: i32,
+        uid: u32,
+        gid: u32,
+    ) -> R<(Arc<Inode>, Stat, u64)> {
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            if self.hidden(&p, name) {
+                return Err(errno(libc::EPERM));
+            }
+            let mut fl = flags & !(libc::O_APPEND | libc::O_DIRECT | self.absorbed_sync_flags()); // see `open`
+            if fl & libc::O_ACCMODE == libc::O_WRONLY {
+                fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
+            }
+            let (i, st, fd) = self.ns_op(
+                &[&p],
+                || {
+                    // O_EXCL first, so a failure below undoes only a file made here.
+                    let (fd, made) = match self.lower.create_file(
+                        self.nfd(&p)?.as_raw_fd(),
+                        name,
+                        fl | libc::O_EXCL,
+                        mode & 0o7777,
+                    ) {
+                        Ok(fd) => (fd, true),
+                        Err(e)
+                            if e.raw_os_error() == Some(libc::EEXIST) && fl & libc::O_EXCL == 0 =>
+                        {
+                            let fd = self.lower.create_file(
+                                self.nfd(&p)?.as_raw_fd(),
+                                name,
+                                fl,
+                                mode & 0o7777,
+                            )?;
+                            (fd, false)
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    let post = || {
+                        let (i, _) = self.created(&p, name)?;
+                        self.own(&i, uid, gid);
+                        let st = self.stat_of(&i)?;
+                        Ok((i, st))
+                    };
+                    let (i, st) = if made {
+                        self.undo_on_error(&p, name, false, post)?
+                    } else {
+                        post()?
+                    };
+                    Ok((i, st, fd))
+                },
+                |(i, st, _)| Some((Self::create_rec(&p, name, i, st, b""), Some(i.clone()))),
+            )?;
+            let fh = self.add_handle(i.clone(), fd, flags);
+            Ok((i, st, fh))
+        })
+    }
+
+    pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> R<()> {
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            if self.hidden(&p, name) {
+                return Err(errno(libc::ENOENT));
+            }
+            let victim = if self.logging().is_some() {
+                Some(self.object_at(&p, name)?)
+            } else {
+                None
+            };
+            self.ns_op(
+                &[&p],
+                || {
+                    // The victim's link count before (namespace operations are serialized
+                    // here): recovery must not take a file that keeps other names for gone.
+                    let nlink = match &victim {
+                        Some(v) if !dir => self
+                            .nfd(v)
+                            .and_then(|fd| fstat(fd.as_raw_fd()))
+                            .map_or(0, |st| st.st_nlink),
+                        _ => 0,
+                    };
+                    self.lower.unlink(self.nfd(&p)?.as_raw_fd(), name, dir)?;
+                    Ok(nlink)
+                },
+                |&nlink| {
+                    Some((
+                        NsOp::Remove {
+                            parent: p.fid,
+                            name: name.as_bytes().to_vec(),
+                            dir,
+                            victim: victim.as_ref().map_or(0, |v| v.fid),
+                            nlink,
+                        },
+                        victim.clone(),
+                    ))
+                },
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// The inode of `name` in `p` (the kernel has usually looked it up already; otherwise a
+    /// transient inode, not counted as a kernel lookup).
+    pub(super) fn object_at(&self, p: &Inode, name: &OsStr) -> R<Arc<Inode>> {
+        let (fd, st) = self.lower.lookup(self.nfd(p)?.as_raw_fd(), name)?;
+        {
+            let t = self.table.read();
+            if let Some(i) = t
+                .by_dev_ino
+                .get(&(st.st_dev, st.st_ino))
+                .and_then(|i| t.by_ino.get(i))
+            {
+                return Ok(i.clone());
+            }
+        }
+        let key = (st.st_dev, st.st_ino);
+        let handle = self.handle_at(fd.as_raw_fd(), st.st_ino);
+        let fid = match self.orphan_fid(key, &handle) {
+            Some(f) => f,
+            None => self.log.as_ref().map_or(0, |l| l.next_lsn()),
+        };
+        Ok(Arc::new(Inode {
+            ino: 0,
+            fid,
+            node: super::node::Node::new(fd, handle),
+            kind: kind_of(st.st_mode),
+            dev_ino: (st.st_dev, st.st_ino),
+            nlookup: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            st: Mutex::new(self.file_state()),
+        }))
+    }
+
+    pub fn rename(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        newparent: u64,
+        newname: &OsStr,
+        flags: u32,
+    ) -> R<()> {
+        self.settled(|| {
+            let p = self.inode(parent)?;
+            let np = self.inode(newparent)?;
+            if self.hidden(&p, name) || self.hidden(&np, newname) {
+                return Err(errno(libc::EPERM));
+            }
+            let src = if self.logging().is_some() {
+                Some(self.object_at(&p, name)?)
+            } else {
+                None
+            };
+            // The object at the destination: replaced by a plain rename (recovery removes it even
+            // if `src` is gone), or swapped in by RENAME_EXCHANGE.
+            let victim = match &src {
+                Some(_) => self.object_at(&np, newname).ok(),
+                None => None,
+            };
+            self.ns_op(
+                &[&p, &np]
+                    .into_iter()
+                    .chain(victim.as_ref())
+                    .collect::<Vec<_>>(),
+                || {
+                    self.lower.rename(
+                        self.nfd(&p)?.as_raw_fd(),
+                        name,
+                        self.nfd(&np)?.as_raw_fd(),
+                        newname,
+                        flags,
+                    )
+                },
+                |_| {
+                    Some((
+                        NsOp::Rename {
+                            parent: p.fid,
+                            name: name.as_bytes().to_vec(),
+                            newparent: np.fid,
+                            newname: newname.as_bytes().to_vec(),
+                            flags,
+                            src: src.as_ref().map_or(0, |s| s.fid),
+                            victim: victim.as_ref().map_or(0, |v| v.fid),
+                        },
+                        src.clone(),
+                    ))
+                },
+            )
+        })
+    }
+
+    pub fn link(&self, ino: u64, newparent: u64, newname: &OsStr) -> R<(Arc<Inode>, Stat)> {
+        self.settled(|| {
+            let i = self.inode(ino)?;
+            let np = self.inode(newparent)?;
+            if self.hidden(&np, newname) {
+                return Err(errno(libc::EPERM));
+            }
+            self.ns_op(
+                &[&i, &np],
+                || {
+                    self.lower.link(
+                        self.nfd(&i)?.as_raw_fd(),
+                        self.nfd(&np)?.as_raw_fd(),
+                        newname,
+                    )?;
+                    i.nlookup.fetch_add(1, Ordering::Relaxed);
+                    // Its link count now (namespace operations are serialized here): lets
+                    // recovery tell a lost link from a name an in-flight rename moved.
+                    Ok(fstat(self.nfd(&i)?.as_raw_fd()).map_or(0, |st| st.st_nlink))
+                },
+                |&nlink| {
+                    Some((
+                        NsOp::Link {
+                            fid: i.fid,
+                            newparent: np.fid,
+                            newname: newname.as_bytes().to_vec(),
+                            nlink,
+                        },
+                        None,
+                    ))
+                },
+            )?;
+            let st = self.stat_of(&i)?;
+            Ok((i, st))
+        })
+    }
+
+    pub fn readlink(&self, ino: u64) -> R<Vec<u8>> {
+        let i = self.inode(ino)?;
+        self.lower.readlink(self.nfd(&i)?.as_raw_fd())
+    }
+
+    pub fn opendir(&self, ino: u64) -> R<u64> {
+        let i = self.inode(ino)?;
+        let mut entries = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
+        if ino == 1 {
+            entries.retain(|(n, _, _)| !crate::lower::is_internal(n));
+        }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.dirs
+            .write()
+            .insert(fh, Arc::new(DirHandle { entries }));
+        Ok(fh)
+    }
+
+    pub fn dir(&self, fh: u64) -> R<Arc<DirHandle>> {
+        self.dirs
+            .read()
+            .get(&fh)
+            .cloned()
+            .ok_or_else(|| errno(libc::EBADF))
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.write().remove(&fh);
+    }
+
+    pub fn fsyncdir(&self, ino: u64, datasync: bool) -> R<()> {
+        if self.logging().is_some() {
+            // Namespace operations are durable when they return: nothing left to do.
+            self.stats.absorbed_fsyncdir.fetch_add(1, Ordering::Relaxed);
+            if self.opts.mode == Mode::Strict {
+                return Err(errno(libc::ENOSYS)); // and the kernel may stop asking
+            }
+            return Ok(());
+        }
+        let i = self.inode(ino)?;
+        let fd = self.lower.reopen(
+            self.nfd(&i)?.as_raw_fd(),
+            libc::O_RDONLY | libc::O_DIRECTORY,
+        )?;
+        real::fsync(fd.as_raw_fd(), datasync)
+    }
+
+    pub fn statfs(&self, ino: u64) -> R<libc::statvfs> {
+        let i = self.inode(ino)?;
+        self.lower.statfs(self.nfd(&i)?.as_raw_fd())
+    }
+}
