@@ -116,12 +116,20 @@ fn all_over(kind: &str) {
     let Some(l) = Lower::up(kind) else {
         return;
     };
-    common::remount::recover_after_client_remount(&l.mnt, &|| l.remount());
-    second_node_is_refused(&l);
-    for mode in ["sync", "strict", "adaptive"] {
-        common::model::run_mode(mode, Some(l.subdir(&format!("model-{mode}"))));
+    // PMSTACK_CRASH_SEED=N reruns the kill -9 rounds of a failing run (its message names
+    // the seed of the round: the power-cut rounds use N, N+1, …) and nothing else.
+    let fixed: Option<u64> = std::env::var("PMSTACK_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    if fixed.is_none() {
+        common::remount::recover_after_client_remount(&l.mnt, &|| l.remount());
+        second_node_is_refused(&l);
+        for mode in ["sync", "strict", "adaptive"] {
+            common::model::run_mode(mode, Some(l.subdir(&format!("model-{mode}"))));
+        }
     }
-    let seed0: u64 = rand::random();
+    let seed0: u64 = fixed.unwrap_or_else(rand::random);
+    eprintln!("{kind}: kill -9 rounds from seed {seed0} (rerun: PMSTACK_CRASH_SEED={seed0})");
     let rounds: u64 = std::env::var("PMSTACK_CRASH_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -150,3 +150,90 @@ fn recovery_after_the_lower_client_was_remounted_replays_everything() {
         *bind.borrow_mut() = Some(BindFs::new(&src, &dst));
     });
 }
+
+/// The file handle the kernel gives for `p` (`name_to_handle_at`): on a FUSE file system it
+/// carries the client's node id for the object.
+fn handle_of(p: &Path) -> Vec<u8> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // struct file_handle: handle_bytes (u32), handle_type (i32), then the handle.
+    let mut buf = vec![0u8; 8 + 128];
+    buf[..4].copy_from_slice(&128u32.to_ne_bytes());
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: a valid C string, a buffer of the size it declares, a valid out-pointer.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_name_to_handle_at,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            buf.as_mut_ptr(),
+            &mut mount_id,
+            0,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "name_to_handle_at {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
+    let n = u32::from_ne_bytes(buf[..4].try_into().unwrap()) as usize;
+    buf.truncate(8 + n);
+    buf
+}
+
+/// A file the kernel forgot (drop_caches) keeps its log identity when it is looked up again,
+/// even though the FUSE lower then hands out another file handle for it (its client forgot
+/// the object too, and numbers it anew). It got a new identity, so an acknowledged rename
+/// after that named an object the log never created: after a power cut that lost the
+/// creation, recovery re-made the file under its old name and the rename was lost (found
+/// over GlusterFS under load: "acknowledged rename r40 missing").
+#[test]
+fn a_forgotten_file_keeps_its_identity_when_the_fuse_lower_renumbers_it() {
+    if !can_mount() {
+        return;
+    }
+    let base = tempfile::Builder::new()
+        .prefix("pmstack-fuseforget-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let src = base.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    let bind = BindFs::new(&src, &base.path().join("bind"));
+    let mut m = Mount::new(Some(bind.0.clone()));
+    m.mount(&["--flush-interval-ms", "3600000"]);
+    let data: Vec<u8> = (0..300u32).map(|k| (k % 251) as u8 + 1).collect();
+    {
+        let f = fs::File::create(m.mnt.join("n")).unwrap();
+        f.write_all_at(&data, 0).unwrap();
+        f.sync_all().unwrap();
+    }
+    // Until bindfs numbers the file anew: the mount forgot it, and then bindfs did.
+    let before = handle_of(&bind.0.join("n"));
+    let t0 = Instant::now();
+    while handle_of(&bind.0.join("n")) == before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "bindfs kept the file's handle through a minute of drop_caches: this test cannot show what it is for"
+        );
+        fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    fs::rename(m.mnt.join("n"), m.mnt.join("r")).unwrap();
+    fs::File::open(&m.mnt).unwrap().sync_all().unwrap();
+    m.kill9();
+    // The power cut: the lower lost the creation (and so the rename).
+    fs::remove_file(src.join("r")).unwrap();
+    m.mount(&[]);
+    assert_eq!(
+        fs::read(m.mnt.join("r")).ok(),
+        Some(data),
+        "the acknowledged rename was lost"
+    );
+    assert!(
+        !m.mnt.join("n").exists(),
+        "the file is back under its old name"
+    );
+    m.umount();
+}

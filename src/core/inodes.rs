@@ -57,7 +57,7 @@ impl Core {
             self.next_ino.fetch_add(1, Ordering::Relaxed)
         };
         let handle = self.handle_at(fd.as_raw_fd(), st.st_ino);
-        let (fid, state) = match self.adopt_orphan(&mut t, key, &handle) {
+        let (fid, state) = match self.adopt_orphan(&mut t, key, &handle, st) {
             Some(o) => (o.fid, o.state),
             None => (
                 self.log.as_ref().map_or(ino, |l| l.next_lsn()),
@@ -159,6 +159,14 @@ impl Core {
                 <= n
             {
                 let (key, fid, handle) = (i.dev_ino, i.fid, i.node.handle.clone());
+                let ctime = if self.handles_persistent {
+                    None
+                } else {
+                    i.node
+                        .cached()
+                        .and_then(|f| fstat(f.as_raw_fd()).ok())
+                        .map(|st| ctime_of(&st))
+                };
                 let state = std::mem::take(&mut *i.st.lock());
                 t.by_ino.remove(&ino);
                 t.by_dev_ino.remove(&key);
@@ -169,7 +177,15 @@ impl Core {
                     || !state.live_pages.is_empty()
                     || state.live_attr
                 {
-                    t.orphans.insert(key, Orphan { fid, handle, state });
+                    t.orphans.insert(
+                        key,
+                        Orphan {
+                            fid,
+                            handle,
+                            ctime,
+                            state,
+                        },
+                    );
                 }
             }
         }
@@ -178,21 +194,30 @@ impl Core {
     /// The orphan of `key`, if the object at `fd` is the same object (same file handle).
     /// An orphan whose object is gone (its inode number reused) is dropped: its records
     /// belong to a deleted object.
+    /// Whether `o`, forgotten at the same (dev, ino), is the object found there now with
+    /// `handle` and `st`: the same handle (it carries the inode generation), or, on a lower
+    /// whose handles are not persistent, the same change time (the object was not changed
+    /// while forgotten: every change through the mount looks it up first; a new object that
+    /// reused the inode number has its own).
+    fn is_orphan_of(&self, o: &Orphan, handle: &[u8], st: &Stat) -> bool {
+        o.handle == handle || (!self.handles_persistent && o.ctime == Some(ctime_of(st)))
+    }
+
     pub(super) fn adopt_orphan(
         &self,
         t: &mut Table,
         key: (u64, u64),
         handle: &[u8],
+        st: &Stat,
     ) -> Option<Orphan> {
         let o = t.orphans.remove(&key)?;
-        (o.handle == handle).then_some(o)
+        self.is_orphan_of(&o, handle, st).then_some(o)
     }
 
-    /// The orphaned fid of the object with `handle`, without adopting it (transient lookups).
-    pub(super) fn orphan_fid(&self, key: (u64, u64), handle: &[u8]) -> Option<u64> {
+    pub(super) fn orphan_fid(&self, key: (u64, u64), handle: &[u8], st: &Stat) -> Option<u64> {
         let t = self.table.read();
         let o = t.orphans.get(&key)?;
-        (o.handle == handle).then_some(o.fid)
+        self.is_orphan_of(o, handle, st).then_some(o.fid)
     }
 
     /// The file handle of the object at `fd` (empty where the lower has none): kept in its
@@ -218,4 +243,9 @@ impl Core {
             None => ino,
         }
     }
+}
+
+/// An object's change time, to the nanosecond.
+fn ctime_of(st: &Stat) -> (i64, i64) {
+    (st.st_ctime, st.st_ctime_nsec)
 }

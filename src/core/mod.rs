@@ -155,6 +155,9 @@ struct Orphan {
     /// The object's file handle: an object found again at the same (dev, ino) is the same
     /// object only if its handle (which carries the inode generation) is this one.
     handle: Vec<u8>,
+    /// The object's change time when it was forgotten (lowers whose handles are not
+    /// persistent only): there the handle of one object can change while nobody holds it.
+    ctime: Option<(i64, i64)>,
     state: FileState,
 }
 
@@ -193,6 +196,10 @@ pub struct Core {
     /// Objects can be reopened by their file handles (open_by_handle_at works here): inode
     /// descriptors are then a bounded cache (`node`), at most this many open.
     reopen_ok: bool,
+    /// The lower's file handles name one object for good (local file systems). On FUSE and
+    /// network clients a handle may carry the client's own node id, which changes when the
+    /// client forgets the inode: an object found again is matched by its change time there.
+    handles_persistent: bool,
     /// Keep a copy of unlogged writes for the next sync (`policy::dirty`): on lowers where
     /// reading them back is expensive (network, FUSE), not on local ones.
     pub(crate) keep_copies: AtomicBool,
@@ -241,6 +248,7 @@ impl Core {
         let root_node = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY)?;
         let root_handle = lower.handle(lower.root_fd(), st.st_ino).unwrap_or_default();
         let syncfs_ok = lower.syncfs_reliable();
+        let handles_persistent = lower.handles_persistent();
         let reopen_ok = !root_handle.is_empty() && lower.open_handle(&root_handle).is_ok();
         // A quarter of the descriptor limit (the rest is for open files, the log, FUSE), at
         // most 65,536 and at least 256.
@@ -295,6 +303,7 @@ impl Core {
             to_sync: Mutex::new(HashMap::new()),
             wb_gen: AtomicU64::new(1),
             reopen_ok,
+            handles_persistent,
             node_fds_max,
             stats: Stats::default(),
             latency: Latency::default(),

@@ -305,7 +305,7 @@ impl Core {
         }
         let key = (st.st_dev, st.st_ino);
         let handle = self.handle_at(fd.as_raw_fd(), st.st_ino);
-        let fid = match self.orphan_fid(key, &handle) {
+        let fid = match self.orphan_fid(key, &handle, &st) {
             Some(f) => f,
             None => self.log.as_ref().map_or(0, |l| l.next_lsn()),
         };
