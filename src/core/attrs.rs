@@ -1,15 +1,16 @@
 //! Attributes: size, mode, owner, times and extended attributes, logged where a sync must
 //! keep them.
 
-use super::{Core, Inode, R};
+use super::{Core, Inode};
 use crate::engine::{AttrOp, Record};
 use crate::lower::real::{fstat, Stat};
+use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 impl Core {
     /// Log an attribute change of `i` (after it was applied to the lower FS).
-    pub(super) fn log_attr(&self, i: &Inode, op: AttrOp) -> R<()> {
+    pub(super) fn log_attr(&self, i: &Inode, op: AttrOp) -> io::Result<()> {
         let Some(log) = self.logging() else {
             return Ok(());
         };
@@ -31,7 +32,7 @@ impl Core {
         }
     }
 
-    pub(super) fn setattr_size(&self, i: &Arc<Inode>, size: u64) -> R<()> {
+    pub(super) fn setattr_size(&self, i: &Arc<Inode>, size: u64) -> io::Result<()> {
         let _g = self.gate.read();
         self.lower.truncate(self.nfd(i)?.as_raw_fd(), size)?;
         {
@@ -52,7 +53,7 @@ impl Core {
         size: Option<u64>,
         atime: Option<Option<i64>>,
         mtime: Option<Option<i64>>,
-    ) -> R<Stat> {
+    ) -> io::Result<Stat> {
         self.settled(|| {
             let i = self.inode(ino)?;
             if mode.is_none()
@@ -104,7 +105,7 @@ impl Core {
         })
     }
 
-    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> R<()> {
+    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> io::Result<()> {
         self.settled(|| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
@@ -121,7 +122,7 @@ impl Core {
         })
     }
 
-    pub fn removexattr(&self, ino: u64, name: &[u8]) -> R<()> {
+    pub fn removexattr(&self, ino: u64, name: &[u8]) -> io::Result<()> {
         self.settled(|| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
@@ -135,12 +136,12 @@ impl Core {
         })
     }
 
-    pub fn getxattr(&self, ino: u64, name: &[u8], size: usize) -> R<Vec<u8>> {
+    pub fn getxattr(&self, ino: u64, name: &[u8], size: usize) -> io::Result<Vec<u8>> {
         let i = self.inode(ino)?;
         self.lower.getxattr(self.nfd(&i)?.as_raw_fd(), name, size)
     }
 
-    pub fn listxattr(&self, ino: u64, size: usize) -> R<Vec<u8>> {
+    pub fn listxattr(&self, ino: u64, size: usize) -> io::Result<Vec<u8>> {
         let i = self.inode(ino)?;
         self.lower.listxattr(self.nfd(&i)?.as_raw_fd(), size)
     }

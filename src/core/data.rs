@@ -1,18 +1,19 @@
 //! The data path: opens and handles, reads, writes (logged first where the write rule says
 //! so), fsync (the dirty bytes logged, or a real sync as the fallback), fallocate.
 
-use super::{Core, FileState, Handle, Inode, Mode, R};
+use super::{Core, FileState, Handle, Inode, Mode};
 use crate::engine::format::PAGE;
 use crate::engine::{AttrOp, Log};
 use crate::lower::errno;
 use crate::lower::real;
+use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 impl Core {
-    pub fn open(&self, ino: u64, flags: i32) -> R<u64> {
+    pub fn open(&self, ino: u64, flags: i32) -> io::Result<u64> {
         let i = self.inode(ino)?;
         // O_DIRECT stays with the kernel's side of the mount (it bypasses the FUSE page
         // cache): the daemon's buffers carry no alignment, and O_DIRECT on the lower
@@ -68,7 +69,7 @@ impl Core {
         fh
     }
 
-    pub fn handle(&self, fh: u64) -> R<Arc<Handle>> {
+    pub fn handle(&self, fh: u64) -> io::Result<Arc<Handle>> {
         self.handles
             .read()
             .get(&fh)
@@ -80,7 +81,7 @@ impl Core {
         self.handles.write().remove(&fh);
     }
 
-    pub fn read(&self, fh: u64, off: u64, size: u32) -> R<Vec<u8>> {
+    pub fn read(&self, fh: u64, off: u64, size: u32) -> io::Result<Vec<u8>> {
         let h = self.handle(fh)?;
         let mut buf = vec![0u8; size as usize];
         let mut got = 0;
@@ -95,7 +96,7 @@ impl Core {
         Ok(buf)
     }
 
-    pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> R<usize> {
+    pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> io::Result<usize> {
         self.settled(|| {
             let h = self.handle(fh)?;
             let fd = h.fd.as_raw_fd();
@@ -178,7 +179,7 @@ impl Core {
     /// fsync/fdatasync. In sync mode: log every dirty range, commit, never touch the disk.
     /// In strict mode everything is durable already: ENOSYS tells the kernel to stop asking
     /// (it then treats every later fsync as done without a round trip).
-    pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> R<()> {
+    pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> io::Result<()> {
         self.settled(|| {
             if self.opts.mode == Mode::Strict && self.log.is_some() {
                 self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
@@ -304,7 +305,7 @@ impl Core {
         ok
     }
 
-    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> R<()> {
+    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> io::Result<()> {
         self.settled(|| {
             let h = self.handle(fh)?;
             let _g = self.gate.read();
@@ -328,7 +329,7 @@ impl Core {
         })
     }
 
-    pub fn lseek(&self, fh: u64, off: i64, whence: i32) -> R<i64> {
+    pub fn lseek(&self, fh: u64, off: i64, whence: i32) -> io::Result<i64> {
         let h = self.handle(fh)?;
         real::lseek(h.fd.as_raw_fd(), off, whence)
     }
@@ -340,7 +341,7 @@ impl Core {
         fh_out: u64,
         off_out: u64,
         len: u64,
-    ) -> R<usize> {
+    ) -> io::Result<usize> {
         let hi = self.handle(fh_in)?;
         let ho = self.handle(fh_out)?;
         if self.logging().is_none() {
@@ -357,7 +358,7 @@ impl Core {
         self.write(fh_out, off_out, &data)
     }
 
-    pub fn fd_of(&self, fh: u64) -> R<RawFd> {
+    pub fn fd_of(&self, fh: u64) -> io::Result<RawFd> {
         Ok(self.handle(fh)?.fd.as_raw_fd())
     }
 }

@@ -2,19 +2,20 @@
 //! handle), lookups and forgets, orphans that keep their log identity, the bounded cache of
 //! inode descriptors.
 
-use super::{kind_of, Core, Inode, Orphan, Table, R};
+use super::{kind_of, Core, Inode, Orphan, Table};
 use crate::engine::ROOT_FID;
 use crate::lower::errno;
 use crate::lower::real::{fstat, Stat};
 use parking_lot::Mutex;
 use std::ffi::OsStr;
+use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 impl Core {
-    pub fn inode(&self, ino: u64) -> R<Arc<Inode>> {
+    pub fn inode(&self, ino: u64) -> io::Result<Arc<Inode>> {
         self.table
             .read()
             .by_ino
@@ -83,7 +84,7 @@ impl Core {
     }
 
     /// A descriptor (O_PATH) of `i`'s lower object: the cached one, or reopened by handle.
-    pub fn nfd(&self, i: &Inode) -> R<Arc<OwnedFd>> {
+    pub fn nfd(&self, i: &Inode) -> io::Result<Arc<OwnedFd>> {
         if let Some(f) = i.node.cached() {
             return Ok(f);
         }
@@ -131,13 +132,13 @@ impl Core {
             .fetch_add(closed, Ordering::Relaxed);
     }
 
-    pub fn stat_of(&self, i: &Inode) -> R<Stat> {
+    pub fn stat_of(&self, i: &Inode) -> io::Result<Stat> {
         let mut st = fstat(self.nfd(i)?.as_raw_fd())?;
         st.st_ino = i.ino;
         Ok(st)
     }
 
-    pub fn lookup(&self, parent: u64, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
+    pub fn lookup(&self, parent: u64, name: &OsStr) -> io::Result<(Arc<Inode>, Stat)> {
         let p = self.inode(parent)?;
         if self.hidden(&p, name) {
             return Err(errno(libc::ENOENT));
@@ -229,7 +230,7 @@ impl Core {
         self.lower.handle(fd, ino).unwrap_or_default()
     }
 
-    pub fn getattr(&self, ino: u64) -> R<Stat> {
+    pub fn getattr(&self, ino: u64) -> io::Result<Stat> {
         let i = self.inode(ino)?;
         self.stat_of(&i)
     }

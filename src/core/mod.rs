@@ -213,8 +213,6 @@ pub struct Core {
     stopping: AtomicBool,
 }
 
-pub type R<T> = io::Result<T>;
-
 impl Core {
     /// A new file's state.
     fn file_state(&self) -> FileState {

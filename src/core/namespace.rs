@@ -1,12 +1,13 @@
 //! The namespace: creations, removals, renames and links done on the lower and logged in
 //! one order with their LSNs, directory handles, directory fsync.
 
-use super::{kind_of, Core, DirHandle, Inode, Mode, NEED_FULL_WRITE_BACK, R};
+use super::{kind_of, Core, DirHandle, Inode, Mode, NEED_FULL_WRITE_BACK};
 use crate::engine::{NodeKind, NsOp, Record, ROOT_FID};
 use crate::lower::errno;
 use crate::lower::real::{self, fstat, Stat};
 use parking_lot::Mutex;
 use std::ffi::OsStr;
+use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,9 +19,9 @@ impl Core {
     pub(super) fn ns_op<T>(
         &self,
         bind: &[&Arc<Inode>],
-        lower_op: impl FnOnce() -> R<T>,
+        lower_op: impl FnOnce() -> io::Result<T>,
         rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>,
-    ) -> R<T> {
+    ) -> io::Result<T> {
         let Some(log) = self.logging() else {
             return lower_op();
         };
@@ -101,8 +102,8 @@ impl Core {
         p: &Inode,
         name: &OsStr,
         is_dir: bool,
-        f: impl FnOnce() -> R<T>,
-    ) -> R<T> {
+        f: impl FnOnce() -> io::Result<T>,
+    ) -> io::Result<T> {
         f().inspect_err(|_| {
             if let Ok(pf) = self.nfd(p) {
                 let _ = self.lower.unlink(pf.as_raw_fd(), name, is_dir);
@@ -110,7 +111,7 @@ impl Core {
         })
     }
 
-    pub(super) fn created(&self, p: &Arc<Inode>, name: &OsStr) -> R<(Arc<Inode>, Stat)> {
+    pub(super) fn created(&self, p: &Arc<Inode>, name: &OsStr) -> io::Result<(Arc<Inode>, Stat)> {
         let (fd, st) = self.lower.lookup(self.nfd(p)?.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
         let st = self.stat_of(&i)?;
@@ -151,7 +152,7 @@ impl Core {
         target: Option<&[u8]>,
         uid: u32,
         gid: u32,
-    ) -> R<(Arc<Inode>, Stat)> {
+    ) -> io::Result<(Arc<Inode>, Stat)> {
         self.settled(|| {
             let p = self.inode(parent)?;
             if self.hidden(&p, name) {
@@ -192,7 +193,7 @@ impl Core {
         flags: i32,
         uid: u32,
         gid: u32,
-    ) -> R<(Arc<Inode>, Stat, u64)> {
+    ) -> io::Result<(Arc<Inode>, Stat, u64)> {
         self.settled(|| {
             let p = self.inode(parent)?;
             if self.hidden(&p, name) {
@@ -246,7 +247,7 @@ impl Core {
         })
     }
 
-    pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> R<()> {
+    pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> io::Result<()> {
         self.settled(|| {
             let p = self.inode(parent)?;
             if self.hidden(&p, name) {
@@ -291,7 +292,7 @@ impl Core {
 
     /// The inode of `name` in `p` (the kernel has usually looked it up already; otherwise a
     /// transient inode, not counted as a kernel lookup).
-    pub(super) fn object_at(&self, p: &Inode, name: &OsStr) -> R<Arc<Inode>> {
+    pub(super) fn object_at(&self, p: &Inode, name: &OsStr) -> io::Result<Arc<Inode>> {
         let (fd, st) = self.lower.lookup(self.nfd(p)?.as_raw_fd(), name)?;
         {
             let t = self.table.read();
@@ -328,7 +329,7 @@ impl Core {
         newparent: u64,
         newname: &OsStr,
         flags: u32,
-    ) -> R<()> {
+    ) -> io::Result<()> {
         self.settled(|| {
             let p = self.inode(parent)?;
             let np = self.inode(newparent)?;
@@ -378,7 +379,12 @@ impl Core {
         })
     }
 
-    pub fn link(&self, ino: u64, newparent: u64, newname: &OsStr) -> R<(Arc<Inode>, Stat)> {
+    pub fn link(
+        &self,
+        ino: u64,
+        newparent: u64,
+        newname: &OsStr,
+    ) -> io::Result<(Arc<Inode>, Stat)> {
         self.settled(|| {
             let i = self.inode(ino)?;
             let np = self.inode(newparent)?;
@@ -415,12 +421,12 @@ impl Core {
         })
     }
 
-    pub fn readlink(&self, ino: u64) -> R<Vec<u8>> {
+    pub fn readlink(&self, ino: u64) -> io::Result<Vec<u8>> {
         let i = self.inode(ino)?;
         self.lower.readlink(self.nfd(&i)?.as_raw_fd())
     }
 
-    pub fn opendir(&self, ino: u64) -> R<u64> {
+    pub fn opendir(&self, ino: u64) -> io::Result<u64> {
         let i = self.inode(ino)?;
         let mut entries = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
         if ino == 1 {
@@ -433,7 +439,7 @@ impl Core {
         Ok(fh)
     }
 
-    pub fn dir(&self, fh: u64) -> R<Arc<DirHandle>> {
+    pub fn dir(&self, fh: u64) -> io::Result<Arc<DirHandle>> {
         self.dirs
             .read()
             .get(&fh)
@@ -445,7 +451,7 @@ impl Core {
         self.dirs.write().remove(&fh);
     }
 
-    pub fn fsyncdir(&self, ino: u64, datasync: bool) -> R<()> {
+    pub fn fsyncdir(&self, ino: u64, datasync: bool) -> io::Result<()> {
         if self.logging().is_some() {
             // Namespace operations are durable when they return: nothing left to do.
             self.stats.absorbed_fsyncdir.fetch_add(1, Ordering::Relaxed);
@@ -462,7 +468,7 @@ impl Core {
         real::fsync(fd.as_raw_fd(), datasync)
     }
 
-    pub fn statfs(&self, ino: u64) -> R<libc::statvfs> {
+    pub fn statfs(&self, ino: u64) -> io::Result<libc::statvfs> {
         let i = self.inode(ino)?;
         self.lower.statfs(self.nfd(&i)?.as_raw_fd())
     }

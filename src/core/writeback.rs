@@ -2,10 +2,11 @@
 //! not trusted, the periodic write-back that expires log entries, a real sync where the log
 //! has no room, and the clean shutdown.
 
-use super::{Core, FileState, Inode, SyncRef, NEED_FULL_WRITE_BACK, R};
+use super::{Core, FileState, Inode, SyncRef, NEED_FULL_WRITE_BACK};
 use crate::engine::Log;
 use crate::lower::real;
 use std::collections::HashMap;
+use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -18,7 +19,12 @@ impl Core {
     /// overwrite the newer bytes (a rollback of acknowledged data). Caller holds `st`, so no
     /// entry of this object is appended meanwhile. If even the reserved pages are exhausted,
     /// a full write-back runs before the operation returns (`settled`).
-    pub(super) fn fall_back_file(&self, log: &Log, i: &Inode, st: &mut FileState) -> R<()> {
+    pub(super) fn fall_back_file(
+        &self,
+        log: &Log,
+        i: &Inode,
+        st: &mut FileState,
+    ) -> io::Result<()> {
         self.log_full();
         self.sync_object(i)?;
         let upto = log.lsn_now();
@@ -34,7 +40,7 @@ impl Core {
     /// Run a public operation; if a fallback could not even append its write-back record,
     /// make everything durable with a full write-back before the operation returns (no lock
     /// is held here, so write-back can take the gate).
-    pub(super) fn settled<T>(&self, f: impl FnOnce() -> R<T>) -> R<T> {
+    pub(super) fn settled<T>(&self, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         let r = f();
         if NEED_FULL_WRITE_BACK.with(|c| c.replace(false)) {
             self.write_back()?;
@@ -65,7 +71,7 @@ impl Core {
 
     /// Make durable in the lower file system everything the objects of `set` hold (their
     /// data, attributes and, for directories, entries), or everything, where syncfs does it.
-    pub(super) fn make_durable(&self, set: &HashMap<(u64, u64), (u32, SyncRef)>) -> R<()> {
+    pub(super) fn make_durable(&self, set: &HashMap<(u64, u64), (u32, SyncRef)>) -> io::Result<()> {
         if self.syncfs_ok {
             return self.lower.syncfs();
         }
@@ -96,7 +102,7 @@ impl Core {
         Ok(())
     }
 
-    pub(super) fn sync_object(&self, i: &Inode) -> R<()> {
+    pub(super) fn sync_object(&self, i: &Inode) -> io::Result<()> {
         let fl = if i.kind == libc::S_IFDIR {
             libc::O_RDONLY | libc::O_DIRECTORY
         } else if i.kind == libc::S_IFREG {
@@ -116,7 +122,7 @@ impl Core {
 
     /// One write-back round: capture an LSN, make the lower FS durable, expire everything
     /// below it, reclaim PM.
-    pub fn write_back(&self) -> R<()> {
+    pub fn write_back(&self) -> io::Result<()> {
         let Some(log) = self.logging() else {
             return Ok(());
         };
@@ -214,7 +220,7 @@ impl Core {
     }
 
     /// Clean shutdown: drain the log into the lower FS and leave the region empty and clean.
-    pub fn shutdown(&self) -> R<()> {
+    pub fn shutdown(&self) -> io::Result<()> {
         self.stopping.store(true, Ordering::SeqCst);
         self.wake_flusher();
         let Some(log) = self.log.as_ref() else {

@@ -12,7 +12,7 @@
 
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
@@ -71,6 +71,8 @@ pub struct Log {
     chunk_tag: u64,
     /// Chunks not yet claimed by anyone, as last seen (an estimate under sharing).
     unclaimed_pages: AtomicUsize,
+    /// A corrupt superblock word was read while running and reported (once).
+    corruption_reported: AtomicBool,
     next_chunk: AtomicUsize,
     next_area: AtomicUsize,
     free: Mutex<Vec<u32>>,
@@ -192,6 +194,7 @@ impl Log {
             areas,
             chunk_tag: 1,
             unclaimed_pages: AtomicUsize::new(0),
+            corruption_reported: AtomicBool::new(false),
             next_chunk: AtomicUsize::new(0),
             next_area: AtomicUsize::new(0),
             free_count: AtomicUsize::new(free.len()),
@@ -269,6 +272,7 @@ impl Log {
             areas,
             chunk_tag,
             unclaimed_pages: AtomicUsize::new(unclaimed),
+            corruption_reported: AtomicBool::new(false),
             next_chunk: AtomicUsize::new(0),
             next_area: AtomicUsize::new(0),
             free_count: AtomicUsize::new(0),
@@ -304,11 +308,29 @@ impl Log {
         self.unclaimed_pages.store(0, Ordering::Relaxed);
         false
     }
+    /// The LSN below which every entry has expired (0, keeping every entry live, if the
+    /// word is corrupt: the next write-back writes it anew).
     pub fn checkpoint_lsn(&self) -> u64 {
-        load_sealed(&*self.pm, SB_CHECKPOINT, "checkpoint").unwrap_or(0)
+        self.running_word(SB_CHECKPOINT, "checkpoint", 0)
     }
+
+    /// Whether the region was shut down cleanly (not, if the word is corrupt: the next start
+    /// recovers).
     pub fn is_clean(&self) -> bool {
-        load_sealed(&*self.pm, SB_CLEAN, "clean").unwrap_or(0) == 1
+        self.running_word(SB_CLEAN, "clean", 0) == 1
+    }
+
+    /// A sealed superblock word read while running. A corrupt one (a stray store, a media
+    /// error) reads as `keeps_most`, the value that gives up nothing, and is reported once:
+    /// scan and recovery refuse or repair it at the next start, but a running daemon must
+    /// neither stop nor go on silently.
+    fn running_word(&self, off: usize, what: &str, keeps_most: u64) -> u64 {
+        load_sealed(&*self.pm, off, what).unwrap_or_else(|e| {
+            if !self.corruption_reported.swap(true, Ordering::Relaxed) {
+                tracing::error!("PM region: {e}; every log entry stays live until it is written anew; stop pmstack and run `pmstack check` on the region");
+            }
+            keeps_most
+        })
     }
 
     /// Mark the region in use (a crash from now on is an unclean shutdown).
@@ -696,5 +718,50 @@ impl AreaGuard<'_> {
         pm.persist(tail, 8); // B: tail durable before the caller acknowledges
         self.a.committed = self.a.end;
         self.log.stats.commits.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pmem::sim::SimPmem;
+
+    /// A superblock word corrupted while the log runs reads as the value that gives up
+    /// nothing (checkpoint 0: every entry live; not clean), never panics, and a write-back
+    /// writes the checkpoint anew.
+    #[test]
+    fn a_corrupt_superblock_word_keeps_everything_and_is_rewritten() {
+        let sim = Arc::new(SimPmem::new(256 * 4096));
+        let log = Log::format(sim.clone(), [1; 16], 1).unwrap();
+        log.set_clean(true);
+        {
+            let mut a = log.area();
+            a.append(
+                &Record::Data {
+                    fid: 5,
+                    off: 0,
+                    bytes: b"kept".to_vec(),
+                },
+                None,
+            )
+            .unwrap();
+            a.commit();
+        }
+        let upto = log.lsn_now();
+        log.checkpoint(upto);
+        assert!(log.checkpoint_lsn() >= upto);
+        sim.write(SB_CHECKPOINT, &[0xff; 8]);
+        sim.write(SB_CLEAN, &[0x5a; 8]);
+        assert_eq!(
+            log.checkpoint_lsn(),
+            0,
+            "a corrupt checkpoint keeps every entry"
+        );
+        assert!(!log.is_clean(), "a corrupt clean flag means recover");
+        log.checkpoint(upto);
+        assert!(
+            log.checkpoint_lsn() >= upto,
+            "write-back writes the word anew"
+        );
     }
 }

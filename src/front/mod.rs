@@ -1,5 +1,5 @@
-//! The zero-round-trip front end (issue 8): programs run under `pmstack run` with a preload
-//! library and work directly on the lower directory; `pmstack serve` owns the PM region.
+//! The zero-round-trip front end: programs run under `pmstack run` with a preload library
+//! and work directly on the lower directory; `pmstack serve` owns the PM region.
 //!
 //! - [`table`]: the table shared by the daemon and every attached process.
 //! - [`client`]: what the library does for a write, a sync, a truncate.
