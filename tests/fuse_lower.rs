@@ -36,6 +36,17 @@ impl Drop for BindFs {
     }
 }
 
+/// A scratch directory under /var/tmp (removed on drop) with an empty `src` in it.
+fn scratch_with_src(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let base = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let src = base.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    (base, src)
+}
+
 /// Pages of `path` in the page cache that are dirty or under write-back (cachestat(2)).
 fn unsynced_pages(path: &Path) -> u64 {
     #[repr(C)]
@@ -137,12 +148,7 @@ fn recovery_after_the_lower_client_was_remounted_replays_everything() {
     if !can_mount() {
         return;
     }
-    let base = tempfile::Builder::new()
-        .prefix("pmstack-fuseremount-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let src = base.path().join("src");
-    fs::create_dir_all(&src).unwrap();
+    let (base, src) = scratch_with_src("pmstack-fuseremount-");
     let dst = base.path().join("bind");
     let bind = std::cell::RefCell::new(Some(BindFs::new(&src, &dst)));
     common::remount::recover_after_client_remount(&dst, &|| {
@@ -194,12 +200,7 @@ fn a_forgotten_file_keeps_its_identity_when_the_fuse_lower_renumbers_it() {
     if !can_mount() {
         return;
     }
-    let base = tempfile::Builder::new()
-        .prefix("pmstack-fuseforget-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let src = base.path().join("src");
-    fs::create_dir_all(&src).unwrap();
+    let (base, src) = scratch_with_src("pmstack-fuseforget-");
     let bind = BindFs::new(&src, &base.path().join("bind"));
     let mut m = Mount::new(Some(bind.0.clone()));
     m.mount(&["--flush-interval-ms", "3600000"]);
