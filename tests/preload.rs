@@ -789,6 +789,19 @@ fn same_results(name: &str, sh: &str, exclude: &[&str]) {
     let _ = fs::remove_file(&pm);
 }
 
+/// Write calls given memory the program cannot read (never mapped, or a buffer running into
+/// an unmapped page, or an iovec array or buffer that is) get EFAULT or the short write the
+/// kernel gives natively, and the files end the same; the library never dereferences them
+/// itself (it crashed the program with SIGSEGV on an O_SYNC file or a writev).
+#[test]
+fn writes_from_memory_the_program_cannot_read_fail_as_natively() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/preload/bad_buffers.py");
+    same_results("bad buffers", &format!("python3 {}", script.display()), &[]);
+}
+
 #[test]
 fn sqlite_gives_the_same_results_under_pmstack_run() {
     if !common::can_mount() || !have("python3") {

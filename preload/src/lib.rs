@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use libc::{iovec, mode_t, off_t, size_t, ssize_t, FILE};
 use pmstack::front::client::{Client, Tracked};
-use pmstack::front::sys::{self, syscall6};
+use pmstack::front::sys::{self, syscall6, ProgramBytes};
 use pmstack::front::table::{F_FALLBACK, F_MMAP, F_UNSEEN};
 
 thread_local! {
@@ -446,32 +446,15 @@ pub unsafe extern "C" fn creat64(path: *const c_char, mode: mode_t) -> c_int {
 
 // ---------------- writes ----------------
 
-unsafe fn slice<'a>(buf: *const c_void, n: size_t) -> &'a [u8] {
-    if n == 0 || buf.is_null() {
-        &[]
-    } else {
-        // SAFETY: the program passes a buffer of n bytes.
-        unsafe { std::slice::from_raw_parts(buf as *const u8, n) }
-    }
-}
-
-unsafe fn gather(iov: *const iovec, cnt: c_int) -> Option<Vec<u8>> {
-    if !(0..=1024).contains(&cnt) {
-        return None;
-    }
-    let mut v = Vec::new();
-    for k in 0..cnt as usize {
-        // SAFETY: the program passes cnt iovecs.
-        let io = unsafe { &*iov.add(k) };
-        v.extend_from_slice(unsafe { slice(io.iov_base, io.iov_len) });
-    }
-    Some(v)
+/// The program's buffer, unread (see `ProgramBytes`).
+fn bytes(buf: *const c_void, n: size_t) -> ProgramBytes {
+    ProgramBytes::new(buf as *const u8, n)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
     if let Some((_g, c, t)) = lookup(fd) {
-        return io_ret(c.write(&t, fd, unsafe { slice(buf, n) }, None, false));
+        return io_ret(c.write(&t, fd, bytes(buf, n), None, false));
     }
     unsafe { raw(libc::SYS_write, [fd as i64, buf as i64, n as i64, 0, 0, 0]) as ssize_t }
 }
@@ -480,7 +463,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
     if off >= 0 {
         if let Some((_g, c, t)) = lookup(fd) {
-            return io_ret(c.write(&t, fd, unsafe { slice(buf, n) }, Some(off as u64), false));
+            return io_ret(c.write(&t, fd, bytes(buf, n), Some(off as u64), false));
         }
     }
     unsafe {
@@ -499,9 +482,10 @@ pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off:
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
     if let Some((_g, c, t)) = lookup(fd) {
-        if let Some(v) = unsafe { gather(iov, cnt) } {
-            return io_ret(c.write(&t, fd, &v, None, false));
-        }
+        return io_ret(
+            sys::gather_program_iovecs(iov, cnt)
+                .and_then(|v| c.write(&t, fd, ProgramBytes::of(&v), None, false)),
+        );
     }
     unsafe {
         raw(
@@ -513,6 +497,15 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssi
 
 #[no_mangle]
 pub unsafe extern "C" fn pwritev(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t) -> ssize_t {
+    if off < 0 {
+        // pwritev has no "current position" (-1 is pwritev2's): the kernel's EINVAL.
+        return unsafe {
+            raw(
+                libc::SYS_pwritev,
+                [fd as i64, iov as i64, cnt as i64, off, 0, 0],
+            )
+        } as ssize_t;
+    }
     unsafe { pwritev2(fd, iov, cnt, off, 0) }
 }
 #[no_mangle]
@@ -522,7 +515,7 @@ pub unsafe extern "C" fn pwritev64(
     cnt: c_int,
     off: off_t,
 ) -> ssize_t {
-    unsafe { pwritev2(fd, iov, cnt, off, 0) }
+    unsafe { pwritev(fd, iov, cnt, off) }
 }
 #[no_mangle]
 pub unsafe extern "C" fn pwritev64v2(
@@ -544,12 +537,14 @@ pub unsafe extern "C" fn pwritev2(
     flags: c_int,
 ) -> ssize_t {
     let sync_flags = libc::RWF_DSYNC | libc::RWF_SYNC;
-    if let Some((_g, c, t)) = lookup(fd) {
+    if let Some((_g, c, t)) = lookup(fd).filter(|_| off >= -1) {
         if flags & !sync_flags == 0 {
-            if let Some(v) = unsafe { gather(iov, cnt) } {
-                let at = (off >= 0).then_some(off as u64);
-                return io_ret(c.write(&t, fd, &v, at, flags & sync_flags != 0));
-            }
+            let at = (off >= 0).then_some(off as u64);
+            let sync = flags & sync_flags != 0;
+            return io_ret(
+                sys::gather_program_iovecs(iov, cnt)
+                    .and_then(|v| c.write(&t, fd, ProgramBytes::of(&v), at, sync)),
+            );
         }
         // Flags the library does not model: the real call, and the next sync is real.
         let r = unsafe {

@@ -631,12 +631,13 @@ impl Client {
     }
 
     /// A write through a tracked descriptor: the real write, then logging or dirty tracking.
-    /// `off`: None for the descriptor's own position.
+    /// `off`: None for the descriptor's own position. `src` is the program's buffer: the log
+    /// reads it through a checked copy, the library only after the kernel accepted it.
     pub fn write(
         &self,
         t: &Tracked,
         fd: i32,
-        buf: &[u8],
+        src: sys::ProgramBytes,
         off: Option<u64>,
         sync_flag: bool,
     ) -> io::Result<usize> {
@@ -661,10 +662,13 @@ impl Client {
                 }
                 None => sys::lseek(fd, 0, libc::SEEK_CUR)?,
             };
-            let logged = self.log_data(&slot, &t.ino, start, buf).is_ok();
+            // The log's copy: a buffer the program cannot read fails here, as the kernel
+            // would fail the write, before anything is logged or written.
+            let buf = src.copy()?;
+            let logged = self.log_data(&slot, &t.ino, start, &buf).is_ok();
             let n = match off {
-                Some(o) => sys::pwrite(fd, buf, o)?,
-                None => sys::write(fd, buf)?,
+                Some(o) => sys::pwrite(fd, &buf, o)?,
+                None => sys::write(fd, &buf)?,
             };
             p.dirty.overwritten(start, &buf[..n]);
             if !logged {
@@ -686,12 +690,14 @@ impl Client {
             self.real_sync(&slot, fd, &mut p)?;
         }
         let n = match off {
-            Some(o) => sys::pwrite(fd, buf, o)?,
-            None => sys::write(fd, buf)?,
+            Some(o) => src.pwrite(fd, o)?,
+            None => src.write(fd)?,
         };
         if n == 0 {
             return Ok(0);
         }
+        // SAFETY: the kernel just accepted these `n` bytes for this write.
+        let buf = unsafe { src.accepted(n) };
         let start = match off {
             Some(o) => o,
             None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,

@@ -281,3 +281,243 @@ pub fn syncfs(fd: i32) -> io::Result<()> {
     // SAFETY: plain system call.
     check(unsafe { syscall6(libc::SYS_syncfs, fd as i64, 0, 0, 0, 0, 0) }).map(|_| ())
 }
+
+/// Bytes a program passed to a write call, as an address and a length that nothing in the
+/// library dereferences unchecked. A program may pass memory it never mapped: natively the
+/// kernel answers EFAULT, and so must the library, never a SIGSEGV inside it. Only the kernel
+/// reads the address before a write succeeded (`write`, `pwrite`); the log takes its copy
+/// through `copy`, which reads this process's own memory with `process_vm_readv` and fails
+/// with EFAULT where the kernel would.
+#[derive(Clone, Copy, Debug)]
+pub struct ProgramBytes {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl ProgramBytes {
+    /// The program's `buf` and `len`, not trusted.
+    pub fn new(ptr: *const u8, len: usize) -> ProgramBytes {
+        ProgramBytes { ptr, len }
+    }
+
+    /// Bytes the library owns (a gathered copy, a test's buffer).
+    pub fn of(buf: &[u8]) -> ProgramBytes {
+        ProgramBytes {
+            ptr: buf.as_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A checked copy of the bytes the program can read from the start: all of them, or the
+    /// prefix before the first page it cannot read (the kernel's write would be short there
+    /// too); EFAULT if not even the first byte can be read.
+    pub fn copy(&self) -> io::Result<Vec<u8>> {
+        let mut out = vec![0u8; self.len];
+        let remote = [libc::iovec {
+            iov_base: self.ptr as *mut libc::c_void,
+            iov_len: self.len,
+        }];
+        let n = read_own_memory(&mut out, &remote)?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// write(2) of the bytes at the descriptor's offset; the kernel checks the address.
+    pub fn write(&self, fd: i32) -> io::Result<usize> {
+        // SAFETY: the kernel reads the program's buffer and answers EFAULT if it cannot.
+        check(unsafe {
+            syscall6(
+                libc::SYS_write,
+                fd as i64,
+                self.ptr as i64,
+                self.len as i64,
+                0,
+                0,
+                0,
+            )
+        })
+        .map(|n| n as usize)
+    }
+
+    /// pwrite(2) of the bytes at `off`; the kernel checks the address.
+    pub fn pwrite(&self, fd: i32, off: u64) -> io::Result<usize> {
+        // SAFETY: as for `write`.
+        check(unsafe {
+            syscall6(
+                libc::SYS_pwrite64,
+                fd as i64,
+                self.ptr as i64,
+                self.len as i64,
+                off as i64,
+                0,
+                0,
+            )
+        })
+        .map(|n| n as usize)
+    }
+
+    /// The first `n` bytes, once the kernel has read them for a write that returned `n`.
+    ///
+    /// # Safety
+    /// The kernel accepted `n` of these bytes in a write by this thread just now, and the
+    /// program does not unmap them while its own call is running (a race the C library
+    /// leaves undefined too).
+    pub unsafe fn accepted(&self, n: usize) -> &[u8] {
+        if n == 0 {
+            return &[];
+        }
+        // SAFETY: the caller's contract: the kernel just read these bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, n.min(self.len)) }
+    }
+}
+
+/// The bytes of `cnt` iovecs at `iov` (a program's arguments to writev and friends), copied
+/// without trusting either the array or the buffers it names: up to the first byte the
+/// program cannot read (the kernel's writev is short there too), EFAULT if that is the first
+/// one, EINVAL for a count outside 0..=IOV_MAX or a total past `isize::MAX`.
+pub fn gather_program_iovecs(iov: *const libc::iovec, cnt: i32) -> io::Result<Vec<u8>> {
+    const IOV_MAX: i32 = 1024;
+    if !(0..=IOV_MAX).contains(&cnt) {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let size = std::mem::size_of::<libc::iovec>();
+    let raw = ProgramBytes::new(iov as *const u8, cnt as usize * size).copy()?;
+    if raw.len() < cnt as usize * size {
+        return Err(io::Error::from_raw_os_error(libc::EFAULT)); // the array itself
+    }
+    let vecs: Vec<libc::iovec> = raw
+        .chunks_exact(size)
+        // SAFETY: `size` bytes each, read unaligned from our own copy; any bit pattern is
+        // a valid iovec (two integers).
+        .map(|c| unsafe { std::ptr::read_unaligned(c.as_ptr() as *const libc::iovec) })
+        .collect();
+    let mut total: usize = 0;
+    for v in &vecs {
+        total = total
+            .checked_add(v.iov_len)
+            .filter(|&t| t <= isize::MAX as usize)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+    }
+    let mut out = vec![0u8; total];
+    let n = read_own_memory(&mut out, &vecs)?;
+    out.truncate(n);
+    Ok(out)
+}
+
+/// Fill `out` from the buffers `remote` names in this process's own memory, through the
+/// kernel (`process_vm_readv`), which stops at the first page it cannot read instead of
+/// faulting: the bytes read (all of `out` or a prefix), EFAULT if none could be. The lengths
+/// in `remote` add up to `out.len()`, at most IOV_MAX of them.
+fn read_own_memory(out: &mut [u8], remote: &[libc::iovec]) -> io::Result<usize> {
+    if out.is_empty() {
+        return Ok(0);
+    }
+    let local = libc::iovec {
+        iov_base: out.as_mut_ptr() as *mut libc::c_void,
+        iov_len: out.len(),
+    };
+    // SAFETY: `local` is our own buffer of `out.len()` bytes; the kernel checks `remote` and
+    // reports what it cannot read instead of faulting.
+    let r = unsafe {
+        syscall6(
+            libc::SYS_process_vm_readv,
+            crate::front::table::my_pid() as i64,
+            &local as *const libc::iovec as i64,
+            1,
+            remote.as_ptr() as i64,
+            remote.len() as i64,
+            0,
+        )
+    };
+    match check(r) {
+        Ok(0) => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+        Ok(n) => Ok(n as usize),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
+            // A sandbox (seccomp) that forbids the call: copy as the C library's own writev
+            // would read, trusting the program (the kernel's write that follows checks the
+            // addresses again, but a bad one faults here first: the price of the sandbox).
+            let mut at = 0;
+            for v in remote {
+                // SAFETY: the program vouches for its buffers, as for the C library.
+                let b = unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) };
+                out[at..at + b.len()].copy_from_slice(b);
+                at += b.len();
+            }
+            Ok(at)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errno(r: io::Result<Vec<u8>>) -> Option<i32> {
+        r.err().and_then(|e| e.raw_os_error())
+    }
+
+    #[test]
+    fn program_bytes_are_copied_only_where_readable() {
+        let data = b"hello, world".to_vec();
+        assert_eq!(ProgramBytes::of(&data).copy().unwrap(), data);
+        assert_eq!(ProgramBytes::new(8 as *const u8, 0).copy().unwrap(), b"");
+        assert_eq!(
+            errno(ProgramBytes::new(8 as *const u8, 4).copy()),
+            Some(libc::EFAULT)
+        );
+    }
+
+    #[test]
+    fn iovecs_are_gathered_up_to_the_first_unreadable_byte() {
+        let (a, b) = (b"abc".to_vec(), b"defg".to_vec());
+        let v = |p: *const u8, n: usize| libc::iovec {
+            iov_base: p as *mut libc::c_void,
+            iov_len: n,
+        };
+        let good = [v(a.as_ptr(), 3), v(b.as_ptr(), 4)];
+        assert_eq!(gather_program_iovecs(good.as_ptr(), 2).unwrap(), b"abcdefg");
+        assert_eq!(gather_program_iovecs(good.as_ptr(), 0).unwrap(), b"");
+        let second_bad = [v(a.as_ptr(), 3), v(8 as *const u8, 4)];
+        assert_eq!(
+            gather_program_iovecs(second_bad.as_ptr(), 2).unwrap(),
+            b"abc"
+        );
+        let first_bad = [v(8 as *const u8, 4), v(a.as_ptr(), 3)];
+        assert_eq!(
+            errno(gather_program_iovecs(first_bad.as_ptr(), 2)),
+            Some(libc::EFAULT)
+        );
+        assert_eq!(
+            errno(gather_program_iovecs(
+                std::ptr::dangling::<libc::iovec>(),
+                1
+            )),
+            Some(libc::EFAULT)
+        );
+        assert_eq!(
+            errno(gather_program_iovecs(good.as_ptr(), 1025)),
+            Some(libc::EINVAL)
+        );
+        assert_eq!(
+            errno(gather_program_iovecs(good.as_ptr(), -1)),
+            Some(libc::EINVAL)
+        );
+        let huge = [
+            v(a.as_ptr(), usize::MAX / 2 + 1),
+            v(b.as_ptr(), usize::MAX / 2 + 1),
+        ];
+        assert_eq!(
+            errno(gather_program_iovecs(huge.as_ptr(), 2)),
+            Some(libc::EINVAL)
+        );
+    }
+}

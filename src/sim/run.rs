@@ -170,7 +170,13 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 let len = rng.gen_range(1..9000usize);
                 let (id, idx) = model.write(&name, len, o.t.sync);
                 let n = c
-                    .write(&o.t, o.fd, &pattern(id, idx, len), Some(idx * REC), false)
+                    .write(
+                        &o.t,
+                        o.fd,
+                        crate::front::sys::ProgramBytes::of(&pattern(id, idx, len)),
+                        Some(idx * REC),
+                        false,
+                    )
                     .unwrap();
                 assert_eq!(n, len, "short write");
                 // Unserved: a real sync before the write (live entries), and one after it

@@ -1,0 +1,64 @@
+"""Write calls given memory the program cannot read, through the C library (ctypes), on an
+O_SYNC file and on a plain one with synced data: natively the kernel answers EFAULT (or a
+short write up to the first unreadable page); under `pmstack run` the answers and the files
+must be the same, and the program must not die. Run in the directory to write; prints one
+line per call."""
+import ctypes
+import mmap
+import os
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+page = mmap.PAGESIZE
+# Two pages, the second unmapped: a buffer across the boundary is readable only in part.
+two = libc.mmap(None, 2 * page, mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+ctypes.memset(two, ord("z"), page)
+libc.munmap(two + page, page)
+edge = two + page - 10
+good = ctypes.create_string_buffer(b"y" * 10)
+BAD = 8  # never mapped
+
+
+def iovs(*pairs):
+    return (iovec * len(pairs))(*[iovec(b, n) for b, n in pairs])
+
+
+for flags, name in [(os.O_SYNC, "osync"), (0, "plain")]:
+    path = "f-" + name
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | flags, 0o644)
+    os.write(fd, b"x" * 100)
+    os.fsync(fd)
+    calls = [
+        ("write", lambda: libc.write(fd, ctypes.c_void_p(BAD), 10)),
+        ("write-edge", lambda: libc.write(fd, ctypes.c_void_p(edge), 20)),
+        ("pwrite", lambda: libc.pwrite(fd, ctypes.c_void_p(BAD), 10, ctypes.c_long(0))),
+        ("pwrite-edge", lambda: libc.pwrite(fd, ctypes.c_void_p(edge), 20, ctypes.c_long(3))),
+        ("writev-array", lambda: libc.writev(fd, ctypes.c_void_p(BAD), 1)),
+        ("writev-second", lambda: libc.writev(
+            fd, iovs((ctypes.cast(good, ctypes.c_void_p).value, 10), (BAD, 10)), 2)),
+        ("pwritev-negative", lambda: libc.pwritev(
+            fd, iovs((ctypes.cast(good, ctypes.c_void_p).value, 10)), 1, ctypes.c_long(-1))),
+        ("pwritev2-array", lambda: libc.pwritev2(
+            fd, ctypes.c_void_p(BAD), 1, ctypes.c_long(0), 0)),
+        ("pwritev2-dsync", lambda: libc.pwritev2(
+            fd, iovs((BAD, 10)), 1, ctypes.c_long(0), os.RWF_DSYNC)),
+    ]
+    for cname, call in calls:
+        ctypes.set_errno(0)
+        r = call()
+        print(name, cname, r, os.strerror(ctypes.get_errno()) if r < 0 else "", flush=True)
+    os.fsync(fd)
+    os.close(fd)
+    with open(path, "rb") as f:
+        data = f.read()
+    print(name, "size", len(data), "bytes", sorted(set(data)), flush=True)
