@@ -440,8 +440,8 @@ impl Filesystem for Adapter {
         let _t = self.time(Op::Open);
         match self.core.open(ino.0, flags.0) {
             Ok(fh) if self.passthrough => {
-                // SAFETY (closure): the descriptor belongs to the live handle `fh`.
                 match self.backing_for(ino.0, fh, |fd| {
+                    // SAFETY: the descriptor belongs to the live handle `fh`.
                     reply.open_backing(unsafe { BorrowedFd::borrow_raw(fd) })
                 }) {
                     Ok(id) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id),
@@ -713,8 +713,8 @@ impl Filesystem for Adapter {
             // Passthrough for every open of the inode, this first one included: the kernel
             // refuses (EIO) a passthrough open of an inode that has a cached open.
             Ok((i, st, fh)) if self.passthrough => {
-                // SAFETY (closure): the descriptor belongs to the live handle `fh`.
                 match self.backing_for(i.ino, fh, |fd| {
+                    // SAFETY: the descriptor belongs to the live handle `fh`.
                     reply.open_backing(unsafe { BorrowedFd::borrow_raw(fd) })
                 }) {
                     Ok(id) => reply.created_passthrough(

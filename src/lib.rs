@@ -4,6 +4,8 @@
 //! log) → [`core`] (the file system core: inodes, handles, policies) over [`lower`] (the real or
 //! simulated lower file system); [`fuse`] is the thin FUSE adapter.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod config;
 pub mod core;
 pub mod engine;

@@ -159,12 +159,8 @@ impl Client {
                 crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f), root_ino)
             })
             .unwrap_or_default();
-        let mut rb = root.as_os_str().as_encoded_bytes().to_vec();
-        if !rb.ends_with(b"/") {
-            rb.push(b'/');
-        }
         Ok(Client {
-            root: rb,
+            root: super::open::root_with_slash(root.as_os_str().as_encoded_bytes()),
             root_dev,
             root_ino,
             table,
@@ -304,7 +300,7 @@ impl Client {
 
     /// Whether `path` (as the kernel reports it) lies under the served directory.
     pub(super) fn under_root(&self, path: &[u8]) -> bool {
-        path.starts_with(&self.root) || path == &self.root[..self.root.len() - 1]
+        super::open::path_under(&self.root, path)
     }
 
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the

@@ -4,12 +4,15 @@
 //! - [`table`]: the table shared by the daemon and every attached process.
 //! - [`client`]: what the library does for a write, a sync, a truncate.
 //! - [`ns`]: namespace operations and directory fsync of attached processes.
+//! - [`open`]: which descriptors the library tracks, which flags the kernel sees, which
+//!   paths lie under the served directory (the decisions the preload library makes).
 //! - [`serve`]: the daemon: recovery, the attach socket, write-back, reclaiming the areas of
 //!   processes that died.
 //! - [`sys`]: raw system calls that never come back into the library.
 
 pub mod client;
 pub mod ns;
+pub mod open;
 pub mod serve;
 pub mod sys;
 pub mod table;

@@ -57,8 +57,8 @@ impl Group {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: a fresh descriptor we own.
         Ok(Group {
+            // SAFETY: a fresh descriptor we own.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
     }
@@ -235,6 +235,7 @@ pub fn open_is_write(pid: u64) -> bool {
 /// An identity of the program image of `pid` (0: none readable): device and inode of its
 /// executable. An exec changes it.
 pub fn exe_ident(pid: u64) -> u64 {
+    // SAFETY: a plain C struct of integers, for which zero is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     let p = format!("/proc/{pid}/exe\0");
     // SAFETY: a C string and an out-pointer.

@@ -229,8 +229,9 @@ impl RealLower {
         check_name(n2.as_bytes())?;
         let a = cstr(n1.as_bytes())?;
         let b = cstr(n2.as_bytes())?;
-        // SAFETY: valid pointers; renameat2 via syscall (glibc wrapper may be missing).
+        // renameat2 via syscall (the glibc wrapper may be missing).
         cvt(
+            // SAFETY: valid C strings and descriptors.
             unsafe { libc::syscall(libc::SYS_renameat2, d1, a.as_ptr(), d2, b.as_ptr(), flags) }
                 as i32,
         )?;

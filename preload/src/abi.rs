@@ -1,0 +1,116 @@
+//! The C library's calling conventions: errno, results, raw calls, and reading what a
+//! program passed without trusting its pointers.
+
+use std::ffi::{c_char, c_int, c_long, c_void, CStr};
+
+use libc::{size_t, ssize_t};
+use pmstack::front::sys::{syscall6, ProgramBytes};
+
+pub(crate) fn set_errno(e: i32) {
+    // SAFETY: errno is thread-local.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// A raw call's result as the C library returns it (-1 and errno on failure).
+pub(crate) fn ret(r: i64) -> i64 {
+    if (-4095..0).contains(&r) {
+        set_errno(-r as i32);
+        -1
+    } else {
+        r
+    }
+}
+
+pub(crate) fn io_ret(r: std::io::Result<usize>) -> ssize_t {
+    match r {
+        Ok(n) => n as ssize_t,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            -1
+        }
+    }
+}
+
+pub(crate) fn unit_ret(r: std::io::Result<()>) -> c_int {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            -1
+        }
+    }
+}
+
+/// System call `n` with up to six arguments (the rest 0), as the C library returns it. Use
+/// `kernel!`, which states why the program's arguments may be passed on.
+///
+/// # Safety
+/// The arguments are valid for call `n` as the program's own call would pass them.
+pub(crate) unsafe fn raw_call(n: c_long, args: &[i64]) -> i64 {
+    let mut a = [0i64; 6];
+    a[..args.len()].copy_from_slice(args);
+    // SAFETY: the caller's contract.
+    ret(unsafe { syscall6(n, a[0], a[1], a[2], a[3], a[4], a[5]) })
+}
+
+/// Run `f` without letting it change errno (the caller's call already set it).
+pub(crate) fn keep_errno(f: impl FnOnce()) {
+    // SAFETY: errno is thread-local.
+    let e = unsafe { *libc::__errno_location() };
+    f();
+    set_errno(e);
+}
+
+/// Copy the C string at `p` (a program's argument) without trusting the pointer: a pointer
+/// the kernel would reject (EFAULT) must give the program that errno, not a SIGSEGV inside the
+/// library. Reads this process's own memory with process_vm_readv, page by page, up to
+/// PATH_MAX bytes. None: unreadable, or no terminating NUL within PATH_MAX (the kernel says
+/// EFAULT or ENAMETOOLONG; callers let the native call say it).
+pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
+    const PATH_MAX: usize = libc::PATH_MAX as usize;
+    if p.is_null() {
+        return None;
+    }
+    let mut out: Vec<u8> = Vec::with_capacity(256);
+    let mut buf = [0u8; 4096];
+    let mut addr = p as usize;
+    while out.len() < PATH_MAX {
+        // Never across a page boundary: the next page may be unmapped after the NUL.
+        let n = (4096 - addr % 4096).min(PATH_MAX - out.len());
+        let local = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut c_void,
+            iov_len: n,
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut c_void,
+            iov_len: n,
+        };
+        // The cached pid: a system call less per path.
+        let me = pmstack::front::table::my_pid() as libc::pid_t;
+        // SAFETY: reads our own address space into `buf`; the kernel checks `remote`.
+        let got = unsafe { libc::process_vm_readv(me, &local, 1, &remote, 1, 0) };
+        if got <= 0 {
+            return None;
+        }
+        let got = &buf[..got as usize];
+        if let Some(z) = got.iter().position(|&b| b == 0) {
+            out.extend_from_slice(&got[..z]);
+            return Some(out);
+        }
+        out.extend_from_slice(got);
+        addr += got.len();
+    }
+    None
+}
+
+/// The program's buffer, unread (see `ProgramBytes`).
+pub(crate) fn bytes(buf: *const c_void, n: size_t) -> ProgramBytes {
+    ProgramBytes::new(buf as *const u8, n)
+}
+
+pub(crate) fn next<T>(name: &CStr) -> Option<T> {
+    // SAFETY: looking up the next definition of a C library function.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+    // SAFETY: the symbol has the C signature T describes.
+    (!p.is_null()).then(|| unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) })
+}

@@ -1,0 +1,208 @@
+//! Attaching to the daemon: the re-entry guard, the served root, the client of this
+//! process (one per generation: a fork's child attaches anew), and what a process that
+//! cannot attach leaves for others to see.
+
+use std::cell::Cell;
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use pmstack::front::client::{Client, Tracked};
+use pmstack::front::sys::{self};
+
+thread_local! {
+    pub(crate) static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+pub(crate) struct Inside;
+impl Inside {
+    pub(crate) fn enter() -> Option<Inside> {
+        INSIDE
+            .try_with(|c| {
+                if c.get() {
+                    None
+                } else {
+                    c.set(true);
+                    Some(Inside)
+                }
+            })
+            .ok()
+            .flatten()
+    }
+}
+impl Drop for Inside {
+    fn drop(&mut self) {
+        let _ = INSIDE.try_with(|c| c.set(false));
+    }
+}
+
+/// Forks seen (the child re-attaches: its own lease, its own registration).
+pub(crate) static FORKS: AtomicU64 = AtomicU64::new(0);
+/// The generation `CLIENT` belongs to (FORKS + 1), 0 while not attached.
+pub(crate) static CLIENT_GEN: AtomicU64 = AtomicU64::new(0);
+pub(crate) static CLIENT: AtomicPtr<Client> = AtomicPtr::new(std::ptr::null_mut());
+pub(crate) static ATTACHING: AtomicBool = AtomicBool::new(false);
+/// Attaching failed in this generation (no daemon): stay native.
+pub(crate) static FAILED_GEN: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn after_fork_child() {
+    pmstack::front::table::forget_pid();
+    // Another thread of the parent may have been attaching: that thread does not exist here.
+    ATTACHING.store(false, Ordering::SeqCst);
+    FORKS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// This process could not attach (no free area, too many processes, a daemon refusing): its
+/// writes to files under the root are invisible to everyone else's absorbed syncs. Mark those
+/// objects in the shared table so that every sync of them stays real. Caller is `Inside`.
+pub(crate) fn mark_unseen(fds: &[i32]) {
+    use std::os::unix::ffi::OsStrExt;
+    let Some(r) = root() else { return };
+    let root = std::path::Path::new(std::ffi::OsStr::from_bytes(&r[..r.len() - 1]));
+    let Ok(t) = pmstack::front::table::Table::open(&pmstack::front::paths(root).1) else {
+        return;
+    };
+    for &fd in fds {
+        pmstack::front::client::mark_unseen(&t, fd);
+    }
+}
+
+/// The descriptors of this process under the root.
+pub(crate) fn fds_under_root() -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc/self/fd") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&fd| sys::fd_path(fd).is_some_and(|p| under_root(&p)))
+        .collect()
+}
+
+extern "C" fn init() {
+    // SAFETY: registering a plain function.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+}
+
+#[used]
+#[link_section = ".init_array"]
+pub(crate) static INIT: extern "C" fn() = init;
+
+/// The served root as `pmstack run` passed it (canonical), with a trailing slash.
+pub(crate) fn root() -> Option<&'static [u8]> {
+    static ROOT: std::sync::OnceLock<Option<Vec<u8>>> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        let r = std::env::var_os("PMSTACK_ROOT")?;
+        Some(pmstack::front::open::root_with_slash(r.as_encoded_bytes()))
+    })
+    .as_deref()
+}
+
+pub(crate) fn under_root(path: &[u8]) -> bool {
+    root().is_some_and(|r| pmstack::front::open::path_under(r, path))
+}
+
+/// The client attached in generation `gen` (this process since its last fork), if any.
+pub(crate) fn attached(gen: u64) -> Option<&'static Client> {
+    if CLIENT_GEN.load(Ordering::Acquire) != gen {
+        return None;
+    }
+    // SAFETY: set by `client` from a leaked Box, never freed.
+    unsafe { CLIENT.load(Ordering::Acquire).as_ref() }
+}
+
+/// The generation whose descriptors were scanned for files under the root.
+pub(crate) static SCANNED_GEN: AtomicU64 = AtomicU64::new(0);
+
+/// The client if this process has anything to do with the root: attached already, or it
+/// holds (inherited) descriptors under the root, found by one scan per generation. A process
+/// that never touches the root never attaches. Caller is `Inside`.
+pub(crate) fn client_if_needed() -> Option<&'static Client> {
+    let gen = FORKS.load(Ordering::Acquire) + 1;
+    if let Some(c) = attached(gen) {
+        return Some(c);
+    }
+    if SCANNED_GEN.swap(gen, Ordering::AcqRel) == gen {
+        return None;
+    }
+    if fds_under_root().is_empty() {
+        None
+    } else {
+        client()
+    }
+}
+
+/// The attached client of this process (attaching on first use). Caller is `Inside`.
+pub(crate) fn client() -> Option<&'static Client> {
+    let gen = FORKS.load(Ordering::Acquire) + 1;
+    if let Some(c) = attached(gen) {
+        return Some(c);
+    }
+    if FAILED_GEN.load(Ordering::Acquire) == gen {
+        return None;
+    }
+    let sock = std::env::var_os("PMSTACK_SOCKET")?;
+    if ATTACHING.swap(true, Ordering::AcqRel) {
+        return None; // another thread is attaching: this call stays native
+    }
+    // After a fork: what the parent tracked (its client is the old pointer).
+    // SAFETY: as above.
+    let parent = unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
+    let inherited = parent.map(|p| p.fds_snapshot());
+    let r = Client::connect(std::path::Path::new(&sock));
+    if std::env::var_os("PMSTACK_DEBUG").is_some() {
+        eprintln!(
+            "pmstack preload: attach gen {gen} forks {} -> {}",
+            FORKS.load(Ordering::Relaxed),
+            r.is_ok()
+        );
+    }
+    let out = match r {
+        Ok(c) => {
+            let c: &'static Client = Box::leak(Box::new(c));
+            match inherited {
+                Some(Some(fds)) => {
+                    for (fd, sync) in fds {
+                        c.track(fd, sync);
+                    }
+                }
+                // A fresh program (exec) or a parent whose table was busy at the fork: any
+                // descriptor under the root may have been opened O_SYNC: log all its writes.
+                _ => {
+                    if let Ok(rd) = std::fs::read_dir("/proc/self/fd") {
+                        let fds: Vec<i32> = rd
+                            .flatten()
+                            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                            .collect();
+                        for fd in fds {
+                            c.track(fd, true);
+                        }
+                    }
+                }
+            }
+            CLIENT.store(c as *const Client as *mut Client, Ordering::Release);
+            CLIENT_GEN.store(gen, Ordering::Release);
+            Some(c)
+        }
+        Err(e) => {
+            if std::env::var_os("PMSTACK_DEBUG").is_some() {
+                eprintln!(
+                    "pmstack preload: cannot attach to {}: {e}",
+                    sock.to_string_lossy()
+                );
+            }
+            FAILED_GEN.store(gen, Ordering::Release);
+            mark_unseen(&fds_under_root());
+            None
+        }
+    };
+    ATTACHING.store(false, Ordering::Release);
+    out
+}
+
+/// The client and the tracked entry of `fd`, with the re-entry guard held.
+pub(crate) fn lookup(fd: c_int) -> Option<(Inside, &'static Client, Arc<Tracked>)> {
+    let g = Inside::enter()?;
+    let c = client_if_needed()?;
+    let t = c.tracked(fd)?;
+    Some((g, c, t))
+}

@@ -1,0 +1,227 @@
+//! Size and attributes: ftruncate and fallocate through the client; chmod, chown, utimes
+//! and truncate by path make the object's next sync real.
+
+use std::ffi::{c_char, c_int};
+
+use libc::{mode_t, off_t};
+use pmstack::front::sys::{self, syscall6};
+use pmstack::front::table::F_FALLBACK;
+
+use crate::abi::*;
+use crate::attach::*;
+
+#[no_mangle]
+pub unsafe extern "C" fn ftruncate(fd: c_int, len: off_t) -> c_int {
+    if len >= 0 {
+        if let Some((_g, c, t)) = lookup(fd) {
+            return unit_ret(c.ftruncate(&t, fd, len as u64));
+        }
+    }
+    kernel!(libc::SYS_ftruncate, fd, len) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ftruncate64(fd: c_int, len: off_t) -> c_int {
+    forward!(ftruncate(fd, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fallocate(fd: c_int, mode: c_int, off: off_t, len: off_t) -> c_int {
+    if off >= 0 && len > 0 {
+        if let Some((_g, c, t)) = lookup(fd) {
+            return unit_ret(c.fallocate(&t, fd, mode, off as u64, len as u64));
+        }
+    }
+    kernel!(libc::SYS_fallocate, fd, mode, off, len) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fallocate64(fd: c_int, mode: c_int, off: off_t, len: off_t) -> c_int {
+    forward!(fallocate(fd, mode, off, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_fallocate(fd: c_int, off: off_t, len: off_t) -> c_int {
+    if off < 0 || len <= 0 {
+        return libc::EINVAL;
+    }
+    if let Some((_g, c, t)) = lookup(fd) {
+        return match c.fallocate(&t, fd, 0, off as u64, len as u64) {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        };
+    }
+    // posix_fallocate returns the error instead of setting errno: the raw result.
+    // SAFETY: integers only.
+    let r = unsafe { syscall6(libc::SYS_fallocate, fd as i64, 0, off, len, 0, 0) };
+    if r < 0 {
+        -r as c_int
+    } else {
+        0
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_fallocate64(fd: c_int, off: off_t, len: off_t) -> c_int {
+    forward!(posix_fallocate(fd, off, len))
+}
+
+/// After an attribute change through a descriptor: the next sync of the object is real.
+pub(crate) fn flag_fd(fd: c_int, f: u64) {
+    keep_errno(|| {
+        if let Some((_g, c, t)) = lookup(fd) {
+            c.flag(&t, fd, f);
+        }
+    })
+}
+
+/// After a change by path: find the object and flag it.
+pub(crate) unsafe fn flag_path(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
+    keep_errno(|| forward!(flag_path_inner(dirfd, path, nofollow, f)))
+}
+
+pub(crate) unsafe fn flag_path_inner(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
+    let Some(_g) = Inside::enter() else { return };
+    let Some(c) = client_if_needed() else { return };
+    if path.is_null() {
+        return;
+    }
+    let fl = if nofollow {
+        libc::AT_SYMLINK_NOFOLLOW
+    } else {
+        0
+    };
+    if let Ok(st) = sys::fstatat(dirfd, path, fl) {
+        c.flag_object(&st, f);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchmod(fd: c_int, mode: mode_t) -> c_int {
+    let r = kernel!(libc::SYS_fchmod, fd, mode);
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchown(fd: c_int, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    // Owner, group and mode of a tracked file before: a chown that changes none of them
+    // leaves nothing for the next sync to make durable but the change time (SQLite running
+    // as root gives each new journal the database's owner, which it already has; the
+    // journal's syncs stay absorbed).
+    let mut before = None;
+    keep_errno(|| before = lookup(fd).and_then(|_| sys::fstat(fd).ok()));
+    let r = kernel!(libc::SYS_fchown, fd, uid, gid);
+    if let (0, Some(b)) = (r, before) {
+        let mut same = false;
+        keep_errno(|| {
+            same = sys::fstat(fd)
+                .is_ok_and(|a| (a.st_uid, a.st_gid, a.st_mode) == (b.st_uid, b.st_gid, b.st_mode))
+        });
+        if same {
+            return 0;
+        }
+    }
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn futimens(fd: c_int, times: *const libc::timespec) -> c_int {
+    let r = kernel!(libc::SYS_utimensat, fd, 0, times);
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn utimensat(
+    d: c_int,
+    path: *const c_char,
+    times: *const libc::timespec,
+    flags: c_int,
+) -> c_int {
+    let r = kernel!(libc::SYS_utimensat, d, path, times, flags);
+    if path.is_null() {
+        flag_fd(d, F_FALLBACK);
+    } else {
+        forward!(flag_path(
+            d,
+            path,
+            flags & libc::AT_SYMLINK_NOFOLLOW != 0,
+            F_FALLBACK
+        ));
+    }
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn chmod(path: *const c_char, mode: mode_t) -> c_int {
+    forward!(fchmodat(libc::AT_FDCWD, path, mode, 0))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchmodat(
+    d: c_int,
+    path: *const c_char,
+    mode: mode_t,
+    flags: c_int,
+) -> c_int {
+    let r = if flags == 0 {
+        kernel!(libc::SYS_fchmodat, d, path, mode)
+    } else {
+        kernel!(libc::SYS_fchmodat2, d, path, mode, flags)
+    };
+    forward!(flag_path(
+        d,
+        path,
+        flags & libc::AT_SYMLINK_NOFOLLOW != 0,
+        F_FALLBACK
+    ));
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn chown(path: *const c_char, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    forward!(fchownat(libc::AT_FDCWD, path, uid, gid, 0))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lchown(path: *const c_char, uid: libc::uid_t, gid: libc::gid_t) -> c_int {
+    forward!(fchownat(
+        libc::AT_FDCWD,
+        path,
+        uid,
+        gid,
+        libc::AT_SYMLINK_NOFOLLOW
+    ))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fchownat(
+    d: c_int,
+    path: *const c_char,
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    flags: c_int,
+) -> c_int {
+    let r = kernel!(libc::SYS_fchownat, d, path, uid, gid, flags);
+    forward!(flag_path(
+        d,
+        path,
+        flags & libc::AT_SYMLINK_NOFOLLOW != 0,
+        F_FALLBACK
+    ));
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn truncate(path: *const c_char, len: off_t) -> c_int {
+    let r = kernel!(libc::SYS_truncate, path, len);
+    forward!(flag_path(libc::AT_FDCWD, path, false, F_FALLBACK));
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn truncate64(path: *const c_char, len: off_t) -> c_int {
+    forward!(truncate(path, len))
+}

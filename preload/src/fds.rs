@@ -1,0 +1,90 @@
+//! The descriptor table: close, close_range, closefrom, dup, dup2, dup3, fcntl.
+
+use std::ffi::{c_int, c_long, c_uint};
+
+use crate::abi::*;
+use crate::attach::*;
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if let Some(_g) = Inside::enter() {
+        if let Some(c) = client_if_needed() {
+            c.untrack(fd);
+        }
+    }
+    kernel!(libc::SYS_close, fd) as c_int
+}
+
+pub(crate) fn untrack_range(first: c_uint, last: c_uint) {
+    if let Some(_g) = Inside::enter() {
+        if let Some(c) = client_if_needed() {
+            c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    if flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0 {
+        untrack_range(first, last);
+    }
+    kernel!(libc::SYS_close_range, first, last, flags) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(first: c_int) {
+    untrack_range(first as c_uint, c_uint::MAX);
+    kernel!(libc::SYS_close_range, first, c_uint::MAX);
+}
+
+pub(crate) fn dup_track(old: c_int, new: i64) {
+    if new < 0 {
+        return;
+    }
+    keep_errno(|| {
+        if let Some(_g) = Inside::enter() {
+            if let Some(c) = client_if_needed() {
+                c.dup(old, new as i32);
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(old: c_int) -> c_int {
+    let r = kernel!(libc::SYS_dup, old);
+    dup_track(old, r);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    if old == new {
+        let r = kernel!(libc::SYS_fcntl, old, libc::F_GETFD);
+        return if r < 0 { -1 } else { new };
+    }
+    let r = kernel!(libc::SYS_dup3, old, new);
+    dup_track(old, r);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    let r = kernel!(libc::SYS_dup3, old, new, flags);
+    dup_track(old, r);
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
+    let r = kernel!(libc::SYS_fcntl, fd, cmd, arg);
+    if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
+        dup_track(fd, r);
+    }
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
+    forward!(fcntl(fd, cmd, arg))
+}

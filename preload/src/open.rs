@@ -1,0 +1,173 @@
+//! open, openat, creat and their 64-bit and fortified names. The decisions (what is tracked,
+//! which flags the kernel sees) are `pmstack::front::open`'s.
+
+use std::ffi::{c_char, c_int, c_uint, CStr};
+
+use libc::mode_t;
+use pmstack::front::{open, sys};
+
+use crate::abi::*;
+use crate::attach::*;
+use crate::namespace::ns_targets;
+
+pub(crate) unsafe fn do_open(
+    dirfd: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    let plain = |f: c_int| kernel!(libc::SYS_openat, dirfd, path, f, mode) as c_int;
+    let Some(_g) = Inside::enter() else {
+        return plain(flags);
+    };
+    let Some(root) = root() else {
+        return plain(flags);
+    };
+    let plan = open::plan(flags);
+    if !plan.track {
+        return plain(flags);
+    }
+    let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
+    // A file this call created: what the creation learnt of it.
+    let mut born = None;
+    let fd = if plan.create {
+        // A creation under the root is logged (and the new file's syncs absorbed from the
+        // first).
+        match ns_targets(&[(dirfd, path)]) {
+            Some((c, ts)) => match c.create(&ts[0], f, mode) {
+                Ok((fd, b)) => {
+                    born = b.map(|b| (c, b));
+                    fd
+                }
+                Err(e) => {
+                    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                    return -1;
+                }
+            },
+            None => plain(f),
+        }
+    } else {
+        plain(f)
+    };
+    if fd < 0 {
+        return fd;
+    }
+    let new = born.is_some();
+    let tracked = match born {
+        // Under the root, and empty.
+        Some((c, b)) => c.track_born(fd, sync, b).map(|t| (c, t)),
+        None => {
+            // SAFETY: the kernel just opened this path: a readable C string.
+            let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+            let path = if open::given_path_under(root, dirfd, given) {
+                Some(given.to_vec())
+            } else {
+                sys::fd_path(fd)
+            };
+            let ours = path.as_deref().is_some_and(under_root);
+            let c = if ours { client() } else { None };
+            if ours && c.is_none() {
+                mark_unseen(&[fd]);
+            }
+            c.and_then(|c| c.track_path(fd, sync, path.as_deref()).map(|t| (c, t)))
+        }
+    };
+    match tracked {
+        Some((c, t)) => {
+            // (An empty file needs no truncation: a new file, typically.)
+            if trunc && !new && sys::fstat(fd).is_ok_and(|st| st.st_size > 0) {
+                if let Err(e) = c.ftruncate(&t, fd, 0) {
+                    c.untrack(fd);
+                    sys::close(fd);
+                    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                    return -1;
+                }
+            }
+            fd
+        }
+        None if sync || trunc => {
+            // Not ours: open it again exactly as asked and put it in place.
+            let p = format!("/proc/self/fd/{fd}\0");
+            let again = open::reopen_flags(flags);
+            match sys::openat(libc::AT_FDCWD, p.as_ptr() as *const c_char, again, 0) {
+                Ok(nfd) => {
+                    let cloexec = if flags & libc::O_CLOEXEC != 0 {
+                        libc::O_CLOEXEC
+                    } else {
+                        0
+                    };
+                    let r = sys::dup3(nfd, fd, cloexec);
+                    sys::close(nfd);
+                    if let Err(e) = r {
+                        sys::close(fd);
+                        set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                        return -1;
+                    }
+                    fd
+                }
+                Err(e) => {
+                    sys::close(fd);
+                    set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+                    -1
+                }
+            }
+        }
+        None => fd,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+    forward!(do_open(libc::AT_FDCWD, path, flags, mode))
+}
+#[no_mangle]
+pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+    forward!(do_open(libc::AT_FDCWD, path, flags, mode))
+}
+#[no_mangle]
+pub unsafe extern "C" fn __open_2(path: *const c_char, flags: c_int) -> c_int {
+    forward!(do_open(libc::AT_FDCWD, path, flags, 0))
+}
+#[no_mangle]
+pub unsafe extern "C" fn __open64_2(path: *const c_char, flags: c_int) -> c_int {
+    forward!(do_open(libc::AT_FDCWD, path, flags, 0))
+}
+#[no_mangle]
+pub unsafe extern "C" fn openat(
+    d: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    forward!(do_open(d, path, flags, mode))
+}
+#[no_mangle]
+pub unsafe extern "C" fn openat64(
+    d: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    forward!(do_open(d, path, flags, mode))
+}
+#[no_mangle]
+pub unsafe extern "C" fn __openat_2(d: c_int, path: *const c_char, flags: c_int) -> c_int {
+    forward!(do_open(d, path, flags, 0))
+}
+#[no_mangle]
+pub unsafe extern "C" fn __openat64_2(d: c_int, path: *const c_char, flags: c_int) -> c_int {
+    forward!(do_open(d, path, flags, 0))
+}
+#[no_mangle]
+pub unsafe extern "C" fn creat(path: *const c_char, mode: mode_t) -> c_int {
+    forward!(do_open(
+        libc::AT_FDCWD,
+        path,
+        libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC,
+        mode
+    ))
+}
+#[no_mangle]
+pub unsafe extern "C" fn creat64(path: *const c_char, mode: mode_t) -> c_int {
+    forward!(creat(path, mode))
+}

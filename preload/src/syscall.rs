@@ -1,0 +1,108 @@
+//! syscall(2): the calls the library interposes, when a program makes them by number.
+
+use std::ffi::{c_char, c_int, c_long, c_uint, c_void};
+
+use libc::{iovec, size_t};
+use pmstack::front::sys::{self};
+
+use crate::attach::*;
+use crate::attrs::*;
+use crate::fds::*;
+use crate::open::*;
+use crate::sync::*;
+use crate::write::*;
+
+#[no_mangle]
+pub unsafe extern "C" fn syscall(
+    n: c_long,
+    a1: c_long,
+    a2: c_long,
+    a3: c_long,
+    a4: c_long,
+    a5: c_long,
+    a6: c_long,
+) -> c_long {
+    let inside = INSIDE.try_with(|c| c.get()).unwrap_or(true);
+    if !inside {
+        match n {
+            libc::SYS_write => {
+                return forward!(write(a1 as c_int, a2 as *const c_void, a3 as size_t)) as c_long
+            }
+            libc::SYS_pwrite64 => {
+                return forward!(pwrite(a1 as c_int, a2 as *const c_void, a3 as size_t, a4))
+                    as c_long
+            }
+            libc::SYS_writev => {
+                return forward!(writev(a1 as c_int, a2 as *const iovec, a3 as c_int)) as c_long
+            }
+            libc::SYS_pwritev => {
+                return forward!(pwritev(a1 as c_int, a2 as *const iovec, a3 as c_int, a4))
+                    as c_long
+            }
+            libc::SYS_pwritev2 => {
+                return forward!(pwritev2(
+                    a1 as c_int,
+                    a2 as *const iovec,
+                    a3 as c_int,
+                    a4,
+                    a6 as c_int
+                )) as c_long
+            }
+            libc::SYS_fsync => return forward!(fsync(a1 as c_int)) as c_long,
+            libc::SYS_fdatasync => return forward!(fdatasync(a1 as c_int)) as c_long,
+            libc::SYS_close => return forward!(close(a1 as c_int)) as c_long,
+            libc::SYS_close_range => {
+                return forward!(close_range(a1 as c_uint, a2 as c_uint, a3 as c_int)) as c_long
+            }
+            libc::SYS_openat => {
+                return forward!(do_open(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as c_int,
+                    a4 as c_uint
+                )) as c_long
+            }
+            libc::SYS_open => {
+                return forward!(do_open(
+                    libc::AT_FDCWD,
+                    a1 as *const c_char,
+                    a2 as c_int,
+                    a3 as c_uint
+                )) as c_long
+            }
+            libc::SYS_ftruncate => return forward!(ftruncate(a1 as c_int, a2)) as c_long,
+            libc::SYS_fallocate => {
+                return forward!(fallocate(a1 as c_int, a2 as c_int, a3, a4)) as c_long
+            }
+            libc::SYS_dup => return forward!(dup(a1 as c_int)) as c_long,
+            libc::SYS_dup3 => {
+                return forward!(dup3(a1 as c_int, a2 as c_int, a3 as c_int)) as c_long
+            }
+            libc::SYS_io_uring_setup => {
+                // Writes submitted through the ring are invisible: this process's syncs stay
+                // real, and so do everyone's syncs of the objects it has open.
+                if let Some(_g) = Inside::enter() {
+                    if let Some(c) = client_if_needed() {
+                        c.go_blind();
+                    }
+                }
+            }
+            libc::SYS_openat2 => {
+                let r = kernel!(n, a1, a2, a3, a4, a5, a6);
+                if r >= 0 {
+                    let ours = sys::fd_path(r as i32).is_some_and(|p| under_root(&p));
+                    if let Some(_g) = Inside::enter().filter(|_| ours) {
+                        if let Some(c) = client() {
+                            // The O_SYNC flag (if any) stayed on the descriptor: writes are
+                            // durable in the lower file system; logging keeps them ordered.
+                            c.track(r as i32, false);
+                        }
+                    }
+                }
+                return r as c_long;
+            }
+            _ => {}
+        }
+    }
+    kernel!(n, a1, a2, a3, a4, a5, a6) as c_long
+}

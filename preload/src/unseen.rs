@@ -1,0 +1,280 @@
+//! Writes the library cannot follow (shared writable mappings, POSIX AIO, kernel copies):
+//! the O_SYNC a program asked for goes back on the descriptor and the next sync is real.
+
+use std::ffi::{c_char, c_int, c_long, c_uint, c_void, CStr};
+
+use libc::{off_t, size_t, ssize_t};
+use pmstack::front::client::{Client, Tracked};
+use pmstack::front::sys::{self, syscall6};
+use pmstack::front::table::{F_FALLBACK, F_MMAP};
+
+use crate::abi::*;
+use crate::attach::*;
+use crate::attrs::flag_fd;
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    if fd >= 0 && flags & libc::MAP_SHARED != 0 && prot & libc::PROT_WRITE != 0 {
+        // Stores through the mapping are invisible: syncs of this object stay real.
+        flag_fd(fd, F_MMAP);
+    }
+    // mmap returns an address, not -1: the raw result, the program's arguments unchanged.
+    // SAFETY: as `kernel!` (the kernel checks the program's arguments).
+    let r = unsafe {
+        syscall6(
+            libc::SYS_mmap,
+            addr as i64,
+            len as i64,
+            prot as i64,
+            flags as i64,
+            fd as i64,
+            off,
+        )
+    };
+    if (-4095..0).contains(&r) {
+        set_errno(-r as i32);
+        libc::MAP_FAILED
+    } else {
+        r as *mut c_void
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    forward!(mmap(addr, len, prot, flags, fd, off))
+}
+
+/// The program opened `fd` with O_SYNC/O_DSYNC, which the library keeps off the real
+/// descriptor because it logs every write made through the calls it interposes (that is what
+/// makes those writes fast). A path it cannot see (POSIX AIO inside the C library, kernel
+/// copies) would write without the flag: put it back on the descriptor, as a new open file
+/// description of the same file with the same status flags and offset at the same number,
+/// so the kernel honours it for every path from now on. Caller is `Inside`.
+pub(crate) fn restore_sync_flag(c: &Client, t: &Tracked, fd: c_int) {
+    if !t.sync {
+        return;
+    }
+    let (Ok(fl), Ok(fdfl)) = (
+        sys::fcntl(fd, libc::F_GETFL, 0),
+        sys::fcntl(fd, libc::F_GETFD, 0),
+    ) else {
+        return;
+    };
+    let pos = sys::lseek(fd, 0, libc::SEEK_CUR);
+    let path = format!("/proc/self/fd/{fd}\0");
+    let keep = fl as c_int
+        & (libc::O_ACCMODE
+            | libc::O_APPEND
+            | libc::O_NONBLOCK
+            | libc::O_DIRECT
+            | libc::O_NOATIME
+            | libc::O_LARGEFILE);
+    let flags = keep | libc::O_SYNC | libc::O_CLOEXEC;
+    let Ok(nfd) = sys::openat(libc::AT_FDCWD, path.as_ptr() as *const c_char, flags, 0) else {
+        return; // the flag stays off: the caller's real sync is then the only guarantee
+    };
+    if let Ok(p) = pos {
+        let _ = sys::lseek(nfd, p as i64, libc::SEEK_SET);
+    }
+    let cloexec = if fdfl as c_int & libc::FD_CLOEXEC != 0 {
+        libc::O_CLOEXEC
+    } else {
+        0
+    };
+    let r = sys::dup3(nfd, fd, cloexec);
+    sys::close(nfd);
+    if r.is_ok() {
+        // Writes through the interposed calls are now durable natively: track the
+        // descriptor as an ordinary one (its writes still obey the rollback rule).
+        c.untrack(fd);
+        c.track(fd, false);
+    }
+}
+
+/// A write the library cannot see is about to reach `fd`: the O_SYNC/O_DSYNC the program
+/// asked for goes back on the descriptor, and the object's live entries are expired first.
+pub(crate) fn unseen_write(fd: c_int) {
+    keep_errno(|| {
+        if let Some((_g, c, t)) = lookup(fd) {
+            restore_sync_flag(c, &t, fd);
+            c.before_unseen_write(&t, fd);
+        }
+    })
+}
+
+// ---------------- POSIX AIO (its writes happen inside the C library) ----------------
+
+pub(crate) type AioFn = unsafe extern "C" fn(*mut libc::aiocb) -> c_int;
+pub(crate) type LioFn =
+    unsafe extern "C" fn(c_int, *const *mut libc::aiocb, c_int, *mut libc::sigevent) -> c_int;
+
+pub(crate) unsafe fn aio_write_via(name: &CStr, cb: *mut libc::aiocb) -> c_int {
+    if !cb.is_null() {
+        // SAFETY: the program passes a valid control block (as the C library assumes).
+        unseen_write(unsafe { (*cb).aio_fildes });
+    }
+    match next::<AioFn>(name) {
+        // SAFETY: forwarded as the program passed it.
+        Some(f) => unsafe { f(cb) },
+        None => {
+            set_errno(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+pub(crate) unsafe fn lio_listio_via(
+    name: &CStr,
+    mode: c_int,
+    list: *const *mut libc::aiocb,
+    nent: c_int,
+    sig: *mut libc::sigevent,
+) -> c_int {
+    if !list.is_null() {
+        for k in 0..nent.max(0) as usize {
+            // SAFETY: the program passes `nent` entries (null entries are skipped, as
+            // lio_listio does).
+            let cb = unsafe { *list.add(k) };
+            // SAFETY: as above.
+            if !cb.is_null() && unsafe { (*cb).aio_lio_opcode } == libc::LIO_WRITE {
+                // SAFETY: as above.
+                unseen_write(unsafe { (*cb).aio_fildes });
+            }
+        }
+    }
+    match next::<LioFn>(name) {
+        // SAFETY: forwarded as the program passed it.
+        Some(f) => unsafe { f(mode, list, nent, sig) },
+        None => {
+            set_errno(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aio_write(cb: *mut libc::aiocb) -> c_int {
+    // SAFETY: forwarded.
+    forward!(aio_write_via(c"aio_write", cb))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aio_write64(cb: *mut libc::aiocb) -> c_int {
+    // SAFETY: forwarded.
+    forward!(aio_write_via(c"aio_write64", cb))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lio_listio(
+    mode: c_int,
+    list: *const *mut libc::aiocb,
+    nent: c_int,
+    sig: *mut libc::sigevent,
+) -> c_int {
+    // SAFETY: forwarded.
+    forward!(lio_listio_via(c"lio_listio", mode, list, nent, sig))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lio_listio64(
+    mode: c_int,
+    list: *const *mut libc::aiocb,
+    nent: c_int,
+    sig: *mut libc::sigevent,
+) -> c_int {
+    // SAFETY: forwarded.
+    forward!(lio_listio_via(c"lio_listio64", mode, list, nent, sig))
+}
+
+/// copy_file_range and splice: the kernel copies into `fd_out`, unseen; its next sync is real.
+pub(crate) unsafe fn kernel_copy(
+    n: c_long,
+    fd_in: c_int,
+    off_in: *mut i64,
+    fd_out: c_int,
+    off_out: *mut i64,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    unseen_write(fd_out);
+    let r = kernel!(n, fd_in, off_in, fd_out, off_out, len, flags);
+    flag_fd(fd_out, F_FALLBACK);
+    r as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn copy_file_range(
+    fd_in: c_int,
+    off_in: *mut i64,
+    fd_out: c_int,
+    off_out: *mut i64,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    forward!(kernel_copy(
+        libc::SYS_copy_file_range,
+        fd_in,
+        off_in,
+        fd_out,
+        off_out,
+        len,
+        flags
+    ))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    unseen_write(out);
+    let r = kernel!(libc::SYS_sendfile, out, inp, off, count);
+    flag_fd(out, F_FALLBACK);
+    r as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    count: size_t,
+) -> ssize_t {
+    forward!(sendfile(out, inp, off, count))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn splice(
+    fd_in: c_int,
+    off_in: *mut i64,
+    fd_out: c_int,
+    off_out: *mut i64,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    forward!(kernel_copy(
+        libc::SYS_splice,
+        fd_in,
+        off_in,
+        fd_out,
+        off_out,
+        len,
+        flags
+    ))
+}
