@@ -66,8 +66,11 @@ pub enum RegionError {
     Lease(#[from] LeaseError),
     #[error("replaying as user {user}: {source}")]
     ReplayAs { user: String, source: io::Error },
-    #[error("recovery of {} failed: {msg}", pm.display())]
-    Recovery { pm: PathBuf, msg: String },
+    #[error("recovery of {} failed: {source}", pm.display())]
+    Recovery {
+        pm: PathBuf,
+        source: crate::core::recover::RecoverError,
+    },
     #[error("giving PM region {} to user {user}: {source}", pm.display())]
     GiveTo {
         pm: PathBuf,
@@ -358,7 +361,10 @@ impl Region {
                         })?
                 }
             }
-            .map_err(|msg| RegionError::Recovery { pm: pm.into(), msg })?;
+            .map_err(|source| RegionError::Recovery {
+                pm: pm.into(),
+                source,
+            })?;
             obs.progress_done();
             if !sum.unbound_fids.is_empty() {
                 let saved = save_unplaced(&log, &sum).map_or_else(

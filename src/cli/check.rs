@@ -16,10 +16,10 @@ pub(super) fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
         *per_file.entry(e.rec.fid()).or_default() += 1;
     }
     let used = s.used_pages().len();
-    let mut problems = s.problems.clone();
+    let mut problems: Vec<String> = s.problems.iter().map(ToString::to_string).collect();
     if let Err(p) = &plan {
-        if !problems.contains(p) {
-            problems.push(p.clone());
+        if !s.problems.contains(p) {
+            problems.push(p.to_string());
         }
     }
     let out = serde_json::json!({

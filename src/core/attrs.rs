@@ -1,7 +1,7 @@
 //! Attributes: size, mode, owner, times and extended attributes, logged where a sync must
 //! keep them.
 
-use super::{Core, Inode};
+use super::{Core, Inode, Owed};
 use crate::engine::{AttrOp, Record};
 use crate::lower::real::{fstat, Stat};
 use std::io;
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 impl Core {
     /// Log an attribute change of `i` (after it was applied to the lower FS).
-    pub(super) fn log_attr(&self, i: &Inode, op: AttrOp) -> io::Result<()> {
+    pub(super) fn log_attr(&self, owed: &Owed, i: &Inode, op: AttrOp) -> io::Result<()> {
         let Some(log) = self.logging() else {
             return Ok(());
         };
@@ -28,11 +28,11 @@ impl Core {
                 st.live_attr = true;
                 Ok(())
             }
-            Err(_) => self.fall_back_file(log, i, &mut st),
+            Err(_) => self.fall_back_file(owed, log, i, &mut st),
         }
     }
 
-    pub(super) fn setattr_size(&self, i: &Arc<Inode>, size: u64) -> io::Result<()> {
+    pub(super) fn setattr_size(&self, owed: &Owed, i: &Arc<Inode>, size: u64) -> io::Result<()> {
         let _g = self.gate.read();
         self.lower.truncate(self.nfd(i)?.as_raw_fd(), size)?;
         {
@@ -40,7 +40,7 @@ impl Core {
             // Dirty bytes past the new end no longer exist.
             st.dirty.clip(size);
         }
-        self.log_attr(i, AttrOp::Truncate(size))
+        self.log_attr(owed, i, AttrOp::Truncate(size))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -54,7 +54,7 @@ impl Core {
         atime: Option<Option<i64>>,
         mtime: Option<Option<i64>>,
     ) -> io::Result<Stat> {
-        self.settled(|| {
+        self.settled(|owed| {
             let i = self.inode(ino)?;
             if mode.is_none()
                 && uid.is_none()
@@ -74,17 +74,17 @@ impl Core {
                 return self.stat_of(&i);
             }
             if let Some(s) = size {
-                self.setattr_size(&i, s)?;
+                self.setattr_size(owed, &i, s)?;
             }
             let _g = self.gate.read();
             if let Some(m) = mode {
                 self.lower.chmod(self.nfd(&i)?.as_raw_fd(), m)?;
-                self.log_attr(&i, AttrOp::Chmod(m & 0o7777))?;
+                self.log_attr(owed, &i, AttrOp::Chmod(m & 0o7777))?;
             }
             if uid.is_some() || gid.is_some() {
                 let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
                 self.lower.chown(self.nfd(&i)?.as_raw_fd(), u, g)?;
-                self.log_attr(&i, AttrOp::Chown(u, g))?;
+                self.log_attr(owed, &i, AttrOp::Chown(u, g))?;
             }
             if atime.is_some() || mtime.is_some() {
                 self.lower
@@ -94,6 +94,7 @@ impl Core {
                 let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
                 let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
                 self.log_attr(
+                    owed,
                     &i,
                     AttrOp::Times {
                         atime_ns: a,
@@ -106,12 +107,13 @@ impl Core {
     }
 
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> io::Result<()> {
-        self.settled(|| {
+        self.settled(|owed| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
             self.lower
                 .setxattr(self.nfd(&i)?.as_raw_fd(), name, value, flags)?;
             self.log_attr(
+                owed,
                 &i,
                 AttrOp::SetXattr {
                     name: name.to_vec(),
@@ -123,11 +125,12 @@ impl Core {
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> io::Result<()> {
-        self.settled(|| {
+        self.settled(|owed| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
             self.lower.removexattr(self.nfd(&i)?.as_raw_fd(), name)?;
             self.log_attr(
+                owed,
                 &i,
                 AttrOp::RemoveXattr {
                     name: name.to_vec(),

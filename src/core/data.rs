@@ -37,7 +37,7 @@ impl Core {
             Err(e) => return Err(e),
         };
         if flags & libc::O_TRUNC != 0 {
-            self.setattr_size(&i, 0)?;
+            self.settled(|owed| self.setattr_size(owed, &i, 0))?;
         }
         Ok(self.add_handle(i, fd, flags))
     }
@@ -97,7 +97,7 @@ impl Core {
     }
 
     pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> io::Result<usize> {
-        self.settled(|| {
+        self.settled(|owed| {
             let h = self.handle(fh)?;
             let fd = h.fd.as_raw_fd();
             let Some(log) = self.logging() else {
@@ -168,7 +168,7 @@ impl Core {
                         }
                         // PM full: the bytes go to the lower FS and are made durable there.
                         let n = real::pwrite_all(fd, data, off)?;
-                        self.fall_back_file(log, i, &mut st)?;
+                        self.fall_back_file(owed, log, i, &mut st)?;
                         return Ok(n);
                     }
                 }
@@ -180,7 +180,7 @@ impl Core {
     /// In strict mode everything is durable already: ENOSYS tells the kernel to stop asking
     /// (it then treats every later fsync as done without a round trip).
     pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> io::Result<()> {
-        self.settled(|| {
+        self.settled(|owed| {
             if self.opts.mode == Mode::Strict && self.log.is_some() {
                 self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
                 return Err(errno(libc::ENOSYS));
@@ -233,7 +233,7 @@ impl Core {
                 return Ok(());
             }
             // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
-            self.fall_back_file(log, &i, &mut st)
+            self.fall_back_file(owed, log, &i, &mut st)
         })
     }
 
@@ -306,7 +306,7 @@ impl Core {
     }
 
     pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> io::Result<()> {
-        self.settled(|| {
+        self.settled(|owed| {
             let h = self.handle(fh)?;
             let _g = self.gate.read();
             if let Some(log) = self.logging() {
@@ -314,11 +314,12 @@ impl Core {
                 // zeroes them, and the Fallocate entry replays that on top of them.
                 let mut st = h.ino.st.lock();
                 if !st.dirty.is_empty() && !self.log_dirty(log, &h.ino, &mut st, Some(fh)) {
-                    self.fall_back_file(log, &h.ino, &mut st)?;
+                    self.fall_back_file(owed, log, &h.ino, &mut st)?;
                 }
             }
             real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
             self.log_attr(
+                owed,
                 &h.ino,
                 AttrOp::Fallocate {
                     mode: mode as u32,

@@ -230,10 +230,20 @@ enum SyncRef {
     Fd(OwnedFd),
 }
 
-thread_local! {
-    /// Set by a fallback that could not append its write-back record (PM reserve exhausted);
-    /// consumed by `Core::settled` on the same thread.
-    static NEED_FULL_WRITE_BACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// What a public operation owes before it returns. A fallback that could not even append its
+/// write-back record (PM reserve exhausted) owes a full write-back: `Core::settled` makes one
+/// for each operation and hands it down to every place a fallback can happen, and runs the
+/// write-back when the operation is done (no lock held). A value the operation carries, so
+/// no path can fall back without a way to pay.
+#[derive(Default)]
+pub(super) struct Owed {
+    full_write_back: std::cell::Cell<bool>,
+}
+
+impl Owed {
+    pub(super) fn full_write_back(&self) {
+        self.full_write_back.set(true);
+    }
 }
 
 fn kind_of(mode: u32) -> u32 {

@@ -1,7 +1,7 @@
 //! The namespace: creations, removals, renames and links done on the lower and logged in
 //! one order with their LSNs, directory handles, directory fsync.
 
-use super::{kind_of, Core, DirHandle, Inode, Mode, NEED_FULL_WRITE_BACK};
+use super::{kind_of, Core, DirHandle, Inode, Mode, Owed};
 use crate::engine::{NodeKind, NsOp, Record, ROOT_FID};
 use crate::lower::errno;
 use crate::lower::real::{self, fstat, Stat};
@@ -18,6 +18,7 @@ impl Core {
     /// other namespace operation; durable when this returns.
     pub(super) fn ns_op<T>(
         &self,
+        owed: &Owed,
         bind: &[&Arc<Inode>],
         lower_op: impl FnOnce() -> io::Result<T>,
         rec: impl FnOnce(&T) -> Option<(NsOp, Option<Arc<Inode>>)>,
@@ -88,7 +89,7 @@ impl Core {
                     .write_back(crate::engine::NAMESPACE_FID, lsn + 1)
                     .is_err()
                 {
-                    NEED_FULL_WRITE_BACK.with(|c| c.set(true));
+                    owed.full_write_back();
                 }
                 Ok(out)
             }
@@ -153,13 +154,14 @@ impl Core {
         uid: u32,
         gid: u32,
     ) -> io::Result<(Arc<Inode>, Stat)> {
-        self.settled(|| {
+        self.settled(|owed| {
             let p = self.inode(parent)?;
             if self.hidden(&p, name) {
                 return Err(errno(libc::EPERM));
             }
             let t = target.unwrap_or(b"");
             self.ns_op(
+                owed,
                 &[&p],
                 || {
                     match mode & libc::S_IFMT {
@@ -194,7 +196,7 @@ impl Core {
         uid: u32,
         gid: u32,
     ) -> io::Result<(Arc<Inode>, Stat, u64)> {
-        self.settled(|| {
+        self.settled(|owed| {
             let p = self.inode(parent)?;
             if self.hidden(&p, name) {
                 return Err(errno(libc::EPERM));
@@ -204,6 +206,7 @@ impl Core {
                 fl = fl & !libc::O_ACCMODE | libc::O_RDWR;
             }
             let (i, st, fd) = self.ns_op(
+                owed,
                 &[&p],
                 || {
                     // O_EXCL first, so a failure below undoes only a file made here.
@@ -248,7 +251,7 @@ impl Core {
     }
 
     pub fn remove(&self, parent: u64, name: &OsStr, dir: bool) -> io::Result<()> {
-        self.settled(|| {
+        self.settled(|owed| {
             let p = self.inode(parent)?;
             if self.hidden(&p, name) {
                 return Err(errno(libc::ENOENT));
@@ -259,6 +262,7 @@ impl Core {
                 None
             };
             self.ns_op(
+                owed,
                 &[&p],
                 || {
                     // The victim's link count before (namespace operations are serialized
@@ -330,7 +334,7 @@ impl Core {
         newname: &OsStr,
         flags: u32,
     ) -> io::Result<()> {
-        self.settled(|| {
+        self.settled(|owed| {
             let p = self.inode(parent)?;
             let np = self.inode(newparent)?;
             if self.hidden(&p, name) || self.hidden(&np, newname) {
@@ -348,6 +352,7 @@ impl Core {
                 None => None,
             };
             self.ns_op(
+                owed,
                 &[&p, &np]
                     .into_iter()
                     .chain(victim.as_ref())
@@ -385,13 +390,14 @@ impl Core {
         newparent: u64,
         newname: &OsStr,
     ) -> io::Result<(Arc<Inode>, Stat)> {
-        self.settled(|| {
+        self.settled(|owed| {
             let i = self.inode(ino)?;
             let np = self.inode(newparent)?;
             if self.hidden(&np, newname) {
                 return Err(errno(libc::EPERM));
             }
             self.ns_op(
+                owed,
                 &[&i, &np],
                 || {
                     self.lower.link(

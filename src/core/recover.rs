@@ -874,14 +874,17 @@ fn search_by_ino(
 /// (same marker, other inodes) or a lower whose client was remounted (stale handles) fails
 /// this, and then no record may be applied: handles would resolve to nothing (every record
 /// silently skipped) or to objects outside LOWER.
-pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), String> {
+pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), RecoverError> {
     let Some(h) = plan.binds.get(&ROOT_FID) else {
         return Ok(()); // logs written before root binding existed
     };
-    let root = real::fstat(lower.root_fd()).map_err(|e| format!("lower root: {e}"))?;
-    match lower.open_handle(h).and_then(|fd| real::fstat(fd.as_raw_fd())) {
+    let root = real::fstat(lower.root_fd()).map_err(|source| RecoverError::LowerRoot { source })?;
+    match lower
+        .open_handle(h)
+        .and_then(|fd| real::fstat(fd.as_raw_fd()))
+    {
         Ok(st) if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino) => Ok(()),
-        Ok(_) => Err("the log's file handles name objects of another directory on this file system: this lower directory is a copy of (or other than) the one the log was written for; recover onto the original directory".into()),
+        Ok(_) => Err(RecoverError::HandlesNameAnotherDirectory),
         // A FUSE or network client remounted since: its handles are stale, but the root has
         // the inode number it had; objects are found again by theirs (`find_by_ino`).
         // Likewise when recovery may not open by handle (it replays a user's log with that
@@ -892,7 +895,7 @@ pub fn check_identity(lower: &RealLower, plan: &ReplayPlan) -> Result<(), String
         {
             Ok(())
         }
-        Err(e) => Err(format!("the log's file handles do not resolve in this lower directory ({e}): it is a copy, or its file system was re-created or remounted with other handles; recover onto the original directory")),
+        Err(source) => Err(RecoverError::HandlesDoNotResolve { source }),
     }
 }
 
@@ -917,7 +920,7 @@ pub fn replay_with(
     let t0 = std::time::Instant::now();
     if let Err(e) = check_identity(lower, plan) {
         return RecoverySummary {
-            errors: vec![e],
+            errors: vec![e.to_string()],
             ..Default::default()
         };
     }
@@ -994,6 +997,30 @@ pub fn replay_with(
     r.sum
 }
 
+/// Why a recovery did not happen or did not finish. In every case the log is kept as it was.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoverError {
+    #[error("the lower directory's marker ({}) names another directory than the one this region is bound to ({bound}); nothing was replayed", crate::lower::MARKER)]
+    ForeignLower { bound: uuid::Uuid },
+    #[error("the lower directory has no pmstack marker ({}) but this region is bound to {bound}; nothing was replayed", crate::lower::MARKER)]
+    UnmarkedLower { bound: uuid::Uuid },
+    #[error(
+        "reading the lower directory's marker ({}): {source}; nothing was replayed",
+        crate::lower::MARKER
+    )]
+    Marker { source: std::io::Error },
+    #[error("{0}; nothing was replayed")]
+    Unreadable(#[from] crate::engine::scan::Problem),
+    #[error("the lower directory's root: {source}")]
+    LowerRoot { source: std::io::Error },
+    #[error("the log's file handles name objects of another directory on this file system: this lower directory is a copy of (or other than) the one the log was written for; recover onto the original directory")]
+    HandlesNameAnotherDirectory,
+    #[error("the log's file handles do not resolve in this lower directory ({source}): it is a copy, or its file system was re-created or remounted with other handles; recover onto the original directory")]
+    HandlesDoNotResolve { source: std::io::Error },
+    #[error("recovery could not apply {count} operation(s), first: {first}; the log is kept, nothing was discarded")]
+    Incomplete { count: usize, first: String },
+}
+
 /// Recover a region onto `lower` if it holds live entries; then empty the log. A lower that
 /// is not the directory the region is bound to (no marker, or another one) is refused before
 /// anything is written: replaying onto it would write one directory's data into another.
@@ -1002,30 +1029,13 @@ pub fn recover(
     scan: &crate::engine::Scan,
     lower: &RealLower,
     progress: &dyn Fn(u64, u64),
-) -> Result<RecoverySummary, String> {
-    let bound = scan.sb.lower_id;
+) -> Result<RecoverySummary, RecoverError> {
+    let bound = uuid::Uuid::from_bytes(scan.sb.lower_id);
     match lower.marker_id() {
-        Ok(Some(id)) if id == bound => {}
-        Ok(Some(_)) => {
-            return Err(format!(
-                "the lower directory's marker ({}) names another directory than the one this region is bound to ({}); nothing was replayed",
-                crate::lower::MARKER,
-                uuid::Uuid::from_bytes(bound)
-            ))
-        }
-        Ok(None) => {
-            return Err(format!(
-                "the lower directory has no pmstack marker ({}) but this region is bound to {}; nothing was replayed",
-                crate::lower::MARKER,
-                uuid::Uuid::from_bytes(bound)
-            ))
-        }
-        Err(e) => {
-            return Err(format!(
-                "reading the lower directory's marker ({}): {e}; nothing was replayed",
-                crate::lower::MARKER
-            ))
-        }
+        Ok(Some(id)) if id == scan.sb.lower_id => {}
+        Ok(Some(_)) => return Err(RecoverError::ForeignLower { bound }),
+        Ok(None) => return Err(RecoverError::UnmarkedLower { bound }),
+        Err(source) => return Err(RecoverError::Marker { source }),
     }
     let plan = scan.plan(&**log.pm())?;
     let rebind = |fid: u64, handle: &[u8]| -> Result<(), String> {
@@ -1040,12 +1050,11 @@ pub fn recover(
     } else {
         replay_with(lower, &plan, &**log.pm(), progress, Some(&rebind))
     };
-    if !sum.errors.is_empty() {
-        return Err(format!(
-            "recovery could not apply {} operation(s), first: {}; the log is kept, nothing was discarded",
-            sum.errors.len(),
-            sum.errors[0]
-        ));
+    if let Some(first) = sum.errors.first() {
+        return Err(RecoverError::Incomplete {
+            count: sum.errors.len(),
+            first: first.clone(),
+        });
     }
     log.reset();
     Ok(sum)

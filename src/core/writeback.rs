@@ -2,7 +2,7 @@
 //! not trusted, the periodic write-back that expires log entries, a real sync where the log
 //! has no room, and the clean shutdown.
 
-use super::{Core, FileState, Inode, SyncRef, NEED_FULL_WRITE_BACK};
+use super::{Core, FileState, Inode, Owed, SyncRef};
 use crate::engine::Log;
 use crate::lower::real;
 use std::collections::HashMap;
@@ -21,6 +21,7 @@ impl Core {
     /// a full write-back runs before the operation returns (`settled`).
     pub(super) fn fall_back_file(
         &self,
+        owed: &Owed,
         log: &Log,
         i: &Inode,
         st: &mut FileState,
@@ -29,7 +30,7 @@ impl Core {
         self.sync_object(i)?;
         let upto = log.lsn_now();
         if log.write_back(i.fid, upto).is_err() {
-            NEED_FULL_WRITE_BACK.with(|c| c.set(true));
+            owed.full_write_back();
         }
         st.dirty.clear();
         st.live_pages.clear();
@@ -40,9 +41,10 @@ impl Core {
     /// Run a public operation; if a fallback could not even append its write-back record,
     /// make everything durable with a full write-back before the operation returns (no lock
     /// is held here, so write-back can take the gate).
-    pub(super) fn settled<T>(&self, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
-        let r = f();
-        if NEED_FULL_WRITE_BACK.with(|c| c.replace(false)) {
+    pub(super) fn settled<T>(&self, f: impl FnOnce(&Owed) -> io::Result<T>) -> io::Result<T> {
+        let owed = Owed::default();
+        let r = f(&owed);
+        if owed.full_write_back.get() {
             self.write_back()?;
         }
         r

@@ -53,7 +53,7 @@ fn model_live(ops: &[Op]) -> Vec<(u64, Item)> {
 fn recovered_live(img: Vec<u8>) -> Result<Vec<(u64, Item)>, String> {
     let pm = SimPmem::from_image(img);
     let s = scan(&pm).map_err(|e| e.to_string())?;
-    let plan = s.plan(&pm)?;
+    let plan = s.plan(&pm).map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     for (l, op) in plan.namespace {
         out.push((l, Item::Ns(format!("{op:?}"))));

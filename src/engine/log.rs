@@ -19,7 +19,9 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::format::*;
 use super::record::Record;
-use super::scan::{area_word, encode_tail, load_sealed, read_superblock, scan, store_sealed, Scan};
+use super::scan::{
+    area_word, encode_tail, load_sealed, read_superblock, scan, store_sealed, Problem, Scan,
+};
 use crate::pmem::Pmem;
 
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +31,9 @@ pub enum LogError {
     #[error("{0}")]
     Superblock(#[from] SbError),
     #[error("PM region is corrupted: {0}")]
-    Corrupt(String),
+    Corrupt(#[from] Problem),
+    #[error("every append area of the PM region is leased (too many processes attached)")]
+    NoFreeArea,
 }
 
 struct LivePage {
@@ -259,7 +263,7 @@ impl Log {
             }
         }
         if areas.is_empty() {
-            return Err(LogError::Corrupt("no free append area to lease".into()));
+            return Err(LogError::NoFreeArea);
         }
         let chunk_tag = 1 + areas[0].lock().idx as u64;
         // Pages, not chunks: the last chunk may be partial.
@@ -324,7 +328,7 @@ impl Log {
     /// error) reads as `keeps_most`, the value that gives up nothing, and is reported once:
     /// scan and recovery refuse or repair it at the next start, but a running daemon must
     /// neither stop nor go on silently.
-    fn running_word(&self, off: usize, what: &str, keeps_most: u64) -> u64 {
+    fn running_word(&self, off: usize, what: &'static str, keeps_most: u64) -> u64 {
         load_sealed(&*self.pm, off, what).unwrap_or_else(|e| {
             if !self.corruption_reported.swap(true, Ordering::Relaxed) {
                 tracing::error!("PM region: {e}; every log entry stays live until it is written anew; stop pmstack and run `pmstack check` on the region");

@@ -45,7 +45,7 @@ pub struct Scan {
     pub entries: Vec<ScannedEntry>,
     pub max_lsn: u64,
     /// Problems that make replay unsafe (a committed entry unreadable).
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
 }
 
 /// One file-level operation to replay, in LSN order.
@@ -159,10 +159,57 @@ pub fn unseal(w: u64) -> Option<u64> {
     (seal(v) == w).then_some(v)
 }
 
-/// Load a sealed word, or describe the corruption.
-pub fn load_sealed(pm: &dyn Pmem, off: usize, what: &str) -> Result<u64, String> {
-    let w = pm.load_u64(off);
-    unseal(w).ok_or_else(|| format!("{what} word at offset {off} is corrupted ({w:#x})"))
+/// What makes a log unsafe to replay as it stands, with where the damage is. Scan collects
+/// them (`Scan::problems`); `Scan::plan` refuses a log that has any, and the two data-page
+/// problems it finds itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
+    #[error("{what} word at offset {off} is corrupted ({word:#x})")]
+    CorruptWord {
+        what: &'static str,
+        off: usize,
+        word: u64,
+    },
+    #[error("area {area}: head page {head} or tail {tail_page}:{tail_off} out of range")]
+    AreaBounds {
+        area: u32,
+        head: u64,
+        tail_page: u32,
+        tail_off: usize,
+    },
+    #[error("area {area}: log page chain loops")]
+    ChainLoops { area: u32 },
+    #[error("page {page} is in the logs of areas {first} and {second}")]
+    PageShared { page: u32, first: u32, second: u32 },
+    #[error("area {area}: log page {page} has a bad header")]
+    BadPageHeader { area: u32, page: u32 },
+    #[error("area {area}: page {page} offset {off}: malformed record payload")]
+    MalformedRecord { area: u32, page: u32, off: usize },
+    #[error("area {area}: page {page} offset {off}: committed entry unreadable ({reason})")]
+    UnreadableEntry {
+        area: u32,
+        page: u32,
+        off: usize,
+        reason: String,
+    },
+    #[error("area {area}: log chain ends at page {page} before the committed tail {tail_page}")]
+    ChainEnds {
+        area: u32,
+        page: u32,
+        tail_page: u32,
+    },
+    #[error("LSN {lsn} appears twice")]
+    DuplicateLsn { lsn: u64 },
+    #[error("LSN {lsn}: data page {page} out of range")]
+    DataPageOutOfRange { lsn: u64, page: u32 },
+    #[error("LSN {lsn}: data page {page} fails its checksum (corrupted PM)")]
+    DataPageChecksum { lsn: u64, page: u32 },
+}
+
+/// Load a sealed word, or name the corruption.
+pub fn load_sealed(pm: &dyn Pmem, off: usize, what: &'static str) -> Result<u64, Problem> {
+    let word = pm.load_u64(off);
+    unseal(word).ok_or(Problem::CorruptWord { what, off, word })
 }
 
 pub fn store_sealed(pm: &dyn Pmem, off: usize, v: u64) {
@@ -181,7 +228,7 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
     let sb = read_superblock(pm)?;
     let npages = sb.pages();
     let mut problems = Vec::new();
-    let mut sealed = |off: usize, what: &str| {
+    let mut sealed = |off: usize, what: &'static str| {
         load_sealed(pm, off, what).unwrap_or_else(|e| {
             problems.push(e);
             0
@@ -219,9 +266,12 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
         let first = sb.first_alloc_page() as u64;
         let bad_page = |p: u64| p < first || p >= npages as u64;
         if bad_page(head) || (tail_page != 0 && bad_page(tail_page as u64)) || tail_off > PAGE {
-            s.problems.push(format!(
-                "area {idx}: head page {head} or tail {tail_page}:{tail_off} out of range"
-            ));
+            s.problems.push(Problem::AreaBounds {
+                area: idx,
+                head,
+                tail_page,
+                tail_off,
+            });
             s.areas.push(a);
             continue;
         }
@@ -234,12 +284,15 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
         loop {
             steps += 1;
             if steps > npages {
-                s.problems.push(format!("area {idx}: log page chain loops"));
+                s.problems.push(Problem::ChainLoops { area: idx });
                 break;
             }
             if let Some(o) = owner_of.insert(p, idx) {
-                s.problems
-                    .push(format!("page {p} is in the logs of areas {o} and {idx}"));
+                s.problems.push(Problem::PageShared {
+                    page: p,
+                    first: o,
+                    second: idx,
+                });
                 break;
             }
             pm.read(p as usize * PAGE, &mut page_buf);
@@ -250,7 +303,7 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
                 && expect_seq.is_none_or(|e| e == seq);
             if !hdr_ok {
                 s.problems
-                    .push(format!("area {idx}: log page {p} has a bad header"));
+                    .push(Problem::BadPageHeader { area: idx, page: p });
                 break;
             }
             let is_tail = tail_page == p;
@@ -306,17 +359,22 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
                                         rec,
                                     });
                                 }
-                                None => s.problems.push(format!(
-                                    "area {idx}: page {p} offset {off}: malformed record payload"
-                                )),
+                                None => s.problems.push(Problem::MalformedRecord {
+                                    area: idx,
+                                    page: p,
+                                    off,
+                                }),
                             }
                         }
                         off += n;
                     }
                     Err(err) => {
-                        s.problems.push(format!(
-                            "area {idx}: page {p} offset {off}: committed entry unreadable ({err})"
-                        ));
+                        s.problems.push(Problem::UnreadableEntry {
+                            area: idx,
+                            page: p,
+                            off,
+                            reason: err.to_string(),
+                        });
                         break;
                     }
                 }
@@ -327,9 +385,11 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
             }
             let next = le_u64(&page_buf, LP_NEXT);
             if bad_page(next) {
-                s.problems.push(format!(
-                    "area {idx}: log chain ends at page {p} before the committed tail {tail_page}"
-                ));
+                s.problems.push(Problem::ChainEnds {
+                    area: idx,
+                    page: p,
+                    tail_page,
+                });
                 break;
             }
             expect_seq = Some(seq + 1);
@@ -341,7 +401,7 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
     s.entries.sort_by_key(|e| e.lsn);
     for w in s.entries.windows(2) {
         if w[0].lsn == w[1].lsn {
-            s.problems.push(format!("LSN {} appears twice", w[0].lsn));
+            s.problems.push(Problem::DuplicateLsn { lsn: w[0].lsn });
         }
     }
     Ok(s)
@@ -399,7 +459,7 @@ impl Scan {
 
     /// Build the replay plan. Out-of-place data is read from PM and its crc verified; a
     /// mismatch is a problem (returned as Err), never silently replayed.
-    pub fn plan(&self, pm: &dyn Pmem) -> Result<ReplayPlan, String> {
+    pub fn plan(&self, pm: &dyn Pmem) -> Result<ReplayPlan, Problem> {
         if let Some(p) = self.problems.first() {
             return Err(p.clone());
         }
@@ -427,13 +487,16 @@ impl Scan {
                     crc,
                 } => {
                     if *page < self.sb.first_alloc_page() || *page >= self.sb.pages() {
-                        return Err(format!("LSN {}: data page {page} out of range", e.lsn));
+                        return Err(Problem::DataPageOutOfRange {
+                            lsn: e.lsn,
+                            page: *page,
+                        });
                     }
                     if crc32c::crc32c(page_bytes(pm, *page as u64, &mut buf)) != *crc {
-                        return Err(format!(
-                            "LSN {}: data page {page} fails its checksum (corrupted PM)",
-                            e.lsn
-                        ));
+                        return Err(Problem::DataPageChecksum {
+                            lsn: e.lsn,
+                            page: *page,
+                        });
                     }
                     plan.files.entry(*fid).or_default().push((
                         e.lsn,

@@ -53,6 +53,12 @@ pub struct Inode {
     p: Mutex<Private>,
 }
 
+/// An operation could not be logged (the log is full, an append failed, or an object it
+/// names could not be identified): the caller makes it durable the slow way instead (a real
+/// sync of the object or of its directory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotLogged;
+
 pub struct Tracked {
     pub ino: Arc<Inode>,
     /// The program asked for O_SYNC or O_DSYNC (kept away from the real descriptor).
@@ -471,13 +477,19 @@ impl Client {
     /// Append `data` at `off` of the object (and its binding if needed); the LSN of the last
     /// entry. Entries appended before a failure are committed (their data reached the page
     /// cache first), and the caller falls back.
-    fn log_data(&self, slot: &Slot<'_>, ino: &Inode, off: u64, data: &[u8]) -> Result<u64, ()> {
+    fn log_data(
+        &self,
+        slot: &Slot<'_>,
+        ino: &Inode,
+        off: u64,
+        data: &[u8],
+    ) -> Result<u64, NotLogged> {
         self.gc_if_checkpoint_moved();
         let mut a = self.log.area();
         let r = (|| {
             let fid = self.bind(&mut a, slot, ino)?;
             let lsn = crate::policy::append_bytes(&mut a, fid, off, data, |_, _, _| {})
-                .map_err(|_| ())?;
+                .map_err(|_| NotLogged)?;
             self.rebind_if_raced(&mut a, slot, &ino.handle)?;
             Ok(lsn)
         })();
@@ -488,16 +500,18 @@ impl Client {
                 slot.w(S_LAST_LSN).fetch_max(l, Ordering::AcqRel);
                 self.count(P_BYTES_LOGGED, data.len() as u64);
             }
-            Err(()) => self.table.w(H_WAKE).store(1, Ordering::Relaxed),
+            Err(NotLogged) => self.table.w(H_WAKE).store(1, Ordering::Relaxed),
         }
         r
     }
 
-    fn log_attr(&self, slot: &Slot<'_>, ino: &Inode, op: AttrOp) -> Result<u64, ()> {
+    fn log_attr(&self, slot: &Slot<'_>, ino: &Inode, op: AttrOp) -> Result<u64, NotLogged> {
         self.gc_if_checkpoint_moved();
         let mut a = self.log.area();
         let r = self.bind(&mut a, slot, ino).and_then(|fid| {
-            let l = a.append(&Record::Attr { fid, op }, None).map_err(|_| ())?;
+            let l = a
+                .append(&Record::Attr { fid, op }, None)
+                .map_err(|_| NotLogged)?;
             self.rebind_if_raced(&mut a, slot, &ino.handle)?;
             Ok(l)
         });
@@ -515,7 +529,7 @@ impl Client {
         a: &mut crate::engine::AreaGuard<'_>,
         slot: &Slot<'_>,
         ino: &Inode,
-    ) -> Result<u64, ()> {
+    ) -> Result<u64, NotLogged> {
         self.bind_handle(a, slot, &ino.handle)
     }
 
@@ -525,7 +539,7 @@ impl Client {
         a: &mut crate::engine::AreaGuard<'_>,
         slot: &Slot<'_>,
         handle: &[u8],
-    ) -> Result<u64, ()> {
+    ) -> Result<u64, NotLogged> {
         let mut fid = slot.w(S_FID).load(Ordering::Acquire);
         if fid == 0 {
             fid = self.log.next_lsn();
@@ -535,7 +549,7 @@ impl Client {
         self.bind_root(a, false)?;
         let b = slot.w(S_BIND_LSN).load(Ordering::Acquire);
         if b == 0 || b < self.log.checkpoint_lsn() {
-            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| ())?;
+            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| NotLogged)?;
             slot.w(S_BIND_LSN).store(l, Ordering::Release);
         }
         Ok(fid)
@@ -549,14 +563,14 @@ impl Client {
         a: &mut crate::engine::AreaGuard<'_>,
         slot: &Slot<'_>,
         handle: &[u8],
-    ) -> Result<(), ()> {
+    ) -> Result<(), NotLogged> {
         std::sync::atomic::fence(Ordering::SeqCst);
         let busy = self.table.w(H_CKPT_BUSY).load(Ordering::SeqCst) != 0;
         let cp = self.log.checkpoint_lsn();
         self.bind_root(a, busy)?;
         if busy || slot.w(S_BIND_LSN).load(Ordering::Acquire) < cp {
             let fid = slot.w(S_FID).load(Ordering::Acquire);
-            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| ())?;
+            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| NotLogged)?;
             slot.w(S_BIND_LSN).store(l, Ordering::Release);
         }
         Ok(())
@@ -567,13 +581,13 @@ impl Client {
         &self,
         a: &mut crate::engine::AreaGuard<'_>,
         force: bool,
-    ) -> Result<(), ()> {
+    ) -> Result<(), NotLogged> {
         let b = self.root_bind_lsn.load(Ordering::Acquire);
         if self.root_handle.is_empty() || (!force && b != 0 && b >= self.log.checkpoint_lsn()) {
             return Ok(());
         }
         let l = crate::policy::append_bind(a, crate::engine::ROOT_FID, &self.root_handle)
-            .map_err(|_| ())?;
+            .map_err(|_| NotLogged)?;
         self.root_bind_lsn.fetch_max(l, Ordering::AcqRel);
         Ok(())
     }

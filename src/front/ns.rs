@@ -21,7 +21,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::client::{claim, object_gen, Client};
+use super::client::{claim, object_gen, Client, NotLogged};
 use super::sys;
 use super::table::*;
 use crate::engine::{NodeKind, NsOp, Record, NAMESPACE_FID, ROOT_FID};
@@ -201,7 +201,7 @@ impl Client {
         dirs: &[&Dir],
         objs: &[&Obj],
         make: impl FnOnce(&dyn Fn(usize) -> u64) -> NsOp,
-    ) -> Result<(), ()> {
+    ) -> Result<(), NotLogged> {
         self.gc_if_checkpoint_moved();
         let mut binds: BTreeMap<usize, &[u8]> = BTreeMap::new();
         for d in dirs.iter().filter(|d| !d.root) {
@@ -226,7 +226,8 @@ impl Client {
                     fids.get(&i).copied().unwrap_or(0)
                 }
             };
-            a.append(&Record::Ns(make(&fid)), None).map_err(|_| ())?;
+            a.append(&Record::Ns(make(&fid)), None)
+                .map_err(|_| NotLogged)?;
             for (s, (_, h)) in slots.iter().zip(binds.iter()) {
                 self.rebind_if_raced(&mut a, s, h)?;
             }
@@ -253,7 +254,7 @@ impl Client {
         dirs: &[&Dir],
         pre: impl FnOnce() -> P,
         op: impl FnOnce() -> io::Result<T>,
-        log: impl FnOnce(P, &T, bool) -> Result<bool, ()>,
+        log: impl FnOnce(P, &T, bool) -> Result<bool, NotLogged>,
     ) -> io::Result<T> {
         if !self.serving() {
             // On the lower file system alone. Its namespace records go first (made durable
@@ -279,14 +280,14 @@ impl Client {
         let out = op()?;
         // Not clean: log only tells whether anything changed, and appends nothing.
         let logged = match log(p, &out, clean) {
-            Ok(true) if !clean => Err(()),
+            Ok(true) if !clean => Err(NotLogged),
             r => r,
         };
         match logged {
             Ok(false) => return Ok(out),
             Ok(true) => self.count(P_NS_OPS, 1),
             // An unlogged change came first, or the log is full: syncfs makes both durable.
-            Err(()) => self.write_back_namespace(dirs[0].fd.as_raw_fd())?,
+            Err(NotLogged) => self.write_back_namespace(dirs[0].fd.as_raw_fd())?,
         }
         for d in dirs {
             self.set_clean(d);
@@ -317,7 +318,7 @@ impl Client {
                 if !append {
                     return Ok(true);
                 }
-                let v = victim.ok_or(())?;
+                let v = victim.ok_or(NotLogged)?;
                 self.commit_ns(&[&t.dir], &[&v], |fid| NsOp::Remove {
                     parent: fid(t.dir.slot),
                     name: t.name.clone(),
@@ -352,7 +353,7 @@ impl Client {
                 if !append {
                     return Ok(true);
                 }
-                let s = src.ok_or(())?;
+                let s = src.ok_or(NotLogged)?;
                 let mut objs = vec![&s];
                 if let Some(v) = &victim {
                     if v.slot == s.slot {
@@ -395,7 +396,7 @@ impl Client {
                 if !append {
                     return Ok(true);
                 }
-                let o = self.object_at(t).ok_or(())?;
+                let o = self.object_at(t).ok_or(NotLogged)?;
                 let rec_dirs: Vec<&Dir> = dirs.clone();
                 self.commit_ns(&rec_dirs, &[&o], |fid| match link_from {
                     Some(_) => NsOp::Link {
@@ -549,7 +550,7 @@ impl Client {
                 if !append {
                     return Ok(true);
                 }
-                let o = self.object_of(fd).ok_or(())?;
+                let o = self.object_of(fd).ok_or(NotLogged)?;
                 self.commit_ns(&[&t.dir], &[&o], |fid| NsOp::Create {
                     parent: fid(t.dir.slot),
                     name: t.name.clone(),

@@ -8,14 +8,12 @@
 
 use std::collections::HashMap;
 use std::collections::HashSet;
-use std::io::{BufRead, BufReader};
+use std::io::{self, BufRead, BufReader};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use anyhow::{bail, Context, Result};
 
 use super::client::Hello;
 use super::table::*;
@@ -24,6 +22,35 @@ use crate::engine::Log;
 use crate::lower::creds::{self, Creds};
 use crate::lower::RealLower;
 use parking_lot::Mutex;
+
+/// Why the daemon cannot start, serve or stop as asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("this directory is already served by pmstack process {pid} (stop it first)")]
+    AlreadyServed { pid: u64 },
+    #[error("processes attached to the previous daemon are still running (pids {pids}); they fall back to the lower file system's fsync until they exit; stop them, then start `pmstack serve` again")]
+    PreviousStillAttached { pids: String },
+    #[error("cannot watch for writers outside `pmstack run` (fanotify: {source}); run `pmstack serve` as root (it needs CAP_SYS_ADMIN), or pass --all-writers-attached if every process that writes {} runs under `pmstack run`", root.display())]
+    Watch { root: PathBuf, source: io::Error },
+    #[error("{what} {}: {source}", path.display())]
+    Path {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("giving {} to user {user}: {source}", path.display())]
+    GiveTo {
+        path: PathBuf,
+        user: String,
+        source: io::Error,
+    },
+    #[error("write-back to the lower file system failed: {0}")]
+    WriteBack(io::Error),
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+type Result<T> = std::result::Result<T, ServeError>;
 
 /// Vetting newly watched objects scans /proc: at most once per this period.
 const VET_EVERY: Duration = Duration::from_millis(10);
@@ -99,14 +126,13 @@ pub fn check_previous(table: &Path) -> Result<()> {
     };
     let d = t.w(H_DAEMON_PID).load(Ordering::Relaxed);
     if t.w(H_RUNNING).load(Ordering::Relaxed) == 1 && d != my_pid() && alive(d) {
-        bail!("this directory is already served by pmstack process {d} (stop it first)");
+        return Err(ServeError::AlreadyServed { pid: d });
     }
     let live: Vec<String> = t.procs().iter().map(|(p, _)| p.to_string()).collect();
     if !live.is_empty() {
-        bail!(
-            "processes attached to the previous daemon are still running (pids {}); they fall back to the lower file system's fsync until they exit; stop them, then start `pmstack serve` again",
-            live.join(", ")
-        );
+        return Err(ServeError::PreviousStillAttached {
+            pids: live.join(", "),
+        });
     }
     Ok(())
 }
@@ -135,21 +161,24 @@ impl Daemon {
         opts: ServeOpts,
     ) -> Result<Daemon> {
         let group = if opts.watch {
-            Some(Arc::new(Group::new().map_err(|e| {
-                anyhow::anyhow!(
-                    "cannot watch for writers outside `pmstack run` (fanotify: {e}); run `pmstack serve` as root (it needs CAP_SYS_ADMIN), or pass --all-writers-attached if every process that writes {} runs under `pmstack run`",
-                    opts.root.display()
-                )
+            Some(Arc::new(Group::new().map_err(|source| {
+                ServeError::Watch {
+                    root: opts.root.clone(),
+                    source,
+                }
             })?))
         } else {
             None
         };
         // Another user's table is theirs (they map it).
         let owner = (opts.user.uid != creds::euid()).then_some((opts.user.uid, opts.user.gid));
-        let table = Arc::new(
-            Table::create(table_path, DEFAULT_SLOTS, owner)
-                .with_context(|| format!("creating {}", table_path.display()))?,
-        );
+        let table = Arc::new(Table::create(table_path, DEFAULT_SLOTS, owner).map_err(
+            |source| ServeError::Path {
+                what: "creating",
+                path: table_path.to_owned(),
+                source,
+            },
+        )?);
         table
             .w(H_WATCH)
             .store(group.is_some() as u64, Ordering::Release);
@@ -173,7 +202,11 @@ impl Daemon {
             std::fs::create_dir_all(d)?;
         }
         let _ = std::fs::remove_file(sock);
-        let l = UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?;
+        let l = UnixListener::bind(sock).map_err(|source| ServeError::Path {
+            what: "binding",
+            path: sock.to_owned(),
+            source,
+        })?;
         // Only the served user may connect (the kernel checks the socket file; the daemon
         // checks the peer again below, and says why it refuses).
         {
@@ -186,7 +219,11 @@ impl Daemon {
                     Some(rustix::fs::Uid::from_raw(u.uid)),
                     Some(rustix::fs::Gid::from_raw(u.gid)),
                 )
-                .with_context(|| format!("giving {} to user {}", sock.display(), u.name))?;
+                .map_err(|e| ServeError::GiveTo {
+                    path: sock.to_owned(),
+                    user: u.name.clone(),
+                    source: e.into(),
+                })?;
             }
         }
         let (allowed_uid, allowed_name) = (self.opts.user.uid, self.opts.user.name.clone());
@@ -196,7 +233,8 @@ impl Daemon {
             region: self.opts.region.clone(),
             table: table_path.to_owned(),
             epoch: self.table.epoch(),
-        })?;
+        })
+        .map_err(io::Error::other)?;
         let stats = self.stats.clone();
         let group = self.group.clone();
         std::thread::Builder::new()
@@ -281,7 +319,7 @@ impl Daemon {
         if let Err(e) = synced {
             self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries; check the lower file system (free space, I/O errors in dmesg)");
-            return Err(e.into());
+            return Err(ServeError::WriteBack(e));
         }
         self.stats.writebacks.fetch_add(1, Ordering::Relaxed);
         self.stats
