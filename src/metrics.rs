@@ -11,59 +11,293 @@ use std::sync::atomic::Ordering;
 
 use crate::core::stats::{Latency, Op, BUCKETS_US};
 
-/// Keys of the stats map that are levels, not monotonic counts.
-const GAUGES: &[&str] = &[
-    "pm_bytes_used",
-    "pm_bytes_free",
-    "pm_bytes_total",
-    "adaptive_blocks_eager",
-    "adaptive_blocks_lazy",
-    "adaptive_prediction_hit_rate",
-    "open_inodes",
-    "areas_leased",
-    "attached_processes",
-    "lsn",
-    "checkpoint_lsn",
+/// Whether a number only grows (a count since start) or is a level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// What a number counts: `stat` prints bytes and durations in units, the Prometheus endpoint
+/// turns microseconds into seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Count,
+    Bytes,
+    Micros,
+    Millis,
+    Ratio,
+    Lsn,
+}
+
+/// Which front end reports a number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Mount,
+    Serve,
+    Both,
+}
+
+/// One number pmstack reports: its key in `pmstack stat --json`, kind, unit, who reports it
+/// and what it means. `METRICS` is the one definition from which `stat`, `--json`, the
+/// Prometheus endpoint and `docs/metrics.md` are made.
+#[derive(Debug)]
+pub struct Metric {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub unit: Unit,
+    pub source: Source,
+    pub help: &'static str,
+}
+
+const fn m(
+    name: &'static str,
+    kind: Kind,
+    unit: Unit,
+    source: Source,
+    help: &'static str,
+) -> Metric {
+    Metric {
+        name,
+        kind,
+        unit,
+        source,
+        help,
+    }
+}
+
+use Kind::{Counter, Gauge};
+use Source::{Both, Mount, Serve};
+use Unit::{Bytes, Count, Lsn, Micros, Millis, Ratio};
+
+/// Every number in the stats map of a mount (`pmstack stat MOUNTPOINT`) and of a served
+/// directory (`pmstack stat DIR`; per attached process and in `totals`).
+pub const METRICS: &[Metric] = &[
+    m("absorbed_fsync", Counter, Count, Both, "fsync/fdatasync calls answered from the PM log without a disk flush"),
+    m("absorbed_dir_fsync", Counter, Count, Both, "directory fsyncs answered from the PM log"),
+    m("absorbed_osync", Counter, Count, Both, "O_SYNC/O_DSYNC writes made durable in the PM log"),
+    m("eager_writes", Counter, Count, Both, "writes logged at write time (O_SYNC, active sync, live pages, adaptive eager)"),
+    m("ns_ops", Counter, Count, Both, "namespace operations logged (create, unlink, rename, link, ...)"),
+    m("real_syncs", Counter, Count, Both, "syncs made by the lower file system's own fsync instead of the log (PM full; under pmstack run also writes the library cannot see)"),
+    m("writebacks", Counter, Count, Both, "write-back rounds (lower syncfs + checkpoint + GC)"),
+    m("writeback_errors", Counter, Count, Both, "failed write-back rounds (retried)"),
+    m("writeback_us", Counter, Micros, Both, "time spent in write-back"),
+    m("active_sync_switches", Counter, Count, Mount, "files switched to eager logging by active sync"),
+    m("throttles", Counter, Count, Mount, "strict mode: writers that waited for write-back (PM full)"),
+    m("adaptive_hits", Counter, Count, Mount, "adaptive: eager/lazy predictions that proved right"),
+    m("adaptive_misses", Counter, Count, Mount, "adaptive: blocks predicted lazy that were synced"),
+    m("adaptive_wasted", Counter, Count, Mount, "adaptive: blocks logged eagerly that no sync needed"),
+    m("adaptive_to_eager", Counter, Count, Mount, "adaptive: blocks switched to eager"),
+    m("adaptive_to_lazy", Counter, Count, Mount, "adaptive: blocks switched to lazy"),
+    m("adaptive_blocks_eager", Gauge, Count, Mount, "adaptive: blocks currently predicted eager"),
+    m("adaptive_blocks_lazy", Gauge, Count, Mount, "adaptive: blocks currently predicted lazy"),
+    m("adaptive_prediction_hit_rate", Gauge, Ratio, Mount, "adaptive: share of correct eager/lazy predictions"),
+    m("node_fds_evicted", Counter, Count, Mount, "inode descriptors closed to stay under the limit (reopened by handle)"),
+    m("node_fds_open", Gauge, Count, Mount, "inode descriptors open now"),
+    m("node_fds_max", Gauge, Count, Mount, "the limit on open inode descriptors"),
+    m("readback_bytes", Counter, Bytes, Mount, "dirty bytes an fsync read back from the lower file system to log them (no copy in memory)"),
+    m("log_commits", Counter, Count, Mount, "log commits (one per synchronous operation)"),
+    m("log_entries", Counter, Count, Mount, "log entries appended"),
+    m("log_bytes_inplace", Counter, Bytes, Mount, "bytes logged inside log entries"),
+    m("log_bytes_outofplace", Counter, Bytes, Mount, "bytes logged as whole out-of-place pages"),
+    m("gc_runs", Counter, Count, Mount, "garbage-collection passes over the log"),
+    m("gc_pages_freed", Counter, Count, Mount, "PM pages reclaimed by garbage collection"),
+    m("pm_full_events", Counter, Count, Mount, "appends that found PM full"),
+    m("pm_bytes_used", Gauge, Bytes, Mount, "PM bytes holding live log data"),
+    m("pm_bytes_free", Gauge, Bytes, Mount, "PM bytes free for the log"),
+    m("drained_bytes", Gauge, Bytes, Mount, "at unmount: live log bytes written back to the lower file system"),
+    m("drain_ms", Gauge, Millis, Mount, "at unmount: time the final write-back took"),
+    m("bytes_logged", Counter, Bytes, Serve, "bytes of data logged"),
+    m("ns_write_backs", Counter, Count, Serve, "directory syncs made by writing the namespace back (a change the log did not see)"),
+    m("unserved", Counter, Count, Serve, "operations of attached processes that found the daemon not serving and ran on the lower file system alone"),
+    m("attaches", Counter, Count, Serve, "processes that attached"),
+    m("attaches_refused", Counter, Count, Serve, "attach requests refused (another user, no free append area)"),
+    m("attached_processes", Gauge, Count, Serve, "processes attached now"),
+    m("leases_reclaimed", Counter, Count, Serve, "append areas taken back from processes that died"),
+    m("watched_opens", Counter, Count, Serve, "opens for writing by processes outside pmstack run, seen by the watch"),
+    m("foreign_writers", Counter, Count, Serve, "objects written by a process outside pmstack run (their syncs stay real)"),
+    m("objects_vetted", Counter, Count, Serve, "objects checked for writers outside pmstack run before their syncs were absorbed"),
+    m("marks", Counter, Count, Serve, "objects the watch started to follow"),
+    m("unmarks", Counter, Count, Serve, "objects the watch stopped following"),
+    m("marks_vetted", Counter, Count, Serve, "watched objects checked for writers from before they were watched"),
+    m("areas_leased", Gauge, Count, Serve, "append areas of the PM log leased to processes now"),
+    m("lsn", Gauge, Lsn, Serve, "the log's next sequence number"),
+    m("recovery.namespace_ops", Gauge, Count, Both, "recovery at start: namespace records evaluated"),
+    m("recovery.recreated", Gauge, Count, Both, "recovery at start: objects created again (the lower had lost them)"),
+    m("recovery.namespace_skipped", Gauge, Count, Both, "recovery at start: namespace records the lower already held"),
+    m("recovery.file_ops", Gauge, Count, Both, "recovery at start: data and attribute records replayed"),
+    m("recovery.bytes_replayed", Gauge, Bytes, Both, "recovery at start: bytes replayed onto the lower file system"),
+    m("recovery.files", Gauge, Count, Both, "recovery at start: files replayed into"),
+    m("recovery.unresolved_files", Gauge, Count, Both, "recovery at start: files deleted after their records (nothing to replay into)"),
+    m("recovery.duration_ms", Gauge, Millis, Both, "recovery at start: how long it took"),
+    m("latency_us.count", Counter, Count, Mount, "FUSE requests of a kind served"),
+    m("latency_us.mean_us", Gauge, Micros, Mount, "mean time to serve a FUSE request of a kind"),
+    m("latency_us.p50_us_le", Gauge, Micros, Mount, "median time to serve a FUSE request of a kind (bucket bound)"),
+    m("latency_us.p99_us_le", Gauge, Micros, Mount, "99th percentile time to serve a FUSE request of a kind (bucket bound)"),
+    m("checkpoint_lsn", Gauge, Lsn, Serve, "entries below this sequence number are written back"),
 ];
 
-/// Keys that are identities, not measurements.
-const NOT_METRICS: &[&str] = &["pid"];
+/// The definition of the number reported as `name`.
+pub fn lookup(name: &str) -> Option<&'static Metric> {
+    METRICS.iter().find(|m| m.name == name)
+}
 
-fn help(key: &str) -> &'static str {
-    match key {
-        "absorbed_fsync" => "fsync/fdatasync calls answered from the PM log without a disk flush",
-        "absorbed_fsyncdir" => "directory fsyncs answered from the PM log",
-        "absorbed_osync" => "O_SYNC/O_DSYNC writes made durable in the PM log",
-        "eager_writes" => {
-            "writes logged at write time (O_SYNC, active sync, live pages, adaptive eager)"
-        }
-        "ns_ops" => "namespace operations logged (create, unlink, rename, link, ...)",
-        "unserved" => {
-            "operations of attached processes that found the daemon not serving and ran on the lower file system alone"
-        }
-        "fallbacks" => "syncs that fell back to the lower file system's fsync (PM full)",
-        "writebacks" => "write-back rounds (lower syncfs + checkpoint + GC)",
-        "writeback_errors" => "failed write-back rounds (retried)",
-        "writeback_us" => "time spent in write-back",
-        "readback_bytes" => {
-            "dirty bytes an fsync read back from the lower file system to log them (no copy in memory)"
-        }
-        "active_sync_switches" => "files switched to eager logging by active sync",
-        "throttles" => "strict mode: writers that waited for write-back (PM full)",
-        "log_commits" => "log commits (one per synchronous operation)",
-        "log_entries" => "log entries appended",
-        "log_bytes_inplace" => "bytes logged inside log entries",
-        "log_bytes_outofplace" => "bytes logged as whole out-of-place pages",
-        "gc_runs" => "garbage-collection passes over the log",
-        "gc_pages_freed" => "PM pages reclaimed by garbage collection",
-        "pm_full_events" => "appends that found PM full",
-        "pm_bytes_used" => "PM bytes holding live log data",
-        "pm_bytes_free" => "PM bytes free for the log",
-        "adaptive_blocks_eager" => "adaptive: blocks currently predicted eager",
-        "adaptive_blocks_lazy" => "adaptive: blocks currently predicted lazy",
-        "adaptive_prediction_hit_rate" => "adaptive: share of correct eager/lazy predictions",
-        _ => "pmstack counter",
+/// The definition of `key` in a map nested under the top-level key `group` (defined as
+/// `group.key`: `recovery.duration_ms`), or as a top-level `key` (the per-process counters
+/// of a served directory under `totals` and `attached`).
+pub fn lookup_in(group: Option<&str>, key: &str) -> Option<&'static Metric> {
+    match group {
+        Some(g) => METRICS
+            .iter()
+            .find(|m| m.name.strip_prefix(g).and_then(|r| r.strip_prefix('.')) == Some(key))
+            .or_else(|| lookup(key)),
+        None => lookup(key),
     }
+}
+
+/// Keys of the stats maps that are not measurements (identities, modes, nested groups).
+pub const NOT_METRICS: &[&str] = &[
+    "pid",
+    "mode",
+    "pm",
+    "pm_kind",
+    "flush",
+    "root",
+    "user",
+    "watching",
+    "recovery",
+    "latency_us",
+    "totals",
+    "attached",
+];
+
+/// The numbers in a stats map (top level, nested groups, arrays of records) that `METRICS`
+/// does not define, by path: empty when every one is.
+pub fn undefined_numbers(stats: &serde_json::Value) -> Vec<String> {
+    fn walk(v: &serde_json::Value, group: Option<&str>, path: &str, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    let g = group.or(if path.is_empty() { None } else { Some(path) });
+                    match x {
+                        serde_json::Value::Number(_) => {
+                            if lookup_in(g, k).is_none() && !NOT_METRICS.contains(&k.as_str()) {
+                                out.push(format!("{path}.{k}"));
+                            }
+                        }
+                        _ if path.is_empty() => walk(x, None, k, out),
+                        _ => walk(x, g, path, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for x in a {
+                    walk(x, group, path, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(stats, None, "", &mut out);
+    out
+}
+
+/// The table of `docs/metrics.md`, made from `METRICS`.
+pub fn doc_table() -> String {
+    let mut out =
+        String::from("| key | kind | unit | reported by | meaning |\n|---|---|---|---|---|\n");
+    for m in METRICS {
+        let _ = writeln!(
+            out,
+            "| `{}` | {} | {} | {} | {} |",
+            m.name,
+            match m.kind {
+                Counter => "counter",
+                Gauge => "gauge",
+            },
+            match m.unit {
+                Count => "count",
+                Bytes => "bytes",
+                Micros => "microseconds",
+                Millis => "milliseconds",
+                Ratio => "ratio",
+                Lsn => "sequence number",
+            },
+            match m.source {
+                Mount => "mount",
+                Serve => "serve",
+                Both => "mount, serve",
+            },
+            m.help
+        );
+    }
+    out
+}
+
+/// The stats map of a mount, as `pmstack stat MOUNTPOINT --json` prints it (the unmount adds
+/// `drained_bytes` and `drain_ms`).
+pub fn mount_stats(
+    core: &crate::core::Core,
+    rec: &Option<crate::core::recover::RecoverySummary>,
+) -> serde_json::Value {
+    let mut m = core.stats.to_json();
+    m.insert("latency_us".into(), core.latency.to_json());
+    // Inode descriptors are a bounded cache (reopened by file handle when evicted).
+    m.insert("node_fds_max".into(), core.node_fds_max.into());
+    m.insert(
+        "node_fds_open".into(),
+        crate::core::node::NODE_FDS_OPEN
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .into(),
+    );
+    if let Some(l) = &core.log {
+        let s = &l.stats;
+        use std::sync::atomic::Ordering::Relaxed;
+        m.insert("log_commits".into(), s.commits.load(Relaxed).into());
+        m.insert("log_entries".into(), s.entries.load(Relaxed).into());
+        m.insert(
+            "log_bytes_inplace".into(),
+            s.bytes_inplace.load(Relaxed).into(),
+        );
+        m.insert(
+            "log_bytes_outofplace".into(),
+            s.bytes_pages.load(Relaxed).into(),
+        );
+        m.insert("gc_runs".into(), s.gc_runs.load(Relaxed).into());
+        m.insert("gc_pages_freed".into(), s.pages_freed.load(Relaxed).into());
+        m.insert("pm_bytes_used".into(), l.bytes_used().into());
+        m.insert(
+            "pm_bytes_free".into(),
+            ((l.pages_free() * crate::engine::format::PAGE) as u64).into(),
+        );
+        m.insert("pm_full_events".into(), s.full.load(Relaxed).into());
+        m.insert("pm_kind".into(), l.pm().kind().name().into());
+        m.insert(
+            "flush".into(),
+            crate::pmem::flush::flush_kind().name().into(),
+        );
+    }
+    if core.opts.mode == crate::core::Mode::Adaptive {
+        let (e, l) = core.adaptive_blocks();
+        m.insert("adaptive_blocks_eager".into(), e.into());
+        m.insert("adaptive_blocks_lazy".into(), l.into());
+        let s = &core.stats;
+        use std::sync::atomic::Ordering::Relaxed;
+        let h = s.adaptive_hits.load(Relaxed);
+        let all = h + s.adaptive_misses.load(Relaxed) + s.adaptive_wasted.load(Relaxed);
+        let rate = if all == 0 { 0.0 } else { h as f64 / all as f64 };
+        m.insert("adaptive_prediction_hit_rate".into(), rate.into());
+    }
+    m.insert(
+        "mode".into(),
+        format!("{:?}", core.opts.mode).to_lowercase().into(),
+    );
+    m.insert(
+        "recovery".into(),
+        serde_json::to_value(rec).unwrap_or_default(),
+    );
+    serde_json::Value::Object(m)
 }
 
 fn escape(v: &str) -> String {
@@ -92,21 +326,31 @@ pub fn render(stats: &serde_json::Value, latency: Option<&Latency>) -> String {
     );
     for (k, v) in m {
         let Some(x) = v.as_f64() else { continue };
-        if NOT_METRICS.contains(&k.as_str()) {
-            continue;
-        }
-        if GAUGES.contains(&k.as_str()) {
-            let _ = writeln!(out, "# HELP pmstack_{k} {}.", help(k));
-            let _ = writeln!(out, "# TYPE pmstack_{k} gauge");
-            let _ = writeln!(out, "pmstack_{k} {x}");
-        } else if let Some(base) = k.strip_suffix("_us") {
-            let _ = writeln!(out, "# HELP pmstack_{base}_seconds_total {}.", help(k));
-            let _ = writeln!(out, "# TYPE pmstack_{base}_seconds_total counter");
-            let _ = writeln!(out, "pmstack_{base}_seconds_total {}", x / 1e6);
-        } else {
-            let _ = writeln!(out, "# HELP pmstack_{k}_total {}.", help(k));
-            let _ = writeln!(out, "# TYPE pmstack_{k}_total counter");
-            let _ = writeln!(out, "pmstack_{k}_total {x}");
+        // Every number the stats maps hold is defined (a test checks both front ends).
+        let Some(def) = lookup(k) else { continue };
+        match (def.kind, def.unit) {
+            (Gauge, Millis) => {
+                let base = k.strip_suffix("_ms").unwrap_or(k);
+                let _ = writeln!(out, "# HELP pmstack_{base}_seconds {}.", def.help);
+                let _ = writeln!(out, "# TYPE pmstack_{base}_seconds gauge");
+                let _ = writeln!(out, "pmstack_{base}_seconds {}", x / 1e3);
+            }
+            (Gauge, _) => {
+                let _ = writeln!(out, "# HELP pmstack_{k} {}.", def.help);
+                let _ = writeln!(out, "# TYPE pmstack_{k} gauge");
+                let _ = writeln!(out, "pmstack_{k} {x}");
+            }
+            (Counter, Micros) => {
+                let base = k.strip_suffix("_us").unwrap_or(k);
+                let _ = writeln!(out, "# HELP pmstack_{base}_seconds_total {}.", def.help);
+                let _ = writeln!(out, "# TYPE pmstack_{base}_seconds_total counter");
+                let _ = writeln!(out, "pmstack_{base}_seconds_total {}", x / 1e6);
+            }
+            (Counter, _) => {
+                let _ = writeln!(out, "# HELP pmstack_{k}_total {}.", def.help);
+                let _ = writeln!(out, "# TYPE pmstack_{k}_total counter");
+                let _ = writeln!(out, "pmstack_{k}_total {x}");
+            }
         }
     }
     // Exported as 0 before any recovery happened, so that dashboards and alerts see them.
@@ -187,6 +431,60 @@ pub fn render(stats: &serde_json::Value, latency: Option<&Latency>) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn every_number_a_mount_reports_is_defined_and_every_mount_metric_is_reported() {
+        for mode in [crate::core::Mode::Adaptive, crate::core::Mode::Strict] {
+            let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+            let (_sim, core) = crate::sim::core_on_sim_pm(dir.path(), 64, 2, mode);
+            core.latency
+                .get(Op::Fsync)
+                .observe(Duration::from_micros(30));
+            let rec = Some(crate::core::recover::RecoverySummary::default());
+            let stats = mount_stats(&core, &rec);
+            assert_eq!(undefined_numbers(&stats), Vec::<String>::new(), "{stats}");
+            if mode == crate::core::Mode::Adaptive {
+                let reported = |name: &str| match name.split_once('.') {
+                    Some(("latency_us", k)) => stats["latency_us"]["fsync"].get(k).is_some(),
+                    Some((g, k)) => stats[g].get(k).is_some(),
+                    None => stats.get(name).is_some(),
+                };
+                for m in METRICS.iter().filter(|m| m.source != Source::Serve) {
+                    // The unmount adds these to the last stats it leaves.
+                    if !["drained_bytes", "drain_ms"].contains(&m.name) {
+                        assert!(reported(m.name), "{} is defined but not reported", m.name);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn docs_list_every_metric() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/metrics.md");
+        let doc = std::fs::read_to_string(&path).unwrap_or_default();
+        let (begin, end) = (
+            "<!-- metrics table: made from src/metrics.rs -->\n",
+            "<!-- end -->",
+        );
+        let table = doc
+            .split_once(begin)
+            .and_then(|(_, r)| r.split_once(end))
+            .map(|(t, _)| t);
+        if table != Some(doc_table().as_str()) {
+            if std::env::var_os("PMSTACK_BLESS").is_some() {
+                let (head, tail) = match (doc.split_once(begin), doc.split_once(end)) {
+                    (Some((h, _)), Some((_, t))) => (h.to_string(), t.to_string()),
+                    _ => (doc.clone(), "\n".to_string()),
+                };
+                std::fs::write(&path, format!("{head}{begin}{}{end}{tail}", doc_table())).unwrap();
+            } else {
+                panic!(
+                    "docs/metrics.md does not list the metrics src/metrics.rs defines; rerun this test with PMSTACK_BLESS=1 to rewrite its table"
+                );
+            }
+        }
+    }
 
     #[test]
     fn renders_parsable_text() {

@@ -768,6 +768,22 @@ fn same_results(name: &str, sh: &str, exclude: &[&str]) {
         "{name}: outputs differ"
     );
     let st = s.wait_stats(name, |v| v["attaches"].as_u64().is_some_and(|n| n > 0));
+    // Every number the daemon reports has one definition (name, unit, help), and every
+    // number defined for a served directory is reported.
+    assert_eq!(
+        pmstack::metrics::undefined_numbers(&st),
+        Vec::<String>::new(),
+        "{st}"
+    );
+    for m in pmstack::metrics::METRICS.iter() {
+        if m.source != pmstack::metrics::Source::Mount && !m.name.contains('.') {
+            assert!(
+                st.get(m.name).is_some() || st["totals"].get(m.name).is_some(),
+                "{} is defined but serve does not report it: {st}",
+                m.name
+            );
+        }
+    }
     s.stop();
     let keep = |m: BTreeMap<String, String>| -> BTreeMap<String, String> {
         m.into_iter()

@@ -11,7 +11,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use pmstack::config::{CacheMode, Settings};
 use pmstack::core::recover::RecoverySummary;
 use pmstack::core::{Core, Mode, Options};
-use pmstack::engine::format::PAGE;
 use pmstack::engine::Log;
 use pmstack::lower::write_atomic;
 use pmstack::lower::RealLower;
@@ -285,7 +284,7 @@ pub(super) fn serve(
     // Counters exist before the mount is reported live, so `pmstack stat` works at once.
     write_atomic(
         &state.with_extension("stats"),
-        &stats_json(&core, &summary).to_string(),
+        &pmstack::metrics::mount_stats(&core, &summary).to_string(),
     )?;
     if let Some(mut p) = ready.take() {
         let _ = p.write_all(b"ok");
@@ -335,7 +334,10 @@ pub(super) fn serve(
             .spawn(move || {
                 for req in server.incoming_requests() {
                     answer_metrics(req, || {
-                        pmstack::metrics::render(&stats_json(&c, &sum), Some(&c.latency))
+                        pmstack::metrics::render(
+                            &pmstack::metrics::mount_stats(&c, &sum),
+                            Some(&c.latency),
+                        )
                     });
                 }
             })?;
@@ -349,7 +351,7 @@ pub(super) fn serve(
         std::thread::Builder::new()
             .name("pmstack-stats".into())
             .spawn(move || loop {
-                let _ = write_atomic(&statf, &stats_json(&c, &sum).to_string());
+                let _ = write_atomic(&statf, &pmstack::metrics::mount_stats(&c, &sum).to_string());
                 std::thread::sleep(Duration::from_millis(500));
             })?;
     }
@@ -358,7 +360,7 @@ pub(super) fn serve(
     let drained = core.log.as_ref().map_or(0, |l| l.bytes_used());
     let t0 = Instant::now();
     let r = core.shutdown();
-    let mut last = stats_json(&core, &summary);
+    let mut last = pmstack::metrics::mount_stats(&core, &summary);
     last["drained_bytes"] = drained.into();
     last["drain_ms"] = (t0.elapsed().as_millis() as u64).into();
     let _ = write_atomic(&state.with_extension("stats"), &last.to_string());
@@ -367,64 +369,4 @@ pub(super) fn serve(
     r.with_context(|| format!("draining the log into {} at unmount", lower.display()))?;
     tracing::info!(bytes = drained, "unmounted; log drained");
     run.map_err(|e| anyhow!("FUSE session ended with an error: {e}"))
-}
-
-pub(super) fn stats_json(core: &Core, rec: &Option<RecoverySummary>) -> serde_json::Value {
-    let mut m = core.stats.to_json();
-    m.insert("latency_us".into(), core.latency.to_json());
-    // Inode descriptors are a bounded cache (reopened by file handle when evicted).
-    m.insert("node_fds_max".into(), core.node_fds_max.into());
-    m.insert(
-        "node_fds_open".into(),
-        pmstack::core::node::NODE_FDS_OPEN
-            .load(std::sync::atomic::Ordering::Relaxed)
-            .into(),
-    );
-    if let Some(l) = &core.log {
-        let s = &l.stats;
-        use std::sync::atomic::Ordering::Relaxed;
-        m.insert("log_commits".into(), s.commits.load(Relaxed).into());
-        m.insert("log_entries".into(), s.entries.load(Relaxed).into());
-        m.insert(
-            "log_bytes_inplace".into(),
-            s.bytes_inplace.load(Relaxed).into(),
-        );
-        m.insert(
-            "log_bytes_outofplace".into(),
-            s.bytes_pages.load(Relaxed).into(),
-        );
-        m.insert("gc_runs".into(), s.gc_runs.load(Relaxed).into());
-        m.insert("gc_pages_freed".into(), s.pages_freed.load(Relaxed).into());
-        m.insert("pm_bytes_used".into(), l.bytes_used().into());
-        m.insert(
-            "pm_bytes_free".into(),
-            ((l.pages_free() * PAGE) as u64).into(),
-        );
-        m.insert("pm_full_events".into(), s.full.load(Relaxed).into());
-        m.insert("pm_kind".into(), l.pm().kind().name().into());
-        m.insert(
-            "flush".into(),
-            pmstack::pmem::flush::flush_kind().name().into(),
-        );
-    }
-    if core.opts.mode == Mode::Adaptive {
-        let (e, l) = core.adaptive_blocks();
-        m.insert("adaptive_blocks_eager".into(), e.into());
-        m.insert("adaptive_blocks_lazy".into(), l.into());
-        let s = &core.stats;
-        use std::sync::atomic::Ordering::Relaxed;
-        let h = s.adaptive_hits.load(Relaxed);
-        let all = h + s.adaptive_misses.load(Relaxed) + s.adaptive_wasted.load(Relaxed);
-        let rate = if all == 0 { 0.0 } else { h as f64 / all as f64 };
-        m.insert("adaptive_prediction_hit_rate".into(), rate.into());
-    }
-    m.insert(
-        "mode".into(),
-        format!("{:?}", core.opts.mode).to_lowercase().into(),
-    );
-    m.insert(
-        "recovery".into(),
-        serde_json::to_value(rec).unwrap_or_default(),
-    );
-    serde_json::Value::Object(m)
 }

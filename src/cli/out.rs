@@ -142,17 +142,25 @@ impl Progress {
 /// `pmstack stat` for people: one counter per line, bytes and durations in units, nested
 /// groups indented, one line per attached process.
 pub(super) fn human_stats(v: &serde_json::Value, indent: usize) -> String {
+    human_stats_in(v, indent, None)
+}
+
+/// `human_stats` of a map nested under the top-level key `group` (its numbers are defined
+/// as `group.key`).
+fn human_stats_in(v: &serde_json::Value, indent: usize, group: Option<&str>) -> String {
     use serde_json::Value;
-    fn scalar(k: &str, v: &Value) -> String {
+    let scalar = |k: &str, v: &Value| -> String {
+        use pmstack::metrics::{lookup_in, Unit};
+        let unit = lookup_in(group, k).map(|m| m.unit);
         match (v, v.as_u64()) {
-            (_, Some(n)) if k.contains("bytes") => human_bytes(n),
-            (_, Some(n)) if k.ends_with("_us") => human_us(n),
-            (_, Some(n)) if k.ends_with("_ms") => human_us(n.saturating_mul(1000)),
+            (_, Some(n)) if unit == Some(Unit::Bytes) => human_bytes(n),
+            (_, Some(n)) if unit == Some(Unit::Micros) => human_us(n),
+            (_, Some(n)) if unit == Some(Unit::Millis) => human_us(n.saturating_mul(1000)),
             (Value::String(s), _) => s.clone(),
             (Value::Null, _) => "-".into(),
             _ => v.to_string(),
         }
-    }
+    };
     let mut out = String::new();
     let pad = " ".repeat(indent);
     let Some(m) = v.as_object() else {
@@ -162,7 +170,7 @@ pub(super) fn human_stats(v: &serde_json::Value, indent: usize) -> String {
         match v {
             Value::Object(_) => {
                 out += &format!("{pad}{k}:\n");
-                out += &human_stats(v, indent + 2);
+                out += &human_stats_in(v, indent + 2, Some(group.unwrap_or(k)));
             }
             Value::Array(a) if a.iter().all(|e| e.is_object()) => {
                 out += &format!("{pad}{k}: {}\n", a.len());

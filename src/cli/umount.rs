@@ -76,7 +76,7 @@ pub(super) fn umount(mp: &Path) -> Result<()> {
             v["drain_ms"].as_u64().unwrap_or(0),
             v["writebacks"].as_u64().unwrap_or(0),
             v["absorbed_fsync"].as_u64().unwrap_or(0)
-                + v["absorbed_fsyncdir"].as_u64().unwrap_or(0)
+                + v["absorbed_dir_fsync"].as_u64().unwrap_or(0)
                 + v["absorbed_osync"].as_u64().unwrap_or(0)
         );
     }

@@ -127,7 +127,11 @@ fn pm_full_fallbacks_are_never_rolled_back_by_replay() {
         let lower = dir.path().join("lower");
         fs::create_dir(&lower).unwrap();
         let (sim, core) = crate::sim::core_on_sim_pm(&lower, 64, 2, Mode::Sync);
-        let fallbacks = |c: &Core| c.stats.fallbacks.load(std::sync::atomic::Ordering::Relaxed);
+        let fallbacks = |c: &Core| {
+            c.stats
+                .real_syncs
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
         let mut k = 0;
         while fallbacks(&core) == 0 {
             assert!(k < 100_000, "{name}: PM never filled up");

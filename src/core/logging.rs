@@ -71,13 +71,13 @@ impl Core {
     }
 
     pub(super) fn log_full(&self) {
-        self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
+        self.stats.real_syncs.fetch_add(1, Ordering::Relaxed);
         self.wake_flusher();
         let mut w = self.full_warned.lock();
         if w.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
             *w = Some(Instant::now());
             tracing::warn!(
-                fallbacks = self.stats.fallbacks.load(Ordering::Relaxed),
+                real_syncs = self.stats.real_syncs.load(Ordering::Relaxed),
                 "PM region full: syncs fall back to the lower file system's fsync (slower, still durable) until write-back frees space; use a larger region (pm_size, on a new region) or a shorter flush_interval_ms"
             );
         }

@@ -460,7 +460,9 @@ impl Core {
     pub fn fsyncdir(&self, ino: u64, datasync: bool) -> io::Result<()> {
         if self.logging().is_some() {
             // Namespace operations are durable when they return: nothing left to do.
-            self.stats.absorbed_fsyncdir.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .absorbed_dir_fsync
+                .fetch_add(1, Ordering::Relaxed);
             if self.opts.mode == Mode::Strict {
                 return Err(errno(libc::ENOSYS)); // and the kernel may stop asking
             }

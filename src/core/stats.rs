@@ -20,11 +20,11 @@ macro_rules! counters {
 
 counters!(
     absorbed_fsync,
-    absorbed_fsyncdir,
+    absorbed_dir_fsync,
     absorbed_osync,
     eager_writes,
     ns_ops,
-    fallbacks,
+    real_syncs,
     writebacks,
     writeback_errors,
     writeback_us,

@@ -736,6 +736,7 @@ impl Daemon {
             "flush": crate::pmem::flush::flush_kind().name(),
             "user": self.opts.user.name,
             "totals": counters(&self.table.totals()),
+            "attached_processes": procs.len(),
             "attached": procs,
             "attaches": s.attaches.load(Ordering::Relaxed),
             "attaches_refused": s.attaches_refused.load(Ordering::Relaxed),
@@ -762,11 +763,6 @@ impl Daemon {
     pub fn metrics(&self) -> String {
         let mut v = self.stats_json();
         if let Some(m) = v.as_object_mut() {
-            let attached = m
-                .remove("attached")
-                .and_then(|a| a.as_array().map(|a| a.len()))
-                .unwrap_or(0);
-            m.insert("attached_processes".into(), attached.into());
             if let Some(serde_json::Value::Object(t)) = m.remove("totals") {
                 m.extend(t);
             }

@@ -553,7 +553,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
         let fallbacks = r
             .core
             .stats
-            .fallbacks
+            .real_syncs
             .load(std::sync::atomic::Ordering::Relaxed);
         match rng.gen_range(0..17) {
             0 | 1 => {
@@ -681,7 +681,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
         let ns = if r
             .core
             .stats
-            .fallbacks
+            .real_syncs
             .load(std::sync::atomic::Ordering::Relaxed)
             > fallbacks
         {
