@@ -136,6 +136,26 @@ impl RawEntry {
         (E_HDR + self.payload.len()).div_ceil(SLOT)
     }
 
+    /// What an entry must satisfy on both sides of the persistence boundary: the log asserts
+    /// it right before an entry is written (a violation is a bug in pmstack) and the scan
+    /// checks it right after an entry is read back (a violation is damage, reported as a
+    /// problem and never replayed). None: the entry is sound.
+    pub fn broken_invariant(&self) -> Option<&'static str> {
+        if self.payload.len() > MAX_PAYLOAD {
+            return Some("payload larger than one entry");
+        }
+        if self.kind != Kind::Pad && self.lsn == 0 {
+            return Some("a record without a sequence number");
+        }
+        if self.kind == Kind::Part && self.payload.len() != MAX_PAYLOAD {
+            return Some("a leading piece of a record that does not fill its entry");
+        }
+        if self.kind == Kind::Pad && self.lsn != 0 {
+            return Some("a pad with a sequence number");
+        }
+        None
+    }
+
     /// Serialize, including the crc over everything after the crc field.
     pub fn encode(&self) -> Vec<u8> {
         assert!(self.payload.len() <= MAX_PAYLOAD, "entry payload too large");

@@ -185,6 +185,13 @@ pub enum Problem {
     BadPageHeader { area: u32, page: u32 },
     #[error("area {area}: page {page} offset {off}: malformed record payload")]
     MalformedRecord { area: u32, page: u32, off: usize },
+    #[error("area {area}: page {page} offset {off}: committed entry breaks an invariant ({why})")]
+    BrokenEntry {
+        area: u32,
+        page: u32,
+        off: usize,
+        why: &'static str,
+    },
     #[error("area {area}: page {page} offset {off}: committed entry unreadable ({reason})")]
     UnreadableEntry {
         area: u32,
@@ -325,6 +332,17 @@ pub fn scan(pm: &dyn Pmem) -> Result<Scan, SbError> {
                 match RawEntry::decode(&page_buf[off..]) {
                     Ok(mut e) => {
                         let n = e.nslots() * SLOT;
+                        if let Some(why) = e.broken_invariant() {
+                            // Paired with the log's assertion before it writes an entry.
+                            s.problems.push(Problem::BrokenEntry {
+                                area: idx,
+                                page: p,
+                                off,
+                                why,
+                            });
+                            off += n;
+                            continue;
+                        }
                         if e.kind == Kind::Pad {
                             off += n;
                             continue; // closes a page: pieces of a record may continue after it
