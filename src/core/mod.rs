@@ -11,7 +11,7 @@
 //! | `namespace.rs` | create, remove, rename, link, directory handles, directory fsync |
 //! | `logging.rs` | bindings and file bytes as log entries; PM low or full |
 //! | `writeback.rs` | the write-back queue and the periodic write-back, fallbacks to a real sync, shutdown |
-//! | `recover.rs` | replaying a log onto the lower after a crash |
+//! | `recover/` | replaying a log onto the lower after a crash (entry points, resolving objects, the namespace pass, the file pass) |
 //!
 //! Lock order (take them in this order, never the reverse; skip any):
 //!
