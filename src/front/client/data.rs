@@ -1,0 +1,238 @@
+//! The data path of a tracked descriptor: write (logged first, or tracked dirty), fsync
+//! (absorbed or real), truncate, fallocate, and the attribute changes they log.
+
+use super::*;
+
+impl Client {
+    /// A write through a tracked descriptor: the real write, then logging or dirty tracking.
+    /// `off`: None for the descriptor's own position. `src` is the program's buffer: the log
+    /// reads it through a checked copy, the library only after the kernel accepted it.
+    pub fn write(
+        &self,
+        t: &Tracked,
+        fd: i32,
+        src: sys::ProgramBytes,
+        off: Option<u64>,
+        sync_flag: bool,
+    ) -> io::Result<usize> {
+        let sync = t.sync || sync_flag;
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        if sync {
+            slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
+        }
+        let mut p = t.ino.p.lock();
+        let serving = self.serving();
+        if serving
+            && self.loggable(slot.flags())
+            && crate::policy::must_log_first(sync, self.live(&slot))
+        {
+            // Logged (and committed) before the lower file system sees the bytes: see
+            // `policy::must_log_first`. Where they land is known before the write.
+            let start = match off {
+                Some(o) => o,
+                None if sys::fcntl(fd, libc::F_GETFL, 0)? & libc::O_APPEND as i64 != 0 => {
+                    sys::fstat(fd)?.st_size as u64
+                }
+                None => sys::lseek(fd, 0, libc::SEEK_CUR)?,
+            };
+            // The log's copy: a buffer the program cannot read fails here, as the kernel
+            // would fail the write, before anything is logged or written.
+            let buf = src.copy()?;
+            let logged = self.log_data(&slot, &t.ino, start, &buf).is_ok();
+            let n = match off {
+                Some(o) => sys::pwrite(fd, &buf, o)?,
+                None => sys::write(fd, &buf)?,
+            };
+            p.dirty.overwritten(start, &buf[..n]);
+            if !logged {
+                self.real_sync(&slot, fd, &mut p)?;
+            } else if sync {
+                self.count(P_ABSORBED_OSYNC, 1);
+            } else {
+                self.count(P_EAGER_WRITES, 1);
+            }
+            return Ok(n);
+        }
+        if crate::policy::must_write_back_first(
+            self.live(&slot),
+            serving && self.loggable(slot.flags()),
+        ) {
+            // On the lower file system alone from here: its live entries go first (replay
+            // must never apply them over this write, which the lower may make durable by
+            // itself).
+            self.real_sync(&slot, fd, &mut p)?;
+        }
+        let n = match off {
+            Some(o) => src.pwrite(fd, o)?,
+            None => src.write(fd)?,
+        };
+        if n == 0 {
+            return Ok(0);
+        }
+        // SAFETY: the kernel just accepted these `n` bytes for this write.
+        let buf = unsafe { src.accepted(n) };
+        let start = match off {
+            Some(o) => o,
+            None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
+        };
+        if !serving {
+            // Not absorbing any more: O_SYNC writes become the real thing.
+            if sync {
+                self.real_sync(&slot, fd, &mut p)?;
+            } else {
+                slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+            }
+            return Ok(n);
+        }
+        if !self.loggable(slot.flags()) {
+            // Writers the library does not see (or may not see: the daemon has not yet looked
+            // for writers from before the object was watched): nothing about the object is
+            // logged, since their writes to the same pages would be rolled back by replay;
+            // O_SYNC is real.
+            if sync {
+                self.real_sync(&slot, fd, &mut p)?;
+            }
+            return Ok(n);
+        }
+        p.dirty.add(start, &buf[..n]);
+        p.mark = self.log.lsn_now();
+        if !slot.add_lazy(self.pid, p.mark) {
+            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        }
+        Ok(n)
+    }
+
+    /// fsync/fdatasync of a tracked descriptor.
+    pub fn fsync(&self, t: &Tracked, fd: i32) -> io::Result<()> {
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
+        let mut p = t.ino.p.lock();
+        let cp = self.log.checkpoint_lsn();
+        if !self.serving() || !self.absorbable(slot.flags()) || slot.others_lazy(self.pid, cp) {
+            return self.real_sync(&slot, fd, &mut p);
+        }
+        if !p.dirty.is_empty() && p.mark >= cp {
+            let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
+            let mut fd_write_only = None; // asked once per sync
+            for (s, e) in ranges {
+                let buf = match p.dirty.bytes(s, e) {
+                    Some(b) => b,
+                    None => {
+                        // No copy of these bytes (a local lower, too many, or changed by
+                        // fallocate): read them back, through the program's descriptor if
+                        // it can read.
+                        let rfd = if !*fd_write_only.get_or_insert_with(|| write_only(fd)) {
+                            fd
+                        } else {
+                            if p.rfd.is_none() {
+                                let path = format!("/proc/self/fd/{fd}\0");
+                                let r = sys::openat(
+                                    libc::AT_FDCWD,
+                                    path.as_ptr() as *const _,
+                                    libc::O_RDONLY | libc::O_CLOEXEC,
+                                    0,
+                                )?;
+                                // SAFETY: a fresh descriptor we own.
+                                p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
+                            }
+                            p.rfd.as_ref().expect("set").as_raw_fd()
+                        };
+                        let mut buf = vec![0u8; (e - s) as usize];
+                        let n = sys::pread(rfd, &mut buf, s)?;
+                        buf.truncate(n); // shrunk since: a truncate entry covers the rest
+                        buf
+                    }
+                };
+                if !buf.is_empty() && self.log_data(&slot, &t.ino, s, &buf).is_err() {
+                    return self.real_sync(&slot, fd, &mut p);
+                }
+            }
+        }
+        p.dirty.clear();
+        slot.clear_lazy(Some(self.pid));
+        self.count(P_ABSORBED_FSYNC, 1);
+        Ok(())
+    }
+
+    /// ftruncate, then a truncate entry if the object has live entries (ordered with them at
+    /// replay); otherwise the next sync is real.
+    pub fn ftruncate(&self, t: &Tracked, fd: i32, len: u64) -> io::Result<()> {
+        self.attr_op(
+            t,
+            fd,
+            || sys::ftruncate(fd, len),
+            AttrOp::Truncate(len),
+            Some(len),
+        )
+    }
+
+    pub fn fallocate(&self, t: &Tracked, fd: i32, mode: i32, off: u64, len: u64) -> io::Result<()> {
+        self.attr_op(
+            t,
+            fd,
+            || sys::fallocate(fd, mode, off, len),
+            AttrOp::Fallocate {
+                mode: mode as u32,
+                offset: off,
+                len,
+            },
+            None,
+        )
+    }
+
+    pub(super) fn attr_op(
+        &self,
+        t: &Tracked,
+        fd: i32,
+        op: impl FnOnce() -> io::Result<()>,
+        rec: AttrOp,
+        trim: Option<u64>,
+    ) -> io::Result<()> {
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        let mut p = t.ino.p.lock();
+        let will_log = self.loggable(slot.flags()) && self.serving();
+        if crate::policy::must_write_back_first(self.live(&slot), will_log) {
+            // Not logged in order with them: the live entries go first (replay must never
+            // apply them over this change, which the lower may make durable by itself).
+            self.real_sync(&slot, fd, &mut p)?;
+        }
+        op()?;
+        if let Some(len) = trim {
+            p.dirty.clip(len);
+        }
+        if let AttrOp::Fallocate { mode, .. } = &rec {
+            if !p.dirty.is_empty() {
+                // Punched or zeroed dirty bytes are read back at the next sync; bytes a
+                // collapse or insert moved are not where the dirty ranges say: that sync is
+                // real.
+                p.dirty.forget_copy();
+                if *mode as i32 & (libc::FALLOC_FL_COLLAPSE_RANGE | libc::FALLOC_FL_INSERT_RANGE)
+                    != 0
+                {
+                    slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+                }
+            }
+        }
+        // An object with live entries gets a record (replay must apply the change in order
+        // with them); otherwise the next sync of the object is real, which makes the change
+        // durable without putting files nobody syncs into the log.
+        if !will_log || !self.live(&slot) {
+            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        } else if self.log_attr(&slot, &t.ino, rec).is_err() {
+            // The log is full: make the change and everything before it durable now.
+            self.real_sync(&slot, fd, &mut p)?;
+        }
+        Ok(())
+    }
+
+    /// The tracked descriptors and their O_SYNC flags, unless the table is locked (after a
+    /// fork, a lock held by another thread of the parent stays held in the child).
+    pub fn fds_snapshot(&self) -> Option<Vec<(i32, bool)>> {
+        self.fds
+            .try_read()
+            .map(|m| m.iter().map(|(fd, t)| (*fd, t.sync)).collect())
+    }
+}

@@ -1,0 +1,225 @@
+//! What the client logs and binds: whether an object's syncs may be absorbed, data and
+//! attribute records, object bindings (with the checkpoint race), log GC, and the real sync
+//! with its write-back record when logging is not possible.
+
+use super::*;
+
+impl Client {
+    /// The object has entries the checkpoint has not expired.
+    pub(super) fn live(&self, slot: &Slot<'_>) -> bool {
+        slot.live(self.log.checkpoint_lsn())
+    }
+
+    /// Have the daemon report opens of this object (see `watch`), once per object. Caller
+    /// holds the slot lock.
+    pub(super) fn mark_for_watch(&self, slot: &Slot<'_>, fd: i32) {
+        if !self.watching || slot.flags() & F_MARKED != 0 {
+            return;
+        }
+        let Some(g) = &self.group else { return };
+        // Unmarked objects are never vetted: their syncs stay real.
+        if crate::front::watch::mark(g.as_raw_fd(), fd).is_ok() {
+            slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
+            self.table.note_marked(slot.idx, true);
+        }
+    }
+
+    /// Stop watching the object of `fd` if nothing needs the watch any more
+    /// (`Slot::unwatchable`; every holder record counts). Every open of a watched object
+    /// waits for the daemon; an unwatched one costs nothing. The object loses what the watch
+    /// gave it: it is absorbed again only after it was marked (at the next open for
+    /// writing), vetted, and really synced once more. Caller holds the slot lock.
+    pub(super) fn unwatch_if_idle(&self, slot: &Slot<'_>, fd: i32) {
+        if !self.watching || !slot.unwatchable(self.log.checkpoint_lsn(), |_| true) {
+            return;
+        }
+        if let Some(g) = &self.group {
+            unwatch(&self.table, slot, g.as_raw_fd(), fd);
+        }
+    }
+
+    /// Every writer of the object is seen (as far as its flags and this process tell), so
+    /// its writes and attribute changes may be logged. Not while the daemon has not yet looked
+    /// for writers from before the object was watched.
+    pub(super) fn loggable(&self, f: u64) -> bool {
+        f & F_NOT_SEEN == 0
+            && !self.blind.load(Ordering::Relaxed)
+            && (!self.watching || f & F_VETTED != 0)
+    }
+
+    /// Syncs of the object may be absorbed as far as its flags tell.
+    pub(super) fn absorbable(&self, f: u64) -> bool {
+        self.loggable(f) && f & F_FALLBACK == 0 && f & F_BASELINE != 0
+    }
+
+    /// Append `data` at `off` of the object (and its binding if needed); the LSN of the last
+    /// entry. Entries appended before a failure are committed (their data reached the page
+    /// cache first), and the caller falls back.
+    pub(super) fn log_data(
+        &self,
+        slot: &Slot<'_>,
+        ino: &Inode,
+        off: u64,
+        data: &[u8],
+    ) -> Result<u64, NotLogged> {
+        self.gc_if_checkpoint_moved();
+        let mut a = self.log.area();
+        let r = (|| {
+            let fid = self.bind(&mut a, slot, ino)?;
+            let lsn = crate::policy::append_bytes(&mut a, fid, off, data, |_, _, _| {})
+                .map_err(|_| NotLogged)?;
+            self.rebind_if_raced(&mut a, slot, &ino.handle)?;
+            Ok(lsn)
+        })();
+        a.commit();
+        drop(a);
+        match r {
+            Ok(l) => {
+                slot.w(S_LAST_LSN).fetch_max(l, Ordering::AcqRel);
+                self.count(P_BYTES_LOGGED, data.len() as u64);
+            }
+            Err(NotLogged) => self.table.w(H_WAKE).store(1, Ordering::Relaxed),
+        }
+        r
+    }
+
+    pub(super) fn log_attr(
+        &self,
+        slot: &Slot<'_>,
+        ino: &Inode,
+        op: AttrOp,
+    ) -> Result<u64, NotLogged> {
+        self.gc_if_checkpoint_moved();
+        let mut a = self.log.area();
+        let r = self.bind(&mut a, slot, ino).and_then(|fid| {
+            let l = a
+                .append(&Record::Attr { fid, op }, None)
+                .map_err(|_| NotLogged)?;
+            self.rebind_if_raced(&mut a, slot, &ino.handle)?;
+            Ok(l)
+        });
+        a.commit();
+        drop(a);
+        if let Ok(l) = r {
+            slot.w(S_LAST_LSN).fetch_max(l, Ordering::AcqRel);
+        }
+        r
+    }
+
+    /// The object's fid, appending a Bind record when it has none the checkpoint left alive.
+    pub(super) fn bind(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        slot: &Slot<'_>,
+        ino: &Inode,
+    ) -> Result<u64, NotLogged> {
+        self.bind_handle(a, slot, &ino.handle)
+    }
+
+    /// `bind` for any object whose handle the caller has (directories, namespace victims).
+    pub(in crate::front) fn bind_handle(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        slot: &Slot<'_>,
+        handle: &[u8],
+    ) -> Result<u64, NotLogged> {
+        let mut fid = slot.w(S_FID).load(Ordering::Acquire);
+        if fid == 0 {
+            fid = self.log.next_lsn();
+            slot.w(S_FID).store(fid, Ordering::Release);
+            slot.w(S_BIND_LSN).store(0, Ordering::Release);
+        }
+        self.bind_root(a, false)?;
+        let b = slot.w(S_BIND_LSN).load(Ordering::Acquire);
+        if b == 0 || b < self.log.checkpoint_lsn() {
+            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| NotLogged)?;
+            slot.w(S_BIND_LSN).store(l, Ordering::Release);
+        }
+        Ok(fid)
+    }
+
+    /// After records of the object took their LSNs (before commit): bind it again if a
+    /// checkpoint is in progress or has passed its binding meanwhile (see `H_CKPT_BUSY`).
+    /// Bind records are bookkeeping, so one after the records it serves is as good.
+    pub(in crate::front) fn rebind_if_raced(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        slot: &Slot<'_>,
+        handle: &[u8],
+    ) -> Result<(), NotLogged> {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let busy = self.table.w(H_CKPT_BUSY).load(Ordering::SeqCst) != 0;
+        let cp = self.log.checkpoint_lsn();
+        self.bind_root(a, busy)?;
+        if busy || slot.w(S_BIND_LSN).load(Ordering::Acquire) < cp {
+            let fid = slot.w(S_FID).load(Ordering::Acquire);
+            let l = crate::policy::append_bind(a, fid, handle).map_err(|_| NotLogged)?;
+            slot.w(S_BIND_LSN).store(l, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Bind the lower root if this process has not since the checkpoint (or `force`).
+    pub(in crate::front) fn bind_root(
+        &self,
+        a: &mut crate::engine::AreaGuard<'_>,
+        force: bool,
+    ) -> Result<(), NotLogged> {
+        let b = self.root_bind_lsn.load(Ordering::Acquire);
+        if self.root_handle.is_empty() || (!force && b != 0 && b >= self.log.checkpoint_lsn()) {
+            return Ok(());
+        }
+        let l = crate::policy::append_bind(a, crate::engine::ROOT_FID, &self.root_handle)
+            .map_err(|_| NotLogged)?;
+        self.root_bind_lsn.fetch_max(l, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Free this process's log pages the daemon's latest checkpoint expired.
+    pub(in crate::front) fn gc_if_checkpoint_moved(&self) {
+        let cp = self.log.checkpoint_lsn();
+        if self.last_gc_cp.swap(cp, Ordering::Relaxed) != cp {
+            self.log.gc();
+        }
+    }
+
+    /// The lower file system's own fsync of the object, then a write-back record expiring its
+    /// older entries (they must never be replayed over what this sync made durable). Caller
+    /// holds the slot lock.
+    pub(super) fn real_sync(&self, slot: &Slot<'_>, fd: i32, p: &mut Private) -> io::Result<()> {
+        // A baseline needs a sync that began after the daemon looked for writers that
+        // opened the object before it was watched.
+        let vetted = !self.watching || slot.flags() & F_VETTED != 0;
+        sys::fsync(fd, false)?;
+        let fid = slot.w(S_FID).load(Ordering::Acquire);
+        let cp = self.log.checkpoint_lsn();
+        // Also when only its binding is recent: a live creation record of the object is then
+        // known to be durable in the lower (`ReplayPlan::durable_creations`).
+        if fid != 0
+            && (slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
+                || slot.w(S_BIND_LSN).load(Ordering::Acquire) >= cp)
+        {
+            let upto = self.log.lsn_now();
+            if self.log.write_back(fid, upto).is_err() {
+                // Not even the reserve has room: wait (bounded) for the daemon's write-back
+                // to pass `upto`, which expires the entries as well.
+                let t0 = Instant::now();
+                while self.log.checkpoint_lsn() < upto {
+                    if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
+                        return Err(io::Error::from_raw_os_error(libc::EIO));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        slot.w(S_LAST_LSN).store(0, Ordering::Release);
+        if vetted {
+            slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
+        }
+        slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
+        slot.clear_lazy(None);
+        p.dirty.clear();
+        self.count(P_FALLBACKS, 1);
+        Ok(())
+    }
+}
