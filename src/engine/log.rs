@@ -752,26 +752,28 @@ mod tests {
     use super::*;
     use crate::pmem::sim::SimPmem;
 
+    /// A fresh log on simulated PM holding one committed data record.
+    fn log_with_one_record() -> (Arc<SimPmem>, Log) {
+        let sim = Arc::new(SimPmem::new(256 * 4096));
+        let log = Log::format(sim.clone(), [1; 16], 1).unwrap();
+        let mut a = log.area();
+        let rec = Record::Data {
+            fid: 5,
+            off: 0,
+            bytes: b"kept".to_vec(),
+        };
+        a.append(&rec, None).unwrap();
+        a.commit();
+        drop(a);
+        (sim, log)
+    }
+
     /// An entry that breaks an entry invariant yet has a valid checksum (a bug of a writer,
     /// or damage the checksum cannot see) is found by the scan and never replayed: the check
     /// paired with the log's assertion before it writes an entry.
     #[test]
     fn an_entry_breaking_an_invariant_is_a_scan_problem() {
-        let sim = Arc::new(SimPmem::new(256 * 4096));
-        let log = Log::format(sim.clone(), [1; 16], 1).unwrap();
-        {
-            let mut a = log.area();
-            a.append(
-                &Record::Data {
-                    fid: 5,
-                    off: 0,
-                    bytes: b"kept".to_vec(),
-                },
-                None,
-            )
-            .unwrap();
-            a.commit();
-        }
+        let (sim, _log) = log_with_one_record();
         let s = scan(&*sim).unwrap();
         assert!(s.problems.is_empty(), "{:?}", s.problems);
         let e = &s.entries[0];
@@ -799,22 +801,8 @@ mod tests {
     /// writes the checkpoint anew.
     #[test]
     fn a_corrupt_superblock_word_keeps_everything_and_is_rewritten() {
-        let sim = Arc::new(SimPmem::new(256 * 4096));
-        let log = Log::format(sim.clone(), [1; 16], 1).unwrap();
+        let (sim, log) = log_with_one_record();
         log.set_clean(true);
-        {
-            let mut a = log.area();
-            a.append(
-                &Record::Data {
-                    fid: 5,
-                    off: 0,
-                    bytes: b"kept".to_vec(),
-                },
-                None,
-            )
-            .unwrap();
-            a.commit();
-        }
         let upto = log.lsn_now();
         log.checkpoint(upto);
         assert!(log.checkpoint_lsn() >= upto);
