@@ -129,7 +129,7 @@ pub const METRICS: &[Metric] = &[
     m("recovery.bytes_replayed", Gauge, Bytes, Both, "recovery at start: bytes replayed onto the lower file system"),
     m("recovery.files", Gauge, Count, Both, "recovery at start: files replayed into"),
     m("recovery.unresolved_files", Gauge, Count, Both, "recovery at start: files deleted after their records (nothing to replay into)"),
-    m("recovery.duration_ms", Gauge, Millis, Both, "recovery at start: how long it took"),
+    m("recovery.duration_ms", Gauge, Millis, Both, "recovery at start: how long it took (0: none was needed)"),
     m("latency_us.count", Counter, Count, Mount, "FUSE requests of a kind served"),
     m("latency_us.mean_us", Gauge, Micros, Mount, "mean time to serve a FUSE request of a kind"),
     m("latency_us.p50_us_le", Gauge, Micros, Mount, "median time to serve a FUSE request of a kind (bucket bound)"),
@@ -174,32 +174,28 @@ pub const NOT_METRICS: &[&str] = &[
 /// The numbers in a stats map (top level, nested groups, arrays of records) that `METRICS`
 /// does not define, by path: empty when every one is.
 pub fn undefined_numbers(stats: &serde_json::Value) -> Vec<String> {
-    fn walk(v: &serde_json::Value, group: Option<&str>, path: &str, out: &mut Vec<String>) {
+    /// `group`: the top-level key a nested map or record list stands under (as `lookup_in`).
+    fn walk(v: &serde_json::Value, group: Option<&str>, out: &mut Vec<String>) {
         match v {
             serde_json::Value::Object(m) => {
                 for (k, x) in m {
-                    let g = group.or(if path.is_empty() { None } else { Some(path) });
-                    match x {
-                        serde_json::Value::Number(_) => {
-                            if lookup_in(g, k).is_none() && !NOT_METRICS.contains(&k.as_str()) {
-                                out.push(format!("{path}.{k}"));
-                            }
-                        }
-                        _ if path.is_empty() => walk(x, None, k, out),
-                        _ => walk(x, g, path, out),
+                    if !x.is_number() {
+                        walk(x, Some(group.unwrap_or(k)), out);
+                    } else if lookup_in(group, k).is_none() && !NOT_METRICS.contains(&k.as_str()) {
+                        out.push(group.map_or_else(|| k.clone(), |g| format!("{g}.{k}")));
                     }
                 }
             }
             serde_json::Value::Array(a) => {
                 for x in a {
-                    walk(x, group, path, out);
+                    walk(x, group, out);
                 }
             }
             _ => {}
         }
     }
     let mut out = Vec::new();
-    walk(stats, None, "", &mut out);
+    walk(stats, None, &mut out);
     out
 }
 
@@ -300,6 +296,17 @@ pub fn mount_stats(
     serde_json::Value::Object(m)
 }
 
+/// One sample `pmstack_{name}` with its HELP and TYPE lines.
+fn series(out: &mut String, name: &str, kind: Kind, help: &str, value: f64) {
+    let kind = match kind {
+        Counter => "counter",
+        Gauge => "gauge",
+    };
+    let _ = writeln!(out, "# HELP pmstack_{name} {help}.");
+    let _ = writeln!(out, "# TYPE pmstack_{name} {kind}");
+    let _ = writeln!(out, "pmstack_{name} {value}");
+}
+
 fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -328,30 +335,19 @@ pub fn render(stats: &serde_json::Value, latency: Option<&Latency>) -> String {
         let Some(x) = v.as_f64() else { continue };
         // Every number the stats maps hold is defined (a test checks both front ends).
         let Some(def) = lookup(k) else { continue };
-        match (def.kind, def.unit) {
-            (Gauge, Millis) => {
-                let base = k.strip_suffix("_ms").unwrap_or(k);
-                let _ = writeln!(out, "# HELP pmstack_{base}_seconds {}.", def.help);
-                let _ = writeln!(out, "# TYPE pmstack_{base}_seconds gauge");
-                let _ = writeln!(out, "pmstack_{base}_seconds {}", x / 1e3);
-            }
-            (Gauge, _) => {
-                let _ = writeln!(out, "# HELP pmstack_{k} {}.", def.help);
-                let _ = writeln!(out, "# TYPE pmstack_{k} gauge");
-                let _ = writeln!(out, "pmstack_{k} {x}");
-            }
-            (Counter, Micros) => {
-                let base = k.strip_suffix("_us").unwrap_or(k);
-                let _ = writeln!(out, "# HELP pmstack_{base}_seconds_total {}.", def.help);
-                let _ = writeln!(out, "# TYPE pmstack_{base}_seconds_total counter");
-                let _ = writeln!(out, "pmstack_{base}_seconds_total {}", x / 1e6);
-            }
-            (Counter, _) => {
-                let _ = writeln!(out, "# HELP pmstack_{k}_total {}.", def.help);
-                let _ = writeln!(out, "# TYPE pmstack_{k}_total counter");
-                let _ = writeln!(out, "pmstack_{k}_total {x}");
-            }
-        }
+        let (name, value) = match (def.kind, def.unit) {
+            (Gauge, Millis) => (
+                format!("{}_seconds", k.strip_suffix("_ms").unwrap_or(k)),
+                x / 1e3,
+            ),
+            (Gauge, _) => (k.clone(), x),
+            (Counter, Micros) => (
+                format!("{}_seconds_total", k.strip_suffix("_us").unwrap_or(k)),
+                x / 1e6,
+            ),
+            (Counter, _) => (format!("{k}_total"), x),
+        };
+        series(&mut out, &name, def.kind, def.help, value);
     }
     // Exported as 0 before any recovery happened, so that dashboards and alerts see them.
     {
@@ -360,36 +356,16 @@ pub fn render(stats: &serde_json::Value, latency: Option<&Latency>) -> String {
             .get("recovery")
             .and_then(|v| v.as_object())
             .unwrap_or(&none);
-        let g = |name: &str, help: &str, v: f64, out: &mut String| {
-            let _ = writeln!(out, "# HELP pmstack_{name} {help}.");
-            let _ = writeln!(out, "# TYPE pmstack_{name} gauge");
-            let _ = writeln!(out, "pmstack_{name} {v}");
-        };
         let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
-        g(
-            "recovery_duration_seconds",
-            "Duration of the recovery run at start (0: none was needed)",
-            f("duration_ms") / 1e3,
-            &mut out,
-        );
-        g(
-            "recovery_file_ops",
-            "Data and attribute records replayed at start",
-            f("file_ops"),
-            &mut out,
-        );
-        g(
-            "recovery_namespace_ops",
-            "Namespace records evaluated at start",
-            f("namespace_ops"),
-            &mut out,
-        );
-        g(
-            "recovery_bytes",
-            "Bytes replayed onto the lower file system at start",
-            f("bytes_replayed"),
-            &mut out,
-        );
+        for (name, key, scale) in [
+            ("recovery_duration_seconds", "duration_ms", 1e-3),
+            ("recovery_file_ops", "file_ops", 1.0),
+            ("recovery_namespace_ops", "namespace_ops", 1.0),
+            ("recovery_bytes", "bytes_replayed", 1.0),
+        ] {
+            let help = lookup_in(Some("recovery"), key).map_or("", |m| m.help);
+            series(&mut out, name, Gauge, help, f(key) * scale);
+        }
     }
     let Some(latency) = latency else {
         return out;

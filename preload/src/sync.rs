@@ -7,29 +7,29 @@ use crate::attach::*;
 
 #[no_mangle]
 pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
-    if let Some((_g, c, t)) = lookup(fd) {
-        return unit_ret(c.fsync(&t, fd));
-    }
-    if let Some(r) = dir_sync(fd) {
-        return r;
-    }
-    kernel!(libc::SYS_fsync, fd) as c_int
-}
-
-/// A sync of a directory under the root: absorbed when all its changes were logged.
-pub(crate) fn dir_sync(fd: c_int) -> Option<c_int> {
-    let _g = Inside::enter()?;
-    let c = client_if_needed()?;
-    c.fsync_dir(fd).map(unit_ret)
+    sync(fd, libc::SYS_fsync)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
+    sync(fd, libc::SYS_fdatasync)
+}
+
+/// fsync or fdatasync (system call `n`): absorbed for a tracked file or a directory under the
+/// root whose changes were all logged, the kernel's otherwise.
+fn sync(fd: c_int, n: libc::c_long) -> c_int {
     if let Some((_g, c, t)) = lookup(fd) {
         return unit_ret(c.fsync(&t, fd));
     }
     if let Some(r) = dir_sync(fd) {
         return r;
     }
-    kernel!(libc::SYS_fdatasync, fd) as c_int
+    kernel!(n, fd) as c_int
+}
+
+/// A sync of a directory under the root: absorbed when all its changes were logged.
+fn dir_sync(fd: c_int) -> Option<c_int> {
+    let _g = Inside::enter()?;
+    let c = client_if_needed()?;
+    c.fsync_dir(fd).map(unit_ret)
 }

@@ -168,13 +168,11 @@ pub(crate) unsafe fn lio_listio_via(
 
 #[no_mangle]
 pub unsafe extern "C" fn aio_write(cb: *mut libc::aiocb) -> c_int {
-    // SAFETY: forwarded.
     forward!(aio_write_via(c"aio_write", cb))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn aio_write64(cb: *mut libc::aiocb) -> c_int {
-    // SAFETY: forwarded.
     forward!(aio_write_via(c"aio_write64", cb))
 }
 
@@ -185,7 +183,6 @@ pub unsafe extern "C" fn lio_listio(
     nent: c_int,
     sig: *mut libc::sigevent,
 ) -> c_int {
-    // SAFETY: forwarded.
     forward!(lio_listio_via(c"lio_listio", mode, list, nent, sig))
 }
 
@@ -196,7 +193,6 @@ pub unsafe extern "C" fn lio_listio64(
     nent: c_int,
     sig: *mut libc::sigevent,
 ) -> c_int {
-    // SAFETY: forwarded.
     forward!(lio_listio_via(c"lio_listio64", mode, list, nent, sig))
 }
 

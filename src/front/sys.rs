@@ -57,35 +57,11 @@ pub fn check(r: i64) -> io::Result<i64> {
 }
 
 pub fn write(fd: i32, buf: &[u8]) -> io::Result<usize> {
-    // SAFETY: valid buffer.
-    check(unsafe {
-        syscall6(
-            libc::SYS_write,
-            fd as i64,
-            buf.as_ptr() as i64,
-            buf.len() as i64,
-            0,
-            0,
-            0,
-        )
-    })
-    .map(|n| n as usize)
+    ProgramBytes::of(buf).write(fd)
 }
 
 pub fn pwrite(fd: i32, buf: &[u8], off: u64) -> io::Result<usize> {
-    // SAFETY: valid buffer.
-    check(unsafe {
-        syscall6(
-            libc::SYS_pwrite64,
-            fd as i64,
-            buf.as_ptr() as i64,
-            buf.len() as i64,
-            off as i64,
-            0,
-            0,
-        )
-    })
-    .map(|n| n as usize)
+    ProgramBytes::of(buf).pwrite(fd, off)
 }
 
 pub fn pread(fd: i32, buf: &mut [u8], off: u64) -> io::Result<usize> {
