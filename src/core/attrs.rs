@@ -3,19 +3,33 @@
 
 use super::{Core, Inode, Owed};
 use crate::engine::{AttrOp, Record};
-use crate::lower::real::{fstat, Stat};
+use crate::lower::real::Stat;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 impl Core {
-    /// Log an attribute change of `i` (after it was applied to the lower FS).
-    pub(super) fn log_attr(&self, owed: &Owed, i: &Inode, op: AttrOp) -> io::Result<()> {
+    /// Change an attribute of `i`: `apply` makes the change in the lower file system (and in
+    /// `FileState`), `op` is its log record. Logged first (`policy::must_log_change_first`):
+    /// the lower may make the change durable on its own at any moment, and replaying the
+    /// object's older entries over it after a crash would undo it (a truncate that older
+    /// writes extend again, a chmod back to the old mode). If the lower then refuses the
+    /// change, the record stands for something that did not happen: the object is written
+    /// back as it is and its entries, the record among them, expire. With no room in the log
+    /// the change goes to the lower alone and is made durable there with the object's older
+    /// entries expired (`fall_back_file`).
+    pub(super) fn change_attr(
+        &self,
+        owed: &Owed,
+        i: &Inode,
+        op: AttrOp,
+        apply: impl FnOnce(&mut super::FileState) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut st = i.st.lock();
         let Some(log) = self.logging() else {
-            return Ok(());
+            return apply(&mut st);
         };
         self.note_changed(i);
-        let mut st = i.st.lock();
         let mut a = log.area();
         let r = self
             .ensure_bound(&mut a, i, &mut st)
@@ -26,21 +40,28 @@ impl Core {
             Ok(lsn) => {
                 st.last_lsn = lsn;
                 st.live_attr = true;
+                if let Err(e) = apply(&mut st) {
+                    self.write_back_file(owed, log, i, &mut st)?;
+                    return Err(e);
+                }
                 Ok(())
             }
-            Err(_) => self.fall_back_file(owed, log, i, &mut st),
+            Err(_) => {
+                apply(&mut st)?;
+                self.fall_back_file(owed, log, i, &mut st)
+            }
         }
     }
 
     pub(super) fn setattr_size(&self, owed: &Owed, i: &Arc<Inode>, size: u64) -> io::Result<()> {
         let _g = self.gate.read();
-        self.lower.truncate(self.nfd(i)?.as_raw_fd(), size)?;
-        {
-            let mut st = i.st.lock();
+        let fd = self.nfd(i)?;
+        self.change_attr(owed, i, AttrOp::Truncate(size), |st| {
+            self.lower.truncate(fd.as_raw_fd(), size)?;
             // Dirty bytes past the new end no longer exist.
             st.dirty.clip(size);
-        }
-        self.log_attr(owed, i, AttrOp::Truncate(size))
+            Ok(())
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -77,28 +98,49 @@ impl Core {
                 self.setattr_size(owed, &i, s)?;
             }
             let _g = self.gate.read();
+            let fd = self.nfd(&i)?;
             if let Some(m) = mode {
-                self.lower.chmod(self.nfd(&i)?.as_raw_fd(), m)?;
-                self.log_attr(owed, &i, AttrOp::Chmod(m & 0o7777))?;
+                self.change_attr(owed, &i, AttrOp::Chmod(m & 0o7777), |_| {
+                    self.lower.chmod(fd.as_raw_fd(), m)
+                })?;
             }
             if uid.is_some() || gid.is_some() {
                 let (u, g) = (uid.unwrap_or(u32::MAX), gid.unwrap_or(u32::MAX));
-                self.lower.chown(self.nfd(&i)?.as_raw_fd(), u, g)?;
-                self.log_attr(owed, &i, AttrOp::Chown(u, g))?;
+                self.change_attr(owed, &i, AttrOp::Chown(u, g), |_| {
+                    self.lower.chown(fd.as_raw_fd(), u, g)
+                })?;
             }
             if atime.is_some() || mtime.is_some() {
-                self.lower
-                    .utimens(self.nfd(&i)?.as_raw_fd(), atime, mtime)?;
-                // Log the resulting times, so "now" replays as the same instant.
-                let st = fstat(self.nfd(&i)?.as_raw_fd())?;
-                let a = atime.map(|_| st.st_atime * 1_000_000_000 + st.st_atime_nsec);
-                let m = mtime.map(|_| st.st_mtime * 1_000_000_000 + st.st_mtime_nsec);
-                self.log_attr(
+                // "Now" is taken here, so that the record (logged first) and the lower hold
+                // the same instant.
+                let now = realtime_ns();
+                let (a, m) = (
+                    atime.map(|t| t.unwrap_or(now)),
+                    mtime.map(|t| t.unwrap_or(now)),
+                );
+                self.change_attr(
                     owed,
                     &i,
                     AttrOp::Times {
                         atime_ns: a,
                         mtime_ns: m,
+                    },
+                    |_| {
+                        let fd = fd.as_raw_fd();
+                        self.lower
+                            .utimens(fd, a.map(Some), m.map(Some))
+                            .or_else(|e| {
+                                // Explicit times need ownership where "now" needs only write
+                                // access (a daemon that is not root): the lower's own "now",
+                                // which differs from the record's by microseconds.
+                                let now_only =
+                                    atime.flatten().is_none() && mtime.flatten().is_none();
+                                if e.raw_os_error() == Some(libc::EPERM) && now_only {
+                                    self.lower.utimens(fd, atime, mtime)
+                                } else {
+                                    Err(e)
+                                }
+                            })
                     },
                 )?;
             }
@@ -110,17 +152,15 @@ impl Core {
         self.settled(|owed| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
-            self.lower
-                .setxattr(self.nfd(&i)?.as_raw_fd(), name, value, flags)?;
-            self.log_attr(
-                owed,
-                &i,
-                AttrOp::SetXattr {
-                    name: name.to_vec(),
-                    value: value.to_vec(),
-                    flags: 0,
-                },
-            )
+            let fd = self.nfd(&i)?;
+            let op = AttrOp::SetXattr {
+                name: name.to_vec(),
+                value: value.to_vec(),
+                flags: 0,
+            };
+            self.change_attr(owed, &i, op, |_| {
+                self.lower.setxattr(fd.as_raw_fd(), name, value, flags)
+            })
         })
     }
 
@@ -128,14 +168,13 @@ impl Core {
         self.settled(|owed| {
             let i = self.inode(ino)?;
             let _g = self.gate.read();
-            self.lower.removexattr(self.nfd(&i)?.as_raw_fd(), name)?;
-            self.log_attr(
-                owed,
-                &i,
-                AttrOp::RemoveXattr {
-                    name: name.to_vec(),
-                },
-            )
+            let fd = self.nfd(&i)?;
+            let op = AttrOp::RemoveXattr {
+                name: name.to_vec(),
+            };
+            self.change_attr(owed, &i, op, |_| {
+                self.lower.removexattr(fd.as_raw_fd(), name)
+            })
         })
     }
 
@@ -148,4 +187,12 @@ impl Core {
         let i = self.inode(ino)?;
         self.lower.listxattr(self.nfd(&i)?.as_raw_fd(), size)
     }
+}
+
+/// The wall clock in nanoseconds since the epoch (what a file's "now" time is).
+fn realtime_ns() -> i64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    d.as_secs() as i64 * 1_000_000_000 + d.subsec_nanos() as i64
 }

@@ -275,3 +275,14 @@ fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
         crate::sim::run_history(s, 50, Mode::Sync, false)
     });
 }
+
+/// A seed that found recovery undoing a truncate the lower had made durable (found on real
+/// DAX by `tests/vm/rig` first): the truncate reached the lower before its record reached the
+/// log, and a crash between the two left the log's older writes of the file live; replayed,
+/// they extended the file again past the new end. Fails on the commit before attribute
+/// changes were logged first (`Core::change_attr`), with the simulator's lower as it was at
+/// each fence (`sim::FenceTrees`) and its no-rollback check.
+#[test]
+fn a_truncate_is_never_undone_by_older_entries() {
+    crate::sim::expect_contract([317], |s| crate::sim::run_history(s, 50, Mode::Sync, false));
+}

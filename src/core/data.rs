@@ -317,16 +317,14 @@ impl Core {
                     self.fall_back_file(owed, log, &h.ino, &mut st)?;
                 }
             }
-            real::fallocate(h.fd.as_raw_fd(), mode, off, len)?;
-            self.log_attr(
-                owed,
-                &h.ino,
-                AttrOp::Fallocate {
-                    mode: mode as u32,
-                    offset: off,
-                    len,
-                },
-            )
+            let op = AttrOp::Fallocate {
+                mode: mode as u32,
+                offset: off,
+                len,
+            };
+            self.change_attr(owed, &h.ino, op, |_| {
+                real::fallocate(h.fd.as_raw_fd(), mode, off, len)
+            })
         })
     }
 

@@ -27,6 +27,20 @@ impl Core {
         st: &mut FileState,
     ) -> io::Result<()> {
         self.log_full();
+        self.write_back_file(owed, log, i, st)
+    }
+
+    /// Make `i` durable in the lower as it is now and expire every log entry of it: after a
+    /// fallback (`fall_back_file`), and when the lower refused a change whose record was
+    /// already logged (replay must never apply a change that did not happen). Caller holds
+    /// `st`.
+    pub(super) fn write_back_file(
+        &self,
+        owed: &Owed,
+        log: &Log,
+        i: &Inode,
+        st: &mut FileState,
+    ) -> io::Result<()> {
         self.sync_object(i)?;
         let upto = log.lsn_now();
         if log.write_back(i.fid, upto).is_err() {

@@ -39,12 +39,20 @@ pub struct CrashImage {
     pub bytes: Vec<u8>,
     /// Caller-supplied tag (e.g. number of acknowledged operations) at capture time.
     pub tag: u64,
+    /// What the fence hook (`SimPmem::on_capture`) returned when the image was taken (0
+    /// without a hook): for a caller that records the state of the world outside PM at the
+    /// crash instant, such as what the lower file system held.
+    pub note: u64,
 }
+
+/// Called at each captured image, with the PM state locked: must not touch this region.
+pub type CaptureHook = Box<dyn Fn() -> u64 + Send + Sync>;
 
 pub struct SimPmem {
     st: Mutex<State>,
     rmw: Mutex<()>,
     tag: std::sync::atomic::AtomicU64,
+    hook: Mutex<Option<CaptureHook>>,
 }
 
 impl SimPmem {
@@ -65,6 +73,7 @@ impl SimPmem {
             }),
             tag: 0.into(),
             rmw: Mutex::new(()),
+            hook: Mutex::new(None),
         }
     }
 
@@ -77,6 +86,12 @@ impl SimPmem {
             rng: rand::rngs::StdRng::seed_from_u64(seed),
             images: Vec::new(),
         });
+    }
+
+    /// Call `hook` at every later capture and keep what it returns with the image
+    /// (`CrashImage::note`).
+    pub fn on_capture(&self, hook: CaptureHook) {
+        *self.hook.lock() = Some(hook);
     }
 
     /// Set the tag recorded with later captures (the test's "acknowledged so far" counter).
@@ -194,6 +209,7 @@ impl Pmem for SimPmem {
         if let Some(cap) = st.capture.as_mut() {
             if cap.rng.gen_bool(cap.prob) {
                 let tag = self.tag.load(std::sync::atomic::Ordering::SeqCst);
+                let note = self.hook.lock().as_ref().map_or(0, |h| h());
                 for _ in 0..cap.per_fence {
                     let mut img = st.persisted.clone();
                     for &w in st.dirty.iter().chain(st.flushed.iter()) {
@@ -205,6 +221,7 @@ impl Pmem for SimPmem {
                         before_fence: fence_no,
                         bytes: img,
                         tag,
+                        note,
                     });
                 }
             }

@@ -5,7 +5,11 @@
 //!
 //! What lives here so far: how file bytes become log entries, the write rule (which writes
 //! must be logged, and that they are logged before the lower file system sees them), and its
-//! counterpart for changes that are not logged (live entries are written back first).
+//! counterpart for changes that are not logged (live entries are written back first). The
+//! write rule holds for attribute changes as well: one that is logged (every one on the
+//! mount, one of an object with live entries under `pmstack run`) is logged before the lower
+//! sees it, and if the lower then refuses it, the object is written back so that its record
+//! expires (`Core::change_attr`, `Client::attr_op`).
 //! Binding, namespace logging and write-back still live in each front end; see
 //! `docs/contract.md` for the contract they implement.
 

@@ -410,22 +410,49 @@ fn first(names: &std::collections::BTreeSet<String>) -> &String {
     names.first().expect("an inode in a tree has a name")
 }
 
+/// Per inode, the operation count (an index of the history's trees and models) as of which a
+/// tree holds it.
+type Times = BTreeMap<u64, usize>;
+
+/// `Times` of a tree taken after `j` operations.
+fn times(t: &Tree, j: usize) -> Times {
+    t.keys().map(|&i| (i, j)).collect()
+}
+
+/// Where a power cut took an inode's state from: the size's source and each page's, as
+/// operation counts (`Times`).
+struct Origin {
+    len: usize,
+    size: usize,
+    pages: Vec<usize>,
+}
+
 /// Rewind the data of every file in `root` in place to a power-cut state built from trees
-/// (the durable base, and states the lower had since), page by page per inode.
-fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], rng: &mut StdRng) {
+/// (the durable base, and states the lower had since), page by page per inode. Each tree
+/// comes with its `Times`; returns where each inode's state came from.
+fn power_cut(
+    root: &Path,
+    base: (&Tree, &Times),
+    cands: &[(&Tree, &Times)],
+    rng: &mut StdRng,
+) -> BTreeMap<u64, Origin> {
     let now = read_tree(root);
+    let mut origins = BTreeMap::new();
     for (ino, (names, _)) in &now {
         let p = root.join(first(names));
-        let choices: Vec<&Vec<u8>> = base
-            .get(ino)
-            .into_iter()
-            .chain(cands.iter().filter_map(|c| c.get(ino)))
-            .map(|(_, d)| d)
+        let choices: Vec<(&Vec<u8>, Option<usize>)> = std::iter::once(base)
+            .chain(cands.iter().copied())
+            .filter_map(|(t, at)| t.get(ino).map(|(_, d)| (d, at.get(ino).copied())))
             .collect();
-        let len = choices[rng.gen_range(0..choices.len())].len();
+        let (len, size_at) = {
+            let (d, at) = choices[rng.gen_range(0..choices.len())];
+            (d.len(), at)
+        };
         let mut out = vec![0u8; len];
+        let mut pages = Vec::new();
         for pg in 0..len.div_ceil(4096) {
-            let c = choices[rng.gen_range(0..choices.len())];
+            let (c, at) = choices[rng.gen_range(0..choices.len())];
+            pages.push(at);
             let (s, e) = (pg * 4096, ((pg + 1) * 4096).min(len));
             if s < c.len() {
                 let ce = e.min(c.len());
@@ -435,7 +462,12 @@ fn power_cut(root: &Path, base: &Tree, cands: &[&Tree], rng: &mut StdRng) {
         let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
         f.set_len(len as u64).unwrap();
         f.write_all_at(&out, 0).unwrap();
+        if let (Some(size), Some(pages)) = (size_at, pages.into_iter().collect::<Option<Vec<_>>>())
+        {
+            origins.insert(*ino, Origin { len, size, pages });
+        }
     }
+    origins
 }
 
 /// Hard links, outside the lower, to the inodes that lose their last name during a history: a
@@ -532,6 +564,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
     // them finds the lower durable as of op c's start.
     let mut crash_op_syncs = false;
     let stash = Stash::new(&dir.0);
+    let at_fences = FenceTrees::default();
 
     let mut model = Model::default();
     let mut models = vec![model.clone()];
@@ -544,6 +577,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
     let mut next_file = 0u32;
     for j in 0..=c {
         if j == c {
+            r.sim.on_capture(at_fences.hook(&lower_path));
             r.sim.capture_at_fences(1.0, 1, seed);
         }
         r.sim.set_tag(models.len() as u64 - 1);
@@ -696,24 +730,43 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
     }
     drop(r);
     cov.crashes_in_write_back += crash_op_syncs as u64;
-    let after = base_at.get(c + 1).map_or(&trees[base], |&b| &trees[b]);
-    let in_op = if crash_op_syncs {
-        &trees[c]
-    } else {
-        &trees[base_at[c]]
-    };
+    let after = base_at.get(c + 1).copied().unwrap_or(base);
+    let in_op = if crash_op_syncs { c } else { base_at[c] };
     let crash = Crash {
         seed,
         c,
-        base_in_op: in_op,
-        base_after: after,
+        base_in_op: (&trees[in_op], times(&trees[in_op], in_op)),
+        base_after: (&trees[after], times(&trees[after], after)),
         // A write-back's fences come after its syncfs.
         ns_in_op: if crash_op_syncs { c } else { ns_at[c] },
         ns_after: ns_at.get(c + 1).copied().unwrap_or(ns_at[c]),
         names_change_after_fences: false,
         stash,
+        at_fences,
     };
     recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
+}
+
+/// The lower as it was at each fence of the crashing operation where a crash image was
+/// taken (`CrashImage::note` is the index): what a power cut at that fence finds in the
+/// lower's page cache and names, which is where the operation's change to the lower stands
+/// relative to its log entries.
+#[derive(Clone, Default)]
+struct FenceTrees(Arc<parking_lot::Mutex<Vec<Tree>>>);
+
+impl FenceTrees {
+    fn hook(&self, lower: &Path) -> crate::pmem::sim::CaptureHook {
+        let (trees, lower) = (self.0.clone(), lower.to_path_buf());
+        Box::new(move || {
+            let mut t = trees.lock();
+            t.push(read_tree(&lower));
+            t.len() as u64 - 1
+        })
+    }
+
+    fn get(&self, note: u64) -> Tree {
+        self.0.lock()[note as usize].clone()
+    }
 }
 
 /// The crash of a history: in operation `c` (at one of its fences; or right after it when it
@@ -722,8 +775,8 @@ struct Crash<'a> {
     seed: u64,
     c: usize,
     /// What the lower had made durable at the fences of operation `c`, and after it.
-    base_in_op: &'a Tree,
-    base_after: &'a Tree,
+    base_in_op: (&'a Tree, Times),
+    base_after: (&'a Tree, Times),
     /// Up to which operation the lower's journal had committed its namespace at the fences
     /// of operation `c`, and after it (an index of the trees): a power cut keeps the names
     /// as of any operation from there up to the crash point (a committed prefix; never a
@@ -737,6 +790,8 @@ struct Crash<'a> {
     /// Every inode of the history, so that a name whose removal the power cut takes back can
     /// be put back.
     stash: Stash,
+    /// The lower at the fences of operation `c`.
+    at_fences: FenceTrees,
 }
 
 /// Take a crash image of `sim` in operation `x.c`, cut the lower's power (names rewound to a
@@ -758,14 +813,30 @@ fn recover_and_check(
     cov.histories += 1;
     cov.crash_images += 1;
     cov.fences_captured += images.len() as u64;
-    let (img, k) = if images.is_empty() {
+    let (img, k, at_fence) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
-        (sim.crash_image(rng), c + 1)
+        (sim.crash_image(rng), c + 1, None)
     } else {
-        (images.swap_remove(rng.gen_range(0..images.len())).bytes, c)
+        let i = images.swap_remove(rng.gen_range(0..images.len()));
+        (i.bytes, c, Some(x.at_fences.get(i.note)))
     };
     let k1 = (k + 1).min(models.len() - 1);
-    let base_tree = if k == c { x.base_in_op } else { x.base_after };
+    // The lower after `j` operations; in operation c, "after it" is as far as it had got at
+    // the fence of the crash (a change it makes to the lower after that fence cannot be there).
+    let tree = |j: usize| match &at_fence {
+        Some(t) if j == k1 && k1 == c + 1 => t,
+        _ => &trees[j],
+    };
+    let base_tree = if k == c {
+        x.base_in_op.0
+    } else {
+        x.base_after.0
+    };
+    let base_at = if k == c {
+        &x.base_in_op.1
+    } else {
+        &x.base_after.1
+    };
     // The names the power cut keeps: the journal's committed prefix, or any longer prefix up
     // to the crash point (half the time the longest, so a lower that kept everything is
     // covered as much as one that lost operations).
@@ -780,9 +851,9 @@ fn recover_and_check(
     } else {
         rng.gen_range(ns_min..=ns_max)
     };
-    x.stash.rewind_names(lower_path, &trees[p]);
+    x.stash.rewind_names(lower_path, tree(p));
     let lost = (p..k.min(ns_max))
-        .filter(|&j| names_of(&trees[j]) != names_of(&trees[j + 1]))
+        .filter(|&j| names_of(tree(j)) != names_of(tree(j + 1)))
         .count() as u64;
     cov.namespace_rewinds += (lost > 0) as u64;
     cov.namespace_ops_lost += lost;
@@ -794,7 +865,7 @@ fn recover_and_check(
                 .iter()
                 .map(|(i, (n, d))| (i, n, d.len()))
                 .collect::<Vec<_>>(),
-            trees[k1]
+            tree(k1)
                 .iter()
                 .map(|(i, (n, d))| (i, n, d.len()))
                 .collect::<Vec<_>>(),
@@ -804,10 +875,39 @@ fn recover_and_check(
                 .collect::<Vec<_>>()
         );
     }
-    power_cut(
+    // The fence's tree is as of operation k1 for the inodes operation c had changed in the
+    // lower by then, as of k for the others (the operation's changes to them are newer).
+    let at_k1 = match &at_fence {
+        Some(t) => t
+            .iter()
+            .map(|(i, (_, d))| {
+                (
+                    *i,
+                    if trees[k1].get(i).map(|e| &e.1) == Some(d) {
+                        k1
+                    } else {
+                        k
+                    },
+                )
+            })
+            .collect(),
+        None => times(&trees[k1], k1),
+    };
+    let origins = power_cut(
         lower_path,
-        base_tree,
-        &[&trees[p], &trees[k], &trees[k1]],
+        (base_tree, base_at),
+        &[
+            (
+                tree(p),
+                &if p == k1 {
+                    at_k1.clone()
+                } else {
+                    times(tree(p), p)
+                },
+            ),
+            (tree(k), &times(tree(k), k)),
+            (tree(k1), &at_k1),
+        ],
         rng,
     );
     let mut pm = Arc::new(SimPmem::from_image(img));
@@ -847,7 +947,11 @@ fn recover_and_check(
     if std::env::var("PMSTACK_TRACE").is_ok() {
         eprintln!("lower before recovery: {before:?}\nnamespace plan: {:?}\nsummary: {sum:?}\nscan: cp {} entries {} areas {:?}", plan.namespace, s2.checkpoint, s2.entries.len(), s2.areas.iter().map(|a| (a.head, a.tail_page, a.tail_off, a.pages.len())).collect::<Vec<_>>());
     }
-    let got = by_name(&read_tree(lower_path));
+    let recovered = read_tree(lower_path);
+    if let Err(e) = no_rollback(&origins, &recovered, models, trees) {
+        panic!("seed {seed} (crash in op {c}, after {k} ops): recovery rolled back {e}");
+    }
+    let got = by_name(&recovered);
     // The operation in flight: its writes happened (maybe), none of it was acknowledged.
     let mid = models[k].in_flight(&models[k1]);
     if check(&got, &mid).is_err() && ![k, k1].iter().any(|&j| check(&got, &models[j]).is_ok()) {
@@ -858,6 +962,112 @@ fn recover_and_check(
         );
     }
     x.stash.release();
+}
+
+/// What a byte held after an event that changed it (None: past the end), whether that event
+/// was durable, and the event's index in the file's events.
+type Step = (Option<u8>, bool, usize);
+
+/// What each byte of a file held after each event that changed it, in order; and the largest
+/// size the file had.
+fn byte_history(f: &File) -> (Vec<Vec<Step>>, usize) {
+    let mut bytes: Vec<Vec<Step>> = Vec::new();
+    let (mut size, mut most) = (0usize, 0usize);
+    // Whether every event so far was durable: a hole left by a durable write is durable
+    // only then (an O_SYNC write does not make an earlier truncate durable).
+    let mut prefix_durable = true;
+    for (event, &(e, durable)) in f.events.iter().enumerate() {
+        let hole_durable = durable && prefix_durable;
+        prefix_durable &= durable;
+        let mut set = |b: usize, v: Option<u8>, durable: bool| {
+            if bytes.len() <= b {
+                bytes.resize(b + 1, Vec::new());
+            }
+            bytes[b].push((v, durable, event));
+        };
+        match e {
+            Ev::Rec(idx, len) => {
+                let s = (idx * REC) as usize;
+                for b in size..s {
+                    set(b, Some(0), hole_durable);
+                }
+                for (k, v) in pattern(f.id, idx, len).into_iter().enumerate() {
+                    set(s + k, Some(v), durable);
+                }
+                size = size.max(s + len);
+            }
+            Ev::Trunc(n) => {
+                let n = n as usize;
+                for b in n..size {
+                    set(b, None, durable);
+                }
+                for b in size..n {
+                    set(b, Some(0), durable);
+                }
+                size = n;
+            }
+        }
+        most = most.max(size);
+    }
+    (bytes, most)
+}
+
+/// Rule 2 of the contract: recovery never takes a byte back past what the lower held at the
+/// power cut. `origins` says as of which operation the power cut took each inode's size and
+/// pages; as of then, byte b held the value of the last event of the file (in that
+/// operation's model) that changed it, or nothing. Recovery may leave that value, or show a
+/// later event's, never only an earlier one's. Zero also stands for "past the end" (a
+/// zeroed tail, a hole). Checked for inodes that recovery kept and that named one file of the
+/// models throughout (inode numbers can be reused).
+fn no_rollback(
+    origins: &BTreeMap<u64, Origin>,
+    recovered: &Tree,
+    models: &[Model],
+    trees: &[Tree],
+) -> Result<(), String> {
+    // inode -> file id, from each state of the history (names of tree j = names of model j).
+    let mut ids: BTreeMap<u64, Option<u32>> = BTreeMap::new();
+    for (m, t) in models.iter().zip(trees) {
+        for (name, ino) in names_of(t) {
+            if let Some(&id) = m.names.get(name) {
+                let e = ids.entry(ino).or_insert(Some(id));
+                if *e != Some(id) {
+                    *e = None;
+                }
+            }
+        }
+    }
+    let same = |a: Option<u8>, b: Option<u8>| a == b || a.unwrap_or(0) == 0 && b.unwrap_or(0) == 0;
+    for (ino, (names, after)) in recovered {
+        let (Some(o), Some(Some(id))) = (origins.get(ino), ids.get(ino)) else {
+            continue;
+        };
+        let Some(f) = models.iter().rev().find_map(|m| m.files.get(id)) else {
+            continue;
+        };
+        // Events of the file up to operation j.
+        let events_at = |j: usize| models[j].files.get(id).map(|f| f.events.len());
+        let (hist, _) = byte_history(f);
+        for (b, w) in hist.iter().enumerate() {
+            let at = if b < o.len { o.pages[b / 4096] } else { o.size };
+            let Some(n) = events_at(at) else { continue };
+            // The step current as of `at` (None: the byte was never written by then).
+            let cur = w.iter().rposition(|&(_, _, e)| e < n);
+            let r = after.get(b).copied();
+            let from_cur = match cur {
+                Some(i) => w[i..].iter().any(|&(v, _, _)| same(v, r)),
+                None => true,
+            };
+            if !from_cur {
+                return Err(format!(
+                    "{}: byte {b} is {r:?}; the lower held the file as of operation {at} (event {n}), history {w:?}, events {:?}",
+                    first(names),
+                    f.events
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The recovered tree satisfies the model: same names, each with its file's bytes; per byte,
@@ -873,46 +1083,7 @@ fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
     for (name, id) in &m.names {
         let f = &m.files[id];
         let data = &got[name];
-        // bytes[b] = what byte b held after each event that changed it (None: past the end),
-        // in order, with "was durable" flags.
-        let mut bytes: Vec<Vec<(Option<u8>, bool)>> = Vec::new();
-        let (mut size, mut most) = (0usize, 0usize);
-        // Whether every event so far was durable: a hole left by a durable write is durable
-        // only then (an O_SYNC write does not make an earlier truncate durable).
-        let mut prefix_durable = true;
-        for &(e, durable) in &f.events {
-            let hole_durable = durable && prefix_durable;
-            prefix_durable &= durable;
-            let mut set = |b: usize, v: Option<u8>, durable: bool| {
-                if bytes.len() <= b {
-                    bytes.resize(b + 1, Vec::new());
-                }
-                bytes[b].push((v, durable));
-            };
-            match e {
-                Ev::Rec(idx, len) => {
-                    let s = (idx * REC) as usize;
-                    for b in size..s {
-                        set(b, Some(0), hole_durable);
-                    }
-                    for (k, v) in pattern(f.id, idx, len).into_iter().enumerate() {
-                        set(s + k, Some(v), durable);
-                    }
-                    size = size.max(s + len);
-                }
-                Ev::Trunc(n) => {
-                    let n = n as usize;
-                    for b in n..size {
-                        set(b, None, durable);
-                    }
-                    for b in size..n {
-                        set(b, Some(0), durable);
-                    }
-                    size = n;
-                }
-            }
-            most = most.max(size);
-        }
+        let (bytes, most) = byte_history(f);
         if data.len() > most {
             return Err(format!(
                 "{name}: {} bytes, but the file never held more than {most}",
@@ -923,10 +1094,9 @@ fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
             let have = data.get(b).copied();
             // A truncate not yet durable may have reached the data but not the size (the
             // lower wrote back the zeroed tail of a page, its journal kept the old size).
-            let shows = |&(v, durable): &(Option<u8>, bool)| {
-                v == have || (v.is_none() && !durable && have == Some(0))
-            };
-            let ok = match w.iter().rposition(|(_, d)| *d) {
+            let shows =
+                |&(v, durable, _): &Step| v == have || (v.is_none() && !durable && have == Some(0));
+            let ok = match w.iter().rposition(|(_, d, _)| *d) {
                 // Durably absent, then written again but not durably: a later write that
                 // extends the file may have reached the lower without this one (a hole).
                 Some(ld) if w[ld].0.is_none() && ld + 1 < w.len() => {

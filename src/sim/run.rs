@@ -24,7 +24,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
-    pattern, read_tree, recover_and_check, Coverage, Crash, Model, ScratchDir, Stash, Tree, REC,
+    pattern, read_tree, recover_and_check, Coverage, Crash, FenceTrees, Model, ScratchDir, Stash,
+    Tree, REC,
 };
 use crate::engine::Log;
 use crate::front::client::{Client, Tracked};
@@ -107,15 +108,19 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
     let mut trees = vec![read_tree(&lower)];
     // What the lower holds durably, per inode (a power cut keeps it, or newer pages).
     let mut durable: Tree = trees[0].clone();
+    // As of which operation `durable` holds each inode (`super::Times`).
+    let mut durable_at = super::times(&durable, 0);
     let mut next_file = 0u32;
     // Up to which operation (an index of `trees`) the lower's journal committed its names:
     // every real sync commits it (a namespace write-back, a file's fsync, a directory's).
     let mut ns_durable = 0usize;
     let mut ns_in_op = 0usize;
     let stash = Stash::new(&dir.0);
+    let at_fences = FenceTrees::default();
     let mut crash_op_unserved_ns = false;
     for j in 0..=crash_op {
         if j == crash_op {
+            sim.on_capture(at_fences.hook(&lower));
             sim.capture_at_fences(1.0, 1, seed);
         }
         sim.set_tag(j as u64);
@@ -218,6 +223,7 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 cov.write_backs += 1;
                 d.write_back().unwrap();
                 durable = trees.last().unwrap().clone();
+                durable_at = super::times(&durable, j);
             }
             11 => {
                 // The daemon is taken for dead (killed, or stalled past the timeout), or
@@ -300,6 +306,7 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
             } else {
                 now.clone()
             };
+            durable_at = super::times(&durable, if unserved_ns { before_op } else { after_op });
             ns_durable = ns_durable.max(if unserved_ns { before_op } else { after_op });
         }
         // What the fences of a namespace operation on the lower alone found: the names as
@@ -310,12 +317,14 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 let from = if pre { trees.last().unwrap() } else { &now };
                 if let Some(e) = from.get(&ino) {
                     durable.insert(ino, e.clone());
+                    durable_at.insert(ino, if pre { before_op } else { after_op });
                 }
                 ns_durable = ns_durable.max(if pre { before_op } else { after_op });
             }
         }
         if let Some(ino) = entry_made_durable {
             durable.entry(ino).or_insert_with(|| now[&ino].clone());
+            durable_at.entry(ino).or_insert(after_op);
         }
         // A namespace operation on the lower alone syncs its directories before it returns;
         // so does a directory fsync the library left to the lower.
@@ -348,12 +357,13 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
     let crash = Crash {
         seed,
         c: crash_op,
-        base_in_op: &durable,
-        base_after: &durable,
+        base_in_op: (&durable, durable_at.clone()),
+        base_after: (&durable, durable_at),
         ns_in_op,
         ns_after: ns_durable,
         names_change_after_fences: crash_op_unserved_ns,
         stash,
+        at_fences,
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
 }
@@ -401,6 +411,15 @@ mod tests {
     #[test]
     fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
         expect_contract([6943], |s| run_history_preload(s, 50, false));
+    }
+
+    /// A seed that found recovery undoing a truncate the lower had made durable: the
+    /// ftruncate reached the lower before its record reached the log; a crash between the
+    /// two, and the log's older writes of the file, replayed, extended it again. Fails on the
+    /// commit before `Client::attr_op` logged first.
+    #[test]
+    fn a_truncate_is_never_undone_by_older_entries() {
+        expect_contract([609], |s| run_history_preload(s, 50, false));
     }
 
     /// Seeds of the long run that found violations (a new file made durable by a real sync,

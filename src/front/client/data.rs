@@ -190,38 +190,55 @@ impl Client {
         rec: AttrOp,
         trim: Option<u64>,
     ) -> io::Result<()> {
+        // A fallocate, and whether it moves bytes (collapse, insert).
+        let fallocate = match &rec {
+            AttrOp::Fallocate { mode, .. } => Some(
+                *mode as i32 & (libc::FALLOC_FL_COLLAPSE_RANGE | libc::FALLOC_FL_INSERT_RANGE) != 0,
+            ),
+            _ => None,
+        };
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
         let mut p = t.ino.p.lock();
         let will_log = self.loggable(slot.flags()) && self.serving();
-        if crate::policy::must_write_back_first(self.live(&slot), will_log) {
+        let live = self.live(&slot);
+        if crate::policy::must_write_back_first(live, will_log) {
             // Not logged in order with them: the live entries go first (replay must never
             // apply them over this change, which the lower may make durable by itself).
             self.real_sync(&slot, fd, &mut p)?;
         }
-        op()?;
+        // An object with live entries gets a record (replay must apply the change in order
+        // with them), logged before the change reaches the lower: the lower may make the
+        // change durable by itself at any moment, and replaying the older entries over it
+        // would undo it (a truncate that older writes extend again). Otherwise the next sync
+        // of the object is real, which makes the change durable without putting files
+        // nobody syncs into the log.
+        let logged = will_log && live && self.log_attr(&slot, &t.ino, rec).is_ok();
+        if let Err(e) = op() {
+            if logged {
+                // The record stands for a change that did not happen: write the object back
+                // as it is, which expires the record with the rest.
+                self.real_sync(&slot, fd, &mut p)?;
+            }
+            return Err(e);
+        }
         if let Some(len) = trim {
             p.dirty.clip(len);
         }
-        if let AttrOp::Fallocate { mode, .. } = &rec {
+        if let Some(moves) = fallocate {
             if !p.dirty.is_empty() {
                 // Punched or zeroed dirty bytes are read back at the next sync; bytes a
                 // collapse or insert moved are not where the dirty ranges say: that sync is
                 // real.
                 p.dirty.forget_copy();
-                if *mode as i32 & (libc::FALLOC_FL_COLLAPSE_RANGE | libc::FALLOC_FL_INSERT_RANGE)
-                    != 0
-                {
+                if moves {
                     slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
                 }
             }
         }
-        // An object with live entries gets a record (replay must apply the change in order
-        // with them); otherwise the next sync of the object is real, which makes the change
-        // durable without putting files nobody syncs into the log.
-        if !will_log || !self.live(&slot) {
+        if !will_log || !live {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-        } else if self.log_attr(&slot, &t.ino, rec).is_err() {
+        } else if !logged {
             // The log is full: make the change and everything before it durable now.
             self.real_sync(&slot, fd, &mut p)?;
         }
