@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use pmstack::core::Mode;
-use pmstack::sim::{run_history, run_history_preload, Coverage};
+use pmstack::sim::{run_history, run_history_preload, Coverage, Kinds};
 
 #[derive(Parser)]
 #[command(about = "Run the deterministic crash simulator and print its coverage")]
@@ -39,6 +39,10 @@ struct Args {
     /// flight does not keep the contract yet: see docs/contract.md).
     #[arg(long)]
     links: bool,
+    /// Leave fallocate out of the histories (the histories of seeds found before it was in
+    /// them)
+    #[arg(long)]
+    no_fallocate: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -64,6 +68,10 @@ fn main() {
         }
     };
     let seed0 = a.seed.unwrap_or_else(rand::random);
+    let kinds = Kinds {
+        links: a.links,
+        fallocate: !a.no_fallocate,
+    };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
     let failures = Mutex::new(Vec::<String>::new());
@@ -78,8 +86,8 @@ fn main() {
                 let mode = modes[(k % modes.len() as u64) as usize];
                 let seed = seed0.wrapping_add(k);
                 let r = match mode {
-                    Some(m) => run_history(seed, a.ops, m, a.links),
-                    None => run_history_preload(seed, a.ops, a.links),
+                    Some(m) => run_history(seed, a.ops, m, kinds),
+                    None => run_history_preload(seed, a.ops, kinds),
                 };
                 match r {
                     Ok(c) => total.lock().unwrap().add(&c),
@@ -126,8 +134,8 @@ fn main() {
             cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.recoveries_interrupted, cov.double_replays
         );
         println!(
-            "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, FORGET+lookup {}; objects re-created by recovery {}",
-            cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.forgets, cov.recreated
+            "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, fallocate {}, FORGET+lookup {}; objects re-created by recovery {}",
+            cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.recreated
         );
         println!(
             "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}",

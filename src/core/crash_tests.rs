@@ -11,7 +11,13 @@ use super::{Core, Mode, Options};
 use crate::engine::Log;
 use crate::lower::RealLower;
 use crate::pmem::sim::SimPmem;
-use crate::sim::pattern;
+use crate::sim::{pattern, Kinds};
+
+/// The histories of the regression seeds that found faults with hard links.
+const LINKS: Kinds = Kinds {
+    links: true,
+    fallocate: false,
+};
 
 /// Many histories of one mode; a failure prints the command that reproduces it
 /// (PMSTACK_WHOLE_PATH_RUNS and PMSTACK_SEED also steer these runs).
@@ -20,7 +26,7 @@ fn run_many(mode: Mode) {
     let runs = env("PMSTACK_WHOLE_PATH_RUNS").unwrap_or(400);
     let seed0 = env("PMSTACK_SEED").unwrap_or_else(rand::random);
     let cov = crate::sim::expect_contract(0..runs, |r| {
-        crate::sim::run_history(seed0.wrapping_add(r), 50, mode, false)
+        crate::sim::run_history(seed0.wrapping_add(r), 50, mode, crate::sim::Kinds::CAMPAIGN)
     });
     // The runs exercised what they claim to.
     assert_eq!(cov.crash_images, runs);
@@ -235,7 +241,7 @@ fn pm_full_fallbacks_are_never_rolled_back_by_replay() {
 #[test]
 fn a_rename_between_two_links_of_one_file_is_not_replayed_as_a_move() {
     crate::sim::expect_contract([906], |s| {
-        crate::sim::run_history(s, 50, Mode::Strict, true)
+        crate::sim::run_history(s, 50, Mode::Strict, LINKS)
     });
 }
 
@@ -260,7 +266,7 @@ fn recovery_reconciles_hard_links_with_lost_and_in_flight_operations() {
         (Mode::Adaptive, 2135),
     ];
     crate::sim::expect_contract(seeds, |(mode, seed)| {
-        crate::sim::run_history(seed, 50, mode, true)
+        crate::sim::run_history(seed, 50, mode, LINKS)
     });
 }
 
@@ -272,7 +278,7 @@ fn recovery_reconciles_hard_links_with_lost_and_in_flight_operations() {
 #[test]
 fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
     crate::sim::expect_contract([5932, 6196], |s| {
-        crate::sim::run_history(s, 50, Mode::Sync, false)
+        crate::sim::run_history(s, 50, Mode::Sync, Kinds::default())
     });
 }
 
@@ -284,5 +290,7 @@ fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
 /// each fence (`sim::FenceTrees`) and its no-rollback check.
 #[test]
 fn a_truncate_is_never_undone_by_older_entries() {
-    crate::sim::expect_contract([317], |s| crate::sim::run_history(s, 50, Mode::Sync, false));
+    crate::sim::expect_contract([317], |s| {
+        crate::sim::run_history(s, 50, Mode::Sync, Kinds::default())
+    });
 }

@@ -176,6 +176,8 @@ impl Client {
         self.log.next_lsn();
         let upto = self.log.lsn_now();
         sys::syncfs(fd)?;
+        // Counted when it happened (the crash simulator reads the count at each fence).
+        self.count(P_NS_SYNCS, 1);
         if self.log.write_back(NAMESPACE_FID, upto).is_ok() {
             self.table.w(H_NS_WB_LSN).fetch_max(upto, Ordering::AcqRel);
         } else {
@@ -189,7 +191,6 @@ impl Client {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        self.count(P_NS_SYNCS, 1);
         Ok(())
     }
 

@@ -71,6 +71,7 @@ pub struct Coverage {
     pub unlinks: u64,
     pub fsyncs: u64,
     pub truncates: u64,
+    pub fallocates: u64,
     pub links: u64,
     /// Objects recovery had to create again.
     pub recreated: u64,
@@ -100,6 +101,7 @@ impl Coverage {
         self.unlinks += o.unlinks;
         self.fsyncs += o.fsyncs;
         self.truncates += o.truncates;
+        self.fallocates += o.fallocates;
         self.links += o.links;
         self.recreated += o.recreated;
         self.daemon_deaths += o.daemon_deaths;
@@ -153,21 +155,53 @@ pub fn core_on_sim_pm(
     (sim, core)
 }
 
-/// Run one seeded history in `mode` with `nops` operations, crash it, recover, and check the
-/// contract. Err: the violation (or harness failure), with the command that reproduces it.
-/// `links`: the histories also make hard links (recovery's reconciliation of hard links with
-/// an operation in flight is known not to keep the contract yet: `docs/contract.md`).
-pub fn run_history(seed: u64, nops: usize, mode: Mode, links: bool) -> Result<Coverage, String> {
+/// Operations a history may do besides creates, writes, fsyncs, truncates, renames,
+/// exchanges, unlinks, write-backs and reopens. Each is off in `Kinds::default()`, whose
+/// histories are those of the simulator before it had them (the regression seeds replay
+/// their histories with it).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Kinds {
+    /// Hard links (recovery's reconciliation of hard links with an operation in flight is
+    /// known not to keep the contract yet: `docs/contract.md`).
+    pub links: bool,
+    /// fallocate: allocate (extending or keeping the size), punch a hole, zero a range.
+    pub fallocate: bool,
+}
+
+impl Kinds {
+    /// What the random runs use: everything but hard links.
+    pub const CAMPAIGN: Kinds = Kinds {
+        links: false,
+        fallocate: true,
+    };
+
+    /// The simulate example's flags that select these kinds.
+    fn flags(self) -> String {
+        let mut f = String::new();
+        if self.links {
+            f += " --links";
+        }
+        if !self.fallocate {
+            f += " --no-fallocate";
+        }
+        f
+    }
+}
+
+/// Run one seeded history in `mode` with `nops` operations of `kinds`, crash it, recover,
+/// and check the contract. Err: the violation (or harness failure), with the command that
+/// reproduces it.
+pub fn run_history(seed: u64, nops: usize, mode: Mode, kinds: Kinds) -> Result<Coverage, String> {
     let m = format!("{mode:?}").to_lowercase();
-    catch(seed, nops, &m, links, |cov| {
-        run(seed, nops, mode, links, cov)
+    catch(seed, nops, &m, kinds, |cov| {
+        run(seed, nops, mode, kinds, cov)
     })
 }
 
 /// `run_history` through the `pmstack run` front end (`run`).
-pub fn run_history_preload(seed: u64, nops: usize, links: bool) -> Result<Coverage, String> {
-    catch(seed, nops, "run", links, |cov| {
-        run::history(seed, nops, links, cov)
+pub fn run_history_preload(seed: u64, nops: usize, kinds: Kinds) -> Result<Coverage, String> {
+    catch(seed, nops, "run", kinds, |cov| {
+        run::history(seed, nops, kinds, cov)
     })
 }
 
@@ -194,7 +228,7 @@ fn catch(
     seed: u64,
     nops: usize,
     mode: &str,
-    links: bool,
+    kinds: Kinds,
     f: impl FnOnce(&mut Coverage),
 ) -> Result<Coverage, String> {
     // The simulated kill of a recovery is a panic caught here: keep it out of the output.
@@ -219,7 +253,7 @@ fn catch(
                 .unwrap_or_else(|| "panic".into());
             Err(format!(
                 "{msg}\n  reproduce: cargo run --release --example simulate -- --mode {mode} --seed {seed} --seeds 1 --ops {nops}{}",
-                if links { " --links" } else { "" }
+                kinds.flags()
             ))
         }
     }
@@ -237,6 +271,54 @@ pub fn pattern(file: u32, rec: u64, len: usize) -> Vec<u8> {
 enum Ev {
     Rec(u64, usize),
     Trunc(u64),
+    Falloc(Falloc),
+}
+
+/// A fallocate: `zero` (a punched hole or a zeroed range) makes its range read as zeros,
+/// otherwise it only allocates; `keep` keeps the size, otherwise the size grows to the end of
+/// the range.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Falloc {
+    off: u64,
+    len: u64,
+    zero: bool,
+    keep: bool,
+}
+
+impl Falloc {
+    /// One of allocate, allocate keeping the size, punch a hole (which keeps the size), zero a
+    /// range, zero a range keeping the size; anywhere from the start to past the end of a
+    /// file of `size` bytes.
+    fn random(rng: &mut StdRng, size: u64) -> Falloc {
+        let (zero, keep) =
+            [(false, false), (false, true), (true, true), (true, false)][rng.gen_range(0..4)];
+        Falloc {
+            off: rng.gen_range(0..=size + REC / 2),
+            len: rng.gen_range(1..9000),
+            zero,
+            keep,
+        }
+    }
+
+    /// The fallocate(2) mode (a hole is punched when the size is kept, a range zeroed
+    /// otherwise).
+    fn mode(self) -> i32 {
+        match (self.zero, self.keep) {
+            (false, false) => 0,
+            (false, true) => libc::FALLOC_FL_KEEP_SIZE,
+            (true, true) => libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            (true, false) => libc::FALLOC_FL_ZERO_RANGE,
+        }
+    }
+
+    /// The size of a file of `size` bytes after it.
+    fn size_after(self, size: u64) -> u64 {
+        if self.keep {
+            size
+        } else {
+            size.max(self.off + self.len)
+        }
+    }
 }
 
 /// A file in the model: its id (for `pattern`) and its events, each with whether it was
@@ -260,6 +342,7 @@ impl File {
         self.events.iter().fold(0, |size, (e, _)| match *e {
             Ev::Rec(i, l) => size.max(i * REC + l as u64),
             Ev::Trunc(n) => n,
+            Ev::Falloc(f) => f.size_after(size),
         })
     }
 }
@@ -295,6 +378,10 @@ impl Model {
             .count() as u64;
         f.events.push((Ev::Rec(idx, len), durable));
         (f.id, idx)
+    }
+
+    fn fallocate(&mut self, name: &str, f: Falloc, durable: bool) {
+        self.file(name).events.push((Ev::Falloc(f), durable));
     }
 
     fn truncate(&mut self, name: &str, size: u64, durable: bool) {
@@ -547,7 +634,7 @@ struct Run {
     handles: BTreeMap<u32, (u64, u64)>, // file id -> (ino, fh)
 }
 
-fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
+fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Coverage) {
     let dir = ScratchDir::new();
     let lower_path = dir.0.join("lower");
     fs::create_dir(&lower_path).unwrap();
@@ -577,7 +664,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
     let mut next_file = 0u32;
     for j in 0..=c {
         if j == c {
-            r.sim.on_capture(at_fences.hook(&lower_path));
+            r.sim.on_capture(at_fences.hook(&lower_path, || (0, 0)));
             r.sim.capture_at_fences(1.0, 1, seed);
         }
         r.sim.set_tag(models.len() as u64 - 1);
@@ -695,7 +782,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
                     .unwrap();
                 model.truncate(&name, size, mode != Mode::Passthrough);
             }
-            15 if links && !names.is_empty() => {
+            15 if kinds.links && !names.is_empty() => {
                 // a hard link
                 let a = pick(&mut rng);
                 let b = format!("f{}", rng.gen_range(0..6));
@@ -705,6 +792,15 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
                     r.core.link(ino, 1, OsStr::new(&b)).unwrap();
                     model.link(&a, &b);
                 }
+            }
+            16 if kinds.fallocate && !names.is_empty() => {
+                let name = pick(&mut rng);
+                let (_, fh) = r.handles[&model.names[&name]];
+                let f = Falloc::random(&mut rng, model.file(&name).size());
+                cov.fallocates += 1;
+                r.core.fallocate(fh, f.off, f.len, f.mode()).unwrap();
+                // Durable on return, as every attribute change.
+                model.fallocate(&name, f, mode != Mode::Passthrough);
             }
             _ => {}
         }
@@ -743,6 +839,7 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
         names_change_after_fences: false,
         stash,
         at_fences,
+        in_op_syncs: None,
     };
     recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
 }
@@ -750,23 +847,45 @@ fn run(seed: u64, nops: usize, mode: Mode, links: bool, cov: &mut Coverage) {
 /// The lower as it was at each fence of the crashing operation where a crash image was
 /// taken (`CrashImage::note` is the index): what a power cut at that fence finds in the
 /// lower's page cache and names, which is where the operation's change to the lower stands
-/// relative to its log entries.
+/// relative to its log entries. With each, what `probe` returned then (the front end's count
+/// of real syncs so far, say; 0 without one).
 #[derive(Clone, Default)]
-struct FenceTrees(Arc<parking_lot::Mutex<Vec<Tree>>>);
+struct FenceTrees(Arc<parking_lot::Mutex<Vec<(Tree, SyncCount)>>>);
+
+/// A front end's real syncs so far: of single files (fsync), of the whole lower (syncfs).
+type SyncCount = (u64, u64);
 
 impl FenceTrees {
-    fn hook(&self, lower: &Path) -> crate::pmem::sim::CaptureHook {
+    fn hook(
+        &self,
+        lower: &Path,
+        probe: impl Fn() -> SyncCount + Send + Sync + 'static,
+    ) -> crate::pmem::sim::CaptureHook {
         let (trees, lower) = (self.0.clone(), lower.to_path_buf());
         Box::new(move || {
             let mut t = trees.lock();
-            t.push(read_tree(&lower));
+            t.push((read_tree(&lower), probe()));
             t.len() as u64 - 1
         })
     }
 
-    fn get(&self, note: u64) -> Tree {
+    fn get(&self, note: u64) -> (Tree, SyncCount) {
         self.0.lock()[note as usize].clone()
     }
+}
+
+/// Real syncs inside the crashing operation (`pmstack run`): which of its fences found the
+/// lower's durable state moved on since the operation began. A sync is followed by its
+/// write-back record's fences with nothing changed in the lower in between, so at a fence
+/// after a sync, what that sync covers is durable as the fence's tree has it.
+struct InOpSyncs {
+    /// The counts when the operation began.
+    before: SyncCount,
+    /// The file a file sync of the operation made durable.
+    file: Option<u64>,
+    /// Every fence of the operation follows a sync of the whole lower (the daemon's
+    /// write-back, whose syncfs the probe does not see).
+    all: bool,
 }
 
 /// The crash of a history: in operation `c` (at one of its fences; or right after it when it
@@ -792,6 +911,8 @@ struct Crash<'a> {
     stash: Stash,
     /// The lower at the fences of operation `c`.
     at_fences: FenceTrees,
+    /// `pmstack run`: the syncs of operation `c` (without: `base_in_op` holds at every fence).
+    in_op_syncs: Option<InOpSyncs>,
 }
 
 /// Take a crash image of `sim` in operation `x.c`, cut the lower's power (names rewound to a
@@ -820,6 +941,10 @@ fn recover_and_check(
         let i = images.swap_remove(rng.gen_range(0..images.len()));
         (i.bytes, c, Some(x.at_fences.get(i.note)))
     };
+    let (at_fence, synced_at_fence) = match at_fence {
+        Some((t, n)) => (Some(t), Some(n)),
+        None => (None, None),
+    };
     let k1 = (k + 1).min(models.len() - 1);
     // The lower after `j` operations; in operation c, "after it" is as far as it had got at
     // the fence of the crash (a change it makes to the lower after that fence cannot be there).
@@ -827,15 +952,10 @@ fn recover_and_check(
         Some(t) if j == k1 && k1 == c + 1 => t,
         _ => &trees[j],
     };
-    let base_tree = if k == c {
-        x.base_in_op.0
+    let (mut base_tree, mut base_at) = if k == c {
+        (x.base_in_op.0.clone(), x.base_in_op.1.clone())
     } else {
-        x.base_after.0
-    };
-    let base_at = if k == c {
-        &x.base_in_op.1
-    } else {
-        &x.base_after.1
+        (x.base_after.0.clone(), x.base_after.1.clone())
     };
     // The names the power cut keeps: the journal's committed prefix, or any longer prefix up
     // to the crash point (half the time the longest, so a lower that kept everything is
@@ -877,7 +997,7 @@ fn recover_and_check(
     }
     // The fence's tree is as of operation k1 for the inodes operation c had changed in the
     // lower by then, as of k for the others (the operation's changes to them are newer).
-    let at_k1 = match &at_fence {
+    let at_k1: Times = match &at_fence {
         Some(t) => t
             .iter()
             .map(|(i, (_, d))| {
@@ -893,9 +1013,19 @@ fn recover_and_check(
             .collect(),
         None => times(&trees[k1], k1),
     };
+    // What syncs of operation c before the fence made durable: the fence's tree.
+    if let (Some(s), Some(t), Some(n)) = (&x.in_op_syncs, &at_fence, synced_at_fence) {
+        let everything = s.all || n.1 > s.before.1;
+        for (ino, e) in t {
+            if everything || (n.0 > s.before.0 && s.file == Some(*ino)) {
+                base_tree.insert(*ino, e.clone());
+                base_at.insert(*ino, at_k1[ino]);
+            }
+        }
+    }
     let origins = power_cut(
         lower_path,
-        (base_tree, base_at),
+        (&base_tree, &base_at),
         &[
             (
                 tree(p),
@@ -1003,6 +1133,17 @@ fn byte_history(f: &File) -> (Vec<Vec<Step>>, usize) {
                 }
                 for b in size..n {
                     set(b, Some(0), durable);
+                }
+                size = n;
+            }
+            Ev::Falloc(f) => {
+                let n = f.size_after(size as u64) as usize;
+                let (s, e) = (f.off as usize, (f.off + f.len) as usize);
+                for b in 0..n {
+                    // Zeroed inside the file, or new (zero) past its old end.
+                    if (f.zero && (s..e).contains(&b)) || b >= size {
+                        set(b, Some(0), durable);
+                    }
                 }
                 size = n;
             }

@@ -24,8 +24,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
-    pattern, read_tree, recover_and_check, Coverage, Crash, FenceTrees, Model, ScratchDir, Stash,
-    Tree, REC,
+    pattern, read_tree, recover_and_check, Coverage, Crash, Falloc, FenceTrees, InOpSyncs, Kinds,
+    Model, ScratchDir, Stash, Tree, REC,
 };
 use crate::engine::Log;
 use crate::front::client::{Client, Tracked};
@@ -58,7 +58,7 @@ fn close(c: &Client, fd: i32) {
     unsafe { libc::close(fd) };
 }
 
-pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
+pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) {
     let dir = ScratchDir::new();
     let lower_path = dir.0.join("lower");
     fs::create_dir(&lower_path).unwrap();
@@ -118,10 +118,20 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
     let stash = Stash::new(&dir.0);
     let at_fences = FenceTrees::default();
     let mut crash_op_unserved_ns = false;
+    // Before the crashing operation: the durable lower, and the program's real syncs.
+    let mut in_op: Option<(Tree, super::Times, (u64, u64))> = None;
+    let mut crash_op_synced = None;
     for j in 0..=crash_op {
         if j == crash_op {
-            sim.on_capture(at_fences.hook(&lower));
+            // The program's real syncs so far, read at each captured fence.
+            let table = Table::open(&table_path).unwrap();
+            sim.on_capture(at_fences.hook(&lower, move || {
+                let (f, ns, _) = counters(&table);
+                (f, ns)
+            }));
             sim.capture_at_fences(1.0, 1, seed);
+            let (f, ns, _) = counters(&d.table);
+            in_op = Some((durable.clone(), durable_at.clone(), (f, ns)));
         }
         sim.set_tag(j as u64);
         cov.ops += 1;
@@ -272,7 +282,7 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                 model.truncate(&name, size, false);
                 synced = Some((o.ino, true));
             }
-            16 if links && !names.is_empty() => {
+            16 if kinds.links && !names.is_empty() => {
                 let a = pick(&mut rng);
                 let b = format!("f{}", rng.gen_range(0..6));
                 if !model.names.contains_key(&b) {
@@ -285,9 +295,22 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
                     model.link(&a, &b);
                 }
             }
+            17 if kinds.fallocate && !names.is_empty() => {
+                // fallocate: as ftruncate, durable at the next fsync
+                let name = pick(&mut rng);
+                let o = &opens[&model.names[&name]];
+                let f = Falloc::random(&mut rng, model.file(&name).size());
+                cov.fallocates += 1;
+                c.fallocate(&o.t, o.fd, f.mode(), f.off, f.len).unwrap();
+                model.fallocate(&name, f, false);
+                synced = Some((o.ino, true));
+            }
             _ => {}
         }
         crash_op_unserved_ns = j == crash_op && ns_op && !alive;
+        if j == crash_op {
+            crash_op_synced = Some((synced.map(|s| s.0), kind == 10 && alive));
+        }
         let now = read_tree(&lower);
 
         let after = counters(&d.table);
@@ -354,31 +377,37 @@ pub(super) fn history(seed: u64, nops: usize, links: bool, cov: &mut Coverage) {
     }
     drop(c);
     drop(d);
+    let (durable_in_op, durable_in_op_at, before) = in_op.expect("the crashing operation ran");
+    let (file, all) = crash_op_synced.expect("the crashing operation ran");
     let crash = Crash {
         seed,
         c: crash_op,
-        base_in_op: (&durable, durable_at.clone()),
+        base_in_op: (&durable_in_op, durable_in_op_at),
         base_after: (&durable, durable_at),
         ns_in_op,
         ns_after: ns_durable,
         names_change_after_fences: crash_op_unserved_ns,
         stash,
         at_fences,
+        in_op_syncs: Some(InOpSyncs { before, file, all }),
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::{expect_contract, run_history_preload};
+    use super::super::{expect_contract, run_history_preload, Kinds};
 
     /// Short runs in `cargo test`; the long run is the `simulate` example (`--mode run`).
     #[test]
     fn crash_histories_through_pmstack_run_keep_the_contract() {
         let seed0: u64 = rand::random::<u32>() as u64;
-        let cov = expect_contract(seed0..seed0 + 60, |s| run_history_preload(s, 50, false));
+        let cov = expect_contract(seed0..seed0 + 60, |s| {
+            run_history_preload(s, 50, Kinds::CAMPAIGN)
+        });
         assert!(
             cov.daemon_deaths > 0
+                && cov.fallocates > 0
                 && cov.unserved_ops > 0
                 && cov.real_syncs > 0
                 && cov.namespace_rewinds > 0,
@@ -393,7 +422,16 @@ mod tests {
     /// were being added to the simulator, so no earlier commit runs it).
     #[test]
     fn an_in_flight_rename_of_a_hard_link_keeps_the_file() {
-        expect_contract([1320], |s| run_history_preload(s, 50, true));
+        expect_contract([1320], |s| {
+            run_history_preload(
+                s,
+                50,
+                Kinds {
+                    links: true,
+                    ..Kinds::default()
+                },
+            )
+        });
     }
 
     /// More seeds with hard links: a file's two names, one unlinked (the log's record says
@@ -402,7 +440,16 @@ mod tests {
     /// back there after an in-flight rename (58907). Each fails on d52bc4e.
     #[test]
     fn hard_links_with_an_in_flight_rename_keep_the_contract() {
-        expect_contract([780, 58907], |s| run_history_preload(s, 50, true));
+        expect_contract([780, 58907], |s| {
+            run_history_preload(
+                s,
+                50,
+                Kinds {
+                    links: true,
+                    ..Kinds::default()
+                },
+            )
+        });
     }
 
     /// A recovery killed in its namespace pass, after it moved an object aside: the next
@@ -410,7 +457,7 @@ mod tests {
     /// Fails without the leftover scan at the start of `Replayer::namespace`.
     #[test]
     fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
-        expect_contract([6943], |s| run_history_preload(s, 50, false));
+        expect_contract([6943], |s| run_history_preload(s, 50, Kinds::default()));
     }
 
     /// A seed that found recovery undoing a truncate the lower had made durable: the
@@ -419,7 +466,7 @@ mod tests {
     /// commit before `Client::attr_op` logged first.
     #[test]
     fn a_truncate_is_never_undone_by_older_entries() {
-        expect_contract([609], |s| run_history_preload(s, 50, false));
+        expect_contract([609], |s| run_history_preload(s, 50, Kinds::default()));
     }
 
     /// Seeds of the long run that found violations (a new file made durable by a real sync,
@@ -428,7 +475,7 @@ mod tests {
     #[test]
     fn seeds_that_found_violations_keep_the_contract() {
         expect_contract([20285778, 20289366, 20326542, 20340062, 20352494], |s| {
-            run_history_preload(s, 50, false)
+            run_history_preload(s, 50, Kinds::default())
         });
     }
 }

@@ -191,6 +191,8 @@ impl Client {
         // opened the object before it was watched.
         let vetted = !self.watching || slot.flags() & F_VETTED != 0;
         sys::fsync(fd, false)?;
+        // Counted when it happened (the crash simulator reads the count at each fence).
+        self.count(P_FALLBACKS, 1);
         let fid = slot.w(S_FID).load(Ordering::Acquire);
         let cp = self.log.checkpoint_lsn();
         // Also when only its binding is recent: a live creation record of the object is then
@@ -219,7 +221,6 @@ impl Client {
         slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
         slot.clear_lazy(None);
         p.dirty.clear();
-        self.count(P_FALLBACKS, 1);
         Ok(())
     }
 }
