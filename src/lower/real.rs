@@ -553,6 +553,51 @@ pub fn pwrite_all(fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<usize> 
     Ok(total)
 }
 
+/// Write `bufs` one after another at `off` (pwritev, as many calls as short writes need).
+pub fn pwritev_all(fd: RawFd, bufs: &[&[u8]], mut off: u64) -> io::Result<()> {
+    let mut iov: Vec<libc::iovec> = bufs
+        .iter()
+        .filter(|b| !b.is_empty())
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
+    let mut first = 0;
+    while first < iov.len() {
+        let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize);
+        // SAFETY: every iovec points into a live slice of `bufs` (advanced within it below).
+        let n =
+            cvt_sz(unsafe { libc::pwritev(fd, iov[first..].as_ptr(), cnt as i32, off as i64) })?;
+        if n == 0 {
+            return Err(errno(libc::EIO));
+        }
+        off += n as u64;
+        let mut left = n;
+        while left > 0 {
+            let v = &mut iov[first];
+            if left >= v.iov_len {
+                left -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: still within the same slice.
+                v.iov_base = unsafe { (v.iov_base as *mut u8).add(left) } as *mut libc::c_void;
+                v.iov_len -= left;
+                left = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Start writing back `off..off+len` of `fd` without waiting (sync_file_range
+/// SYNC_FILE_RANGE_WRITE): a later fsync then finds less to do. Errors are ignored: it is a
+/// hint (a FUSE lower may not support it).
+pub fn start_write_back(fd: RawFd, off: u64, len: u64) {
+    // SAFETY: a plain system call on a caller-owned descriptor.
+    unsafe { libc::sync_file_range(fd, off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
+}
+
 pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
     // SAFETY: plain syscalls on a caller-owned fd.
     cvt(unsafe {
