@@ -10,14 +10,7 @@ use std::sync::Arc;
 
 impl Core {
     /// Change an attribute of `i`: `apply` makes the change in the lower file system (and in
-    /// `FileState`), `op` is its log record. Logged first (`policy::must_log_change_first`):
-    /// the lower may make the change durable on its own at any moment, and replaying the
-    /// object's older entries over it after a crash would undo it (a truncate that older
-    /// writes extend again, a chmod back to the old mode). If the lower then refuses the
-    /// change, the record stands for something that did not happen: the object is written
-    /// back as it is and its entries, the record among them, expire. With no room in the log
-    /// the change goes to the lower alone and is made durable there with the object's older
-    /// entries expired (`fall_back_file`).
+    /// `FileState`), `op` is its log record, logged first (`policy::change_attribute`).
     pub(super) fn change_attr(
         &self,
         owed: &Owed,
@@ -30,27 +23,27 @@ impl Core {
             return apply(&mut st);
         };
         self.note_changed(i);
-        let mut a = log.area();
-        let r = self
-            .ensure_bound(&mut a, i, &mut st)
-            .and_then(|_| a.append(&Record::Attr { fid: i.fid, op }, None));
-        a.commit();
-        drop(a);
-        match r {
-            Ok(lsn) => {
-                st.last_lsn = lsn;
-                st.live_attr = true;
-                if let Err(e) = apply(&mut st) {
-                    self.write_back_file(owed, log, i, &mut st)?;
-                    return Err(e);
+        crate::policy::change_attribute(
+            &mut *st,
+            |st| {
+                let mut a = log.area();
+                let r = self
+                    .ensure_bound(&mut a, i, st)
+                    .and_then(|_| a.append(&Record::Attr { fid: i.fid, op }, None));
+                a.commit();
+                match r {
+                    Ok(lsn) => {
+                        st.last_lsn = lsn;
+                        st.live_attr = true;
+                        true
+                    }
+                    Err(_) => false,
                 }
-                Ok(())
-            }
-            Err(_) => {
-                apply(&mut st)?;
-                self.fall_back_file(owed, log, i, &mut st)
-            }
-        }
+            },
+            apply,
+            |st| self.write_back_file(owed, log, i, st),
+            |st| self.fall_back_file(owed, log, i, st),
+        )
     }
 
     pub(super) fn setattr_size(&self, owed: &Owed, i: &Arc<Inode>, size: u64) -> io::Result<()> {

@@ -6,14 +6,16 @@
 //! What lives here so far: how file bytes become log entries, the write rule (which writes
 //! must be logged, and that they are logged before the lower file system sees them), and its
 //! counterpart for changes that are not logged (live entries are written back first). The
-//! write rule holds for attribute changes as well: one that is logged (every one on the
-//! mount, one of an object with live entries under `pmstack run`) is logged before the lower
-//! sees it, and if the lower then refuses it, the object is written back so that its record
-//! expires (`Core::change_attr`, `Client::attr_op`).
+//! write rule holds for attribute changes as well (`change_attribute`): one that is logged
+//! (every one on the mount, one of an object with live entries under `pmstack run`) is
+//! logged before the lower sees it, and if the lower then refuses it, the object is written
+//! back so that its record expires.
 //! Binding, namespace logging and write-back still live in each front end; see
 //! `docs/contract.md` for the contract they implement.
 
 pub mod dirty;
+
+use std::io;
 
 use crate::engine::format::{MAX_PAYLOAD, PAGE};
 use crate::engine::{AreaGuard, LogError, Record};
@@ -39,6 +41,40 @@ pub fn must_log_first(durable_on_return: bool, touches_live: bool) -> bool {
 /// durable by then (its own write-back, or the program's real fsync).
 pub fn must_write_back_first(touches_live: bool, will_log: bool) -> bool {
     touches_live && !will_log
+}
+
+/// How an attribute change (truncate, fallocate, chmod, chown, times, xattrs) that is to be
+/// logged reaches the log and the lower file system, for both front ends. `st` is the
+/// object's state, locked by the caller for the whole sequence (no write of the object comes
+/// between the record and the change).
+///
+/// - `log`: append and commit the change's record; false when the log has no room.
+/// - `apply`: make the change in the lower (and in `st`).
+/// - `expire`: write the object back as the lower has it and expire its entries.
+/// - `fall_back`: the same, for a change the log had no room for (counted as a real sync).
+///
+/// The record goes first: the lower may make the change durable by itself at any moment,
+/// and replaying the object's older entries over it after a crash would undo it (a truncate
+/// that older writes extend again, a chmod back to the old mode). If the lower then refuses
+/// the change, its record stands for something that did not happen and must never replay:
+/// the object is written back, which expires the record with the rest. A change the log
+/// has no room for goes to the lower alone and is made durable there, older entries expired.
+pub fn change_attribute<S>(
+    st: &mut S,
+    log: impl FnOnce(&mut S) -> bool,
+    apply: impl FnOnce(&mut S) -> io::Result<()>,
+    expire: impl FnOnce(&mut S) -> io::Result<()>,
+    fall_back: impl FnOnce(&mut S) -> io::Result<()>,
+) -> io::Result<()> {
+    if log(st) {
+        if let Err(e) = apply(st) {
+            expire(st)?;
+            return Err(e);
+        }
+        return Ok(());
+    }
+    apply(st)?;
+    fall_back(st)
 }
 
 /// Append a binding of `fid` to the lower object with file handle `handle`. Every live record

@@ -208,19 +208,20 @@ impl Client {
             self.real_sync(&slot, fd, &mut p)?;
         }
         // An object with live entries gets a record (replay must apply the change in order
-        // with them), logged before the change reaches the lower: the lower may make the
-        // change durable by itself at any moment, and replaying the older entries over it
-        // would undo it (a truncate that older writes extend again). Otherwise the next sync
-        // of the object is real, which makes the change durable without putting files
-        // nobody syncs into the log.
-        let logged = will_log && live && self.log_attr(&slot, &t.ino, rec).is_ok();
-        if let Err(e) = op() {
-            if logged {
-                // The record stands for a change that did not happen: write the object back
-                // as it is, which expires the record with the rest.
-                self.real_sync(&slot, fd, &mut p)?;
-            }
-            return Err(e);
+        // with them), logged before the change reaches the lower (`policy::change_attribute`).
+        if will_log && live {
+            crate::policy::change_attribute(
+                &mut *p,
+                |_| self.log_attr(&slot, &t.ino, rec).is_ok(),
+                |_| op(),
+                |p| self.real_sync(&slot, fd, p),
+                |p| self.real_sync(&slot, fd, p),
+            )?;
+        } else {
+            op()?;
+            // Not logged: the next sync of the object is real, which makes the change
+            // durable without putting files nobody syncs into the log.
+            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
         }
         if let Some(len) = trim {
             p.dirty.clip(len);
@@ -235,12 +236,6 @@ impl Client {
                     slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
                 }
             }
-        }
-        if !will_log || !live {
-            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-        } else if !logged {
-            // The log is full: make the change and everything before it durable now.
-            self.real_sync(&slot, fd, &mut p)?;
         }
         Ok(())
     }
