@@ -373,3 +373,42 @@ fn fsync_logs_dirty_bytes_without_reading_them_back() {
     sum.unwrap();
     assert_eq!(fs::read(r.lower.join("f")).unwrap(), want);
 }
+
+/// An attribute change is logged before the lower sees it; one the lower refuses (here a
+/// fallocate mode no file system accepts: a punched hole must keep the size) must not stay
+/// in the log: replayed after a crash it would fail (recovery could not finish) or, for a
+/// change that could be made, apply what the caller was told did not happen. The refusal
+/// writes the object back, which expires the record; recovery then replays nothing of the
+/// file and its fsynced bytes are intact. Also checks the order: a truncate's record is in
+/// the log by the time the lower has the new size.
+#[test]
+fn a_refused_attribute_change_never_replays() {
+    let r = rig();
+    let data = vec![7u8; 3 * 4096];
+    let (ino, fh) = write_synced(&r.core, 1, "f", &data);
+    let e = r
+        .core
+        .fallocate(fh, 0, 4096, libc::FALLOC_FL_PUNCH_HOLE)
+        .unwrap_err();
+    assert!(
+        matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)),
+        "{e}"
+    );
+    // The lower's view: the file as it was (a power cut now keeps what write-back synced).
+    let (_, res) = recover_image(r.sim.persisted_image(), &r.lower);
+    let sum = res.expect("recovery finishes: no refused change is replayed");
+    assert_eq!(sum.errors.len(), 0, "{sum:?}");
+    assert_eq!(fs::read(r.lower.join("f")).unwrap(), data);
+    // A truncate that the lower accepts: its record is durable in PM once it returns, so
+    // recovery onto a lower that lost the truncate (its old size back) applies it.
+    let r = rig();
+    let (ino2, fh2) = write_synced(&r.core, 1, "g", &data);
+    let _ = (ino, fh2);
+    r.core
+        .setattr(ino2, None, None, None, Some(4096), None, None)
+        .unwrap();
+    fs::write(r.lower.join("g"), &data).unwrap();
+    let (_, res) = recover_image(r.sim.persisted_image(), &r.lower);
+    res.unwrap();
+    assert_eq!(fs::read(r.lower.join("g")).unwrap(), data[..4096].to_vec());
+}
