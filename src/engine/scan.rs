@@ -82,6 +82,22 @@ impl FileOp {
 /// verified on every CPU at once (a GiB of live pages is a quarter of a million checksums).
 fn bad_pages(pm: &dyn Pmem, checks: &[(u64, u32, u32)]) -> Option<(u64, u32)> {
     let verify = |part: &[(u64, u32, u32)]| {
+        // The part's pages in runs of consecutive pages, each set up at once.
+        let mut run: Option<(u32, u32)> = None;
+        for &(_, page, _) in part {
+            match run {
+                Some((s, e)) if page == e => run = Some((s, e + 1)),
+                _ => {
+                    if let Some((s, e)) = run {
+                        pm.will_read(s as usize * PAGE, (e - s) as usize * PAGE);
+                    }
+                    run = Some((page, page + 1));
+                }
+            }
+        }
+        if let Some((s, e)) = run {
+            pm.will_read(s as usize * PAGE, (e - s) as usize * PAGE);
+        }
         let mut buf = Vec::new();
         part.iter()
             .filter(|(_, page, crc)| crc32c::crc32c(page_bytes(pm, *page as u64, &mut buf)) != *crc)

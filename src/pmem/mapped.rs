@@ -279,6 +279,19 @@ impl Pmem for MappedRegion {
         // SAFETY: in range (checked).
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), buf.as_mut_ptr(), buf.len()) }
     }
+    fn will_read(&self, off: usize, len: usize) {
+        self.check(off, len);
+        let start = off & !4095;
+        // SAFETY: a hint on our own mapping (in range, checked); errors (an old kernel
+        // without MADV_POPULATE_READ) are ignored: the pages then fault in as they are read.
+        unsafe {
+            libc::madvise(
+                self.ptr.add(start) as *mut libc::c_void,
+                off + len - start,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+    }
     unsafe fn mapped(&self, off: usize, len: usize) -> Option<&[u8]> {
         self.check(off, len);
         // SAFETY: in range (checked) and mapped for our lifetime; the caller promises no

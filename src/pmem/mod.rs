@@ -86,6 +86,10 @@ pub trait Pmem: Send + Sync {
     unsafe fn mapped(&self, _off: usize, _len: usize) -> Option<&[u8]> {
         None
     }
+
+    /// A hint that `off..off+len` is about to be read in full: a mapped region sets up its
+    /// page tables for it at once (one system call instead of a page fault per few pages).
+    fn will_read(&self, _off: usize, _len: usize) {}
     fn load_u64(&self, off: usize) -> u64;
     /// Write back the cache lines covering `off..off+len` (ordering needs `fence`).
     fn flush(&self, off: usize, len: usize);
