@@ -115,6 +115,28 @@ class Checker(unittest.TestCase):
                 return
         self.fail("no unlink in 300 operations")
 
+    def test_an_in_flight_truncate_torn_by_replay_fails_and_says_where(self):
+        # What tests/vm/rig once found: a truncate in flight, the file back at its old size
+        # with the tail of the new last page zeroed (older log entries replayed over the
+        # lower's durable truncate). Neither side of the truncate: it must fail, and the
+        # message must point at the first byte that differs, not only at the page header.
+        for n in range(1, 400):
+            before, op = state_after(5, n)
+            old = before.get(op["name"])
+            if op["kind"] != "truncate" or not w.is_file(old) or op["size"] % w.PAGE == 0 or op["size"] >= len(old):
+                continue
+            torn = dict(before)
+            end = min(len(old), (op["size"] // w.PAGE + 1) * w.PAGE)
+            torn[op["name"]] = old[: op["size"]] + bytes(end - op["size"]) + old[end:]
+            if torn[op["name"]] == old:
+                continue
+            materialize(self.d, torn)
+            ok, msg = w.check(self.d, 5, n)
+            self.assertFalse(ok, msg)
+            self.assertIn("first difference at byte %d" % (op["size"] + next(i for i, b in enumerate(old[op["size"]:end]) if b != 0)), msg)
+            return
+        self.fail("no shrinking truncate to the middle of a page in 400 operations")
+
 
 if __name__ == "__main__":
     unittest.main()

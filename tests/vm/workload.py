@@ -362,9 +362,12 @@ def check(dirpath, seed, acked):
             diffs.append("%s is %s, want %s" % (n, whose(got), whose(want)))
         else:
             first = next((p for p in range(0, max(len(want), len(got)), PAGE) if want[p : p + PAGE] != got[p : p + PAGE]), 0)
+            # The first byte that differs, and what the page holds from there (a page whose
+            # header is right can still differ later in it: a zeroed tail, another write).
+            at = next((b for b in range(first, min(len(want), len(got))) if want[b] != got[b]), min(len(want), len(got)))
             diffs.append(
-                "%s differs: %d bytes, want %d; page %d has %s, want %s"
-                % (n, len(got), len(want), first // PAGE, whose(got[first:]), whose(want[first:]))
+                "%s differs: %d bytes, want %d; page %d has %s, want %s; first difference at byte %d: %s, want %s"
+                % (n, len(got), len(want), first // PAGE, whose(got[first:]), whose(want[first:]), at, whose(got[at:at + 64]) if at < len(got) else "the end", whose(want[at:at + 64]) if at < len(want) else "the end")
             )
     return False, "acked %d, matches no prefix %d..%d: %s" % (acked, acked, acked + LOOKAHEAD, "; ".join(diffs[:6]))
 
