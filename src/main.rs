@@ -6,7 +6,9 @@ fn main() {
     let code = match cli::main() {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("pmstack: {e:#}");
+            // Not eprintln!: it panics when stderr is gone.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "pmstack: {e:#}");
             1
         }
     };

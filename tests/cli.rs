@@ -774,3 +774,54 @@ fn a_users_log_is_replayed_with_that_users_rights() {
         assert_eq!(fs::read(m.lower.join(f)).unwrap(), b"LOGGED!!", "{f}");
     }
 }
+
+/// A daemon outlives its terminal: `pmstack serve` whose stderr was a pipe that is now closed
+/// (the terminal went away, the log reader exited) still stops cleanly on SIGTERM. It printed
+/// its last line with `eprintln!`, which panics on a closed stderr; the panic skipped the
+/// flag that stops its helper threads, and the daemon hung for good with its socket removed:
+/// no program could attach, and the region stayed locked.
+#[test]
+fn serve_stops_cleanly_after_its_stderr_is_gone() {
+    use std::io::BufRead;
+    common::preload_built();
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let lower = d.path().join("lower");
+    fs::create_dir(&lower).unwrap();
+    let pm = d.path().join("r.pm");
+    let mut child = Command::new(common::bin())
+        .arg("serve")
+        .arg(&lower)
+        .arg("--pm")
+        .arg(&pm)
+        .args(["--pm-size", "64M", "--log-level", "warn"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read until it serves, then close our end of its stderr.
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("serving") {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited early");
+    }
+    drop(err);
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // A generous bound: a clean stop takes well under a second; a hang never ends.
+    let t0 = std::time::Instant::now();
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("serve did not exit after SIGTERM with its stderr closed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(st.success(), "serve exited with {st}");
+    // The region was left clean: nothing to recover.
+    let (ok, out) = run(&["check", "--pm", pm.to_str().unwrap()]);
+    assert!(ok, "{out}");
+}

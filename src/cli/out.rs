@@ -9,9 +9,17 @@ use std::time::{Duration, Instant};
 /// Where warnings go besides the terminal (set once logging is configured).
 pub(super) static LOG_TARGET: std::sync::OnceLock<LogTarget> = std::sync::OnceLock::new();
 
+/// A line for the operator on stderr. Never `eprintln!` in a daemon: it panics when stderr
+/// is gone (the terminal closed, the pipe's reader exited), and a daemon must outlive its
+/// terminal; the line is then lost, nothing else.
+pub(super) fn say(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "pmstack: {msg}");
+}
+
 /// A warning the operator must see: on the terminal, and in the log when that is elsewhere.
 pub(super) fn warn_user(msg: &str) {
-    eprintln!("pmstack: warning: {msg}");
+    say(&format!("warning: {msg}"));
     if LOG_TARGET.get().is_some_and(|t| *t != LogTarget::Stderr) {
         tracing::warn!("{msg}");
     }
@@ -69,7 +77,7 @@ pub(super) struct Operator {
 
 impl Observer for Operator {
     fn say(&self, msg: &str) {
-        eprintln!("pmstack: {msg}");
+        say(msg);
     }
     fn warn(&self, msg: &str) {
         warn_user(msg);
@@ -125,16 +133,23 @@ impl Progress {
         }
         *last = Some(Instant::now());
         if self.terminal {
-            eprint!("\rpmstack: {}: {}\x1b[K", self.what, text());
+            use std::io::Write;
+            let _ = write!(
+                std::io::stderr(),
+                "\rpmstack: {}: {}\x1b[K",
+                self.what,
+                text()
+            );
         } else {
-            eprintln!("pmstack: {}: {}", self.what, text());
+            say(&format!("{}: {}", self.what, text()));
         }
     }
 
     /// Ends the line rewritten in place, if one was shown.
     pub(super) fn done(&self) {
         if self.terminal && self.last.lock().is_ok_and(|l| l.is_some()) {
-            eprintln!();
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr());
         }
     }
 }

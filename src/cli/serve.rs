@@ -2,7 +2,7 @@
 
 use super::args::ServeArgs;
 use super::host::{answer_metrics, check_lower, open_region, pmstack_mount_containing};
-use super::out::warn_user;
+use super::out::{say, warn_user};
 use anyhow::{anyhow, bail, Context, Result};
 use pmstack::lower::creds;
 use pmstack::lower::write_atomic;
@@ -110,9 +110,10 @@ pub(super) fn serve_cmd(a: ServeArgs) -> Result<()> {
                 }
             });
         }
-        let r = serve_loop(&d, &root, &pm, &sock, &table, &stats, &stop);
-        watch_stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        r
+        // The helper threads stop when this closure ends, also by a panic: the scope waits
+        // for them, and a daemon that panicked must exit, not hang holding its region.
+        let _stop_helpers = SetOnDrop(&watch_stop);
+        serve_loop(&d, &root, &pm, &sock, &table, &stats, &stop)
     })
 }
 
@@ -126,12 +127,12 @@ pub(super) fn serve_loop(
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<()> {
     d.listen(sock, table)?;
-    eprintln!(
-        "pmstack: serving {} (region {}); run programs with `pmstack run --root {} -- CMD`",
+    say(&format!(
+        "serving {} (region {}); run programs with `pmstack run --root {} -- CMD`",
         root.display(),
         pm.display(),
         root.display()
-    );
+    ));
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     d.run(stop, stats);
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
@@ -141,9 +142,18 @@ pub(super) fn serve_loop(
     if clean {
         // Nobody maps the table any more (processes still attached would keep it).
         let _ = fs::remove_file(table);
-        eprintln!("pmstack: stopped; {} is complete", root.display());
+        say(&format!("stopped; {} is complete", root.display()));
     } else {
-        eprintln!("pmstack: stopped; processes are still attached (they now use the lower file system's fsync); the region is left for recovery at the next start");
+        say("stopped; processes are still attached (they now use the lower file system's fsync); the region is left for recovery at the next start");
     }
     Ok(())
+}
+
+/// Sets its flag when dropped (at the end of a scope, also when unwinding from a panic).
+struct SetOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
