@@ -385,7 +385,7 @@ fn fsync_logs_dirty_bytes_without_reading_them_back() {
 fn a_refused_attribute_change_never_replays() {
     let r = rig();
     let data = vec![7u8; 3 * 4096];
-    let (ino, fh) = write_synced(&r.core, 1, "f", &data);
+    let (_, fh) = write_synced(&r.core, 1, "f", &data);
     let e = r
         .core
         .fallocate(fh, 0, 4096, libc::FALLOC_FL_PUNCH_HOLE)
@@ -402,8 +402,7 @@ fn a_refused_attribute_change_never_replays() {
     // A truncate that the lower accepts: its record is durable in PM once it returns, so
     // recovery onto a lower that lost the truncate (its old size back) applies it.
     let r = rig();
-    let (ino2, fh2) = write_synced(&r.core, 1, "g", &data);
-    let _ = (ino, fh2);
+    let (ino2, _) = write_synced(&r.core, 1, "g", &data);
     r.core
         .setattr(ino2, None, None, None, Some(4096), None, None)
         .unwrap();

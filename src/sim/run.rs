@@ -119,7 +119,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     let at_fences = FenceTrees::default();
     let mut crash_op_unserved_ns = false;
     // Before the crashing operation: the durable lower, and the program's real syncs.
-    let mut in_op: Option<(Tree, super::Times, (u64, u64))> = None;
+    let mut in_op: Option<(Tree, super::Times, super::SyncCount)> = None;
     let mut crash_op_synced = None;
     for j in 0..=crash_op {
         if j == crash_op {

@@ -34,7 +34,7 @@ impl Replayer<'_> {
                 pages.write(self.pm, fd.as_raw_fd(), &mut self.sum)?;
             }
             match (op, &fd) {
-                (FileOp::Write { .. } | FileOp::Page { .. }, Some(fd)) => {
+                (FileOp::Write { .. }, Some(fd)) => {
                     if let Some((off, bytes)) = op.data(self.pm, &mut buf) {
                         real::pwrite_all(fd.as_raw_fd(), bytes, off)?;
                         self.sum.bytes_replayed += bytes.len() as u64;
