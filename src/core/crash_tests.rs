@@ -294,3 +294,23 @@ fn a_truncate_is_never_undone_by_older_entries() {
         crate::sim::run_history(s, 50, Mode::Sync, Kinds::default())
     });
 }
+
+/// A seed that found a recovery killed after it moved a hard-linked object's old name aside:
+/// the next recovery counted the aside name as one of the object's names, took the object for
+/// one an in-flight rename had moved, left it aside and then removed it, so the name the log
+/// wanted it at (`f4`) was missing. Fails without the aside check in `Replayer::namespace`'s
+/// in-flight test.
+#[test]
+fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
+    crate::sim::expect_contract([20267938], |s| {
+        crate::sim::run_history(
+            s,
+            50,
+            Mode::Adaptive,
+            Kinds {
+                links: true,
+                fallocate: true,
+            },
+        )
+    });
+}

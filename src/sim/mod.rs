@@ -525,7 +525,11 @@ fn power_cut(
 ) -> BTreeMap<u64, Origin> {
     let now = read_tree(root);
     let mut origins = BTreeMap::new();
-    for (ino, (names, _)) in &now {
+    // In the order of names, not of inode numbers: the file system hands those out
+    // differently from run to run, and the draws must not follow them (same seed, same run).
+    let mut by_names: Vec<_> = now.iter().collect();
+    by_names.sort_by(|a, b| first(&a.1 .0).cmp(first(&b.1 .0)));
+    for (ino, (names, _)) in by_names {
         let p = root.join(first(names));
         let choices: Vec<(&Vec<u8>, Option<usize>)> = std::iter::once(base)
             .chain(cands.iter().copied())

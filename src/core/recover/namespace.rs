@@ -159,6 +159,25 @@ impl Replayer<'_> {
                 }
             }
         }
+        // Displaced objects. Those an interrupted recovery had moved aside come first: the log
+        // is the same, so they are placed or removed now as that recovery would have (left
+        // alone, they would stay in the user's directories for good).
+        let mut stash: Vec<(i32, Vec<u8>, (u64, u64))> = Vec::new();
+        let mut dirs: Vec<i32> = order.iter().filter_map(|k| self.resolve(k.0)).collect();
+        dirs.sort_unstable();
+        dirs.dedup();
+        for d in dirs {
+            let Ok(entries) = self.lower.read_dir(d) else {
+                continue;
+            };
+            for (name, _, _) in entries {
+                if name.starts_with(STASH_PREFIX) {
+                    if let Some((_, id)) = self.at(d, &name) {
+                        stash.push((d, name, id));
+                    }
+                }
+            }
+        }
         // Linked objects an in-flight rename or exchange moved: such an object has one name
         // more than the log accounts for (the names it never touched, plus those it wants it
         // at, less those it wants but that do not hold it), unless it sits where the log took
@@ -173,7 +192,10 @@ impl Replayer<'_> {
                 continue;
             };
             let now = real::fstat(ofd.as_raw_fd()).map_or(0, |st| st.st_nlink);
-            let (mut missing, mut astray) = (0u64, false);
+            // An object an interrupted recovery moved aside was taken from its name or wanted
+            // elsewhere, never moved in flight (such an object stays where it is): that
+            // recovery found it astray, and so does this one.
+            let (mut missing, mut astray) = (0u64, stash.iter().any(|(_, _, i)| *i == id));
             for (k, v) in &target {
                 let here = self.at_key(k).is_some_and(|(_, i)| i == id);
                 missing += (*v == Some(fid) && !here) as u64;
@@ -220,25 +242,6 @@ impl Replayer<'_> {
             .filter(|k| target[*k].is_some())
             .cloned()
             .collect();
-        let mut stash: Vec<(i32, Vec<u8>, (u64, u64))> = Vec::new(); // displaced objects
-                                                                     // Objects an interrupted recovery had moved aside: the log is the same, so they are
-                                                                     // placed or removed now as that recovery would have (left alone, they would stay in
-                                                                     // the user's directories for good).
-        let mut dirs: Vec<i32> = order.iter().filter_map(|k| self.resolve(k.0)).collect();
-        dirs.sort_unstable();
-        dirs.dedup();
-        for d in dirs {
-            let Ok(entries) = self.lower.read_dir(d) else {
-                continue;
-            };
-            for (name, _, _) in entries {
-                if name.starts_with(STASH_PREFIX) {
-                    if let Some((_, id)) = self.at(d, &name) {
-                        stash.push((d, name, id));
-                    }
-                }
-            }
-        }
         let mut rounds = 0;
         while !pending.is_empty() && rounds < 64 {
             rounds += 1;
