@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 impl Core {
     /// Run a namespace operation on the lower FS and log `rec(…)` for it, ordered with every
-    /// other namespace operation; durable when this returns.
+    /// other namespace operation; durable when this returns. For creations: their record
+    /// holds what only the lower can tell (the new object). Renames, links and removals go
+    /// through `ns_intent`.
     pub(super) fn ns_op<T>(
         &self,
         owed: &Owed,
@@ -34,13 +36,76 @@ impl Core {
         let Some((op, child)) = rec(&out) else {
             return Ok(out);
         };
-        for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
+        let objs: Vec<&Inode> = bind.iter().map(|i| &***i).chain(child.as_deref()).collect();
+        match self.append_ns(log, &objs, Record::Ns(op), lsn) {
+            Ok(()) => Ok(out),
+            Err(_) => {
+                // PM full: make the operation durable in the lower file system (syncfs: the
+                // directories involved, and every namespace operation ordered before it), then
+                // expire the namespace records up to it. Reconciliation at recovery would
+                // otherwise restore the names those older records describe, undoing this
+                // acknowledged operation (e.g. moving a renamed file back).
+                self.ns_write_back(owed, lsn)?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// Run a rename, link or removal whose record `op` is known before the lower does it:
+    /// log it as an intent, do it on the lower, log what became of it (`NsDone`). Recovery
+    /// then knows every such operation the lower may hold; one in flight at a crash is the
+    /// last intent without a Done, and recovery asks the lower whether it happened. (Logged
+    /// after, the lower could hold one operation the log does not, which recovery cannot
+    /// always tell from operations the lower lost: a renamed hard link shown under both
+    /// names.) Durable when this returns.
+    pub(super) fn ns_intent<T>(
+        &self,
+        owed: &Owed,
+        bind: &[&Arc<Inode>],
+        op: impl FnOnce() -> io::Result<(NsOp, Vec<Arc<Inode>>)>,
+        lower_op: impl FnOnce() -> io::Result<T>,
+    ) -> io::Result<T> {
+        let Some(log) = self.logging() else {
+            return lower_op();
+        };
+        let _g = self.gate.read();
+        let _order = self.ns_order.lock();
+        // Built under the order lock (with the objects it names besides `bind`): the objects
+        // at its names and their link counts are those the lower has.
+        let (op, named) = op()?;
+        let objs: Vec<&Inode> = bind.iter().map(|i| &***i).chain(named.iter().map(|i| &**i)).collect();
+        crate::policy::change_namespace(
+            || {
+                let lsn = log.next_lsn();
+                let r = self.append_ns(log, &objs, Record::NsIntent(op), lsn);
+                r.ok().map(|_| lsn)
+            },
+            lower_op,
+            |lsn, applied| {
+                let mut a = log.area();
+                let r = a.append(&Record::NsDone { lsn, applied }, None);
+                a.commit();
+                r.is_ok()
+            },
+            &|| self.ns_write_back(owed, log.next_lsn()),
+        )
+    }
+
+    /// Append `rec` (LSN `lsn`) with the bind records `objs` need, and commit.
+    fn append_ns(
+        &self,
+        log: &crate::engine::Log,
+        objs: &[&Inode],
+        rec: Record,
+        lsn: u64,
+    ) -> Result<(), crate::engine::LogError> {
+        for i in objs {
             self.note_changed(i);
         }
         // Bind records first (inode locks taken one at a time, never while holding an area:
         // writers lock inode then area, so the reverse order here could deadlock).
         let mut binds: Vec<&Inode> = Vec::new();
-        for i in bind.iter().map(|i| &***i).chain(child.as_deref()) {
+        for &i in objs {
             if i.fid != ROOT_FID
                 && self.needs_bind(&i.st.lock())
                 && !binds.iter().any(|b| b.fid == i.fid)
@@ -61,7 +126,7 @@ impl Core {
             }
         }
         if r.is_ok() {
-            r = a.append(&Record::Ns(op), Some(lsn));
+            r = a.append(&rec, Some(lsn));
         }
         a.commit();
         drop(a);
@@ -69,31 +134,28 @@ impl Core {
             let mut st = i.st.lock();
             st.bind_lsn = st.bind_lsn.max(l);
         }
-        match r {
-            Ok(_) => {
-                self.stats.ns_ops.fetch_add(1, Ordering::Relaxed);
-                Ok(out)
-            }
-            Err(_) => {
-                // PM full: make the operation durable in the lower file system (syncfs: the
-                // directories involved, and every namespace operation ordered before it), then
-                // expire the namespace records up to it. Reconciliation at recovery would
-                // otherwise restore the names those older records describe, undoing this
-                // acknowledged operation (e.g. moving a renamed file back).
-                self.log_full();
-                {
-                    let set = self.to_sync.lock();
-                    self.make_durable(&set)?;
-                }
-                if log
-                    .write_back(crate::engine::NAMESPACE_FID, lsn + 1)
-                    .is_err()
-                {
-                    owed.full_write_back();
-                }
-                Ok(out)
+        r.map(|_| {
+            self.stats.ns_ops.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+
+    /// The log is full: make every namespace operation so far durable in the lower file
+    /// system and expire the namespace records below `upto`.
+    fn ns_write_back(&self, owed: &Owed, upto: u64) -> io::Result<()> {
+        self.log_full();
+        {
+            let set = self.to_sync.lock();
+            self.make_durable(&set)?;
+        }
+        if let Some(log) = self.logging() {
+            if log
+                .write_back(crate::engine::NAMESPACE_FID, upto + 1)
+                .is_err()
+            {
+                owed.full_write_back();
             }
         }
+        Ok(())
     }
 
     /// Run the steps that follow the creation of `name` in `p`; if one fails (EMFILE, say),
@@ -256,41 +318,29 @@ impl Core {
             if self.hidden(&p, name) {
                 return Err(errno(libc::ENOENT));
             }
-            let victim = if self.logging().is_some() {
-                Some(self.object_at(&p, name)?)
-            } else {
-                None
-            };
-            self.ns_op(
+            self.ns_intent(
                 owed,
                 &[&p],
                 || {
-                    // The victim's link count before (namespace operations are serialized
-                    // here): recovery must not take a file that keeps other names for gone.
-                    let nlink = match &victim {
-                        Some(v) if !dir => self
-                            .nfd(v)
-                            .and_then(|fd| fstat(fd.as_raw_fd()))
-                            .map_or(0, |st| st.st_nlink),
-                        _ => 0,
+                    let victim = self.object_at(&p, name)?;
+                    // The victim's link count before: recovery must not take a file that
+                    // keeps other names for gone.
+                    let nlink = if dir {
+                        0
+                    } else {
+                        fstat(self.nfd(&victim)?.as_raw_fd()).map_or(0, |st| st.st_nlink)
                     };
-                    self.lower.unlink(self.nfd(&p)?.as_raw_fd(), name, dir)?;
-                    Ok(nlink)
+                    let op = NsOp::Remove {
+                        parent: p.fid,
+                        name: name.as_bytes().to_vec(),
+                        dir,
+                        victim: victim.fid,
+                        nlink,
+                    };
+                    Ok((op, vec![victim]))
                 },
-                |&nlink| {
-                    Some((
-                        NsOp::Remove {
-                            parent: p.fid,
-                            name: name.as_bytes().to_vec(),
-                            dir,
-                            victim: victim.as_ref().map_or(0, |v| v.fid),
-                            nlink,
-                        },
-                        victim.clone(),
-                    ))
-                },
+                || self.lower.unlink(self.nfd(&p)?.as_raw_fd(), name, dir),
             )
-            .map(|_| ())
         })
     }
 
@@ -340,23 +390,25 @@ impl Core {
             if self.hidden(&p, name) || self.hidden(&np, newname) {
                 return Err(errno(libc::EPERM));
             }
-            let src = if self.logging().is_some() {
-                Some(self.object_at(&p, name)?)
-            } else {
-                None
-            };
-            // The object at the destination: replaced by a plain rename (recovery removes it even
-            // if `src` is gone), or swapped in by RENAME_EXCHANGE.
-            let victim = match &src {
-                Some(_) => self.object_at(&np, newname).ok(),
-                None => None,
-            };
-            self.ns_op(
+            self.ns_intent(
                 owed,
-                &[&p, &np]
-                    .into_iter()
-                    .chain(victim.as_ref())
-                    .collect::<Vec<_>>(),
+                &[&p, &np],
+                || {
+                    let src = self.object_at(&p, name)?;
+                    // The object at the destination: replaced by a plain rename (recovery
+                    // removes it even if `src` is gone), or swapped in by RENAME_EXCHANGE.
+                    let victim = self.object_at(&np, newname).ok();
+                    let op = NsOp::Rename {
+                        parent: p.fid,
+                        name: name.as_bytes().to_vec(),
+                        newparent: np.fid,
+                        newname: newname.as_bytes().to_vec(),
+                        flags,
+                        src: src.fid,
+                        victim: victim.as_ref().map_or(0, |v| v.fid),
+                    };
+                    Ok((op, [src].into_iter().chain(victim).collect()))
+                },
                 || {
                     self.lower.rename(
                         self.nfd(&p)?.as_raw_fd(),
@@ -365,20 +417,6 @@ impl Core {
                         newname,
                         flags,
                     )
-                },
-                |_| {
-                    Some((
-                        NsOp::Rename {
-                            parent: p.fid,
-                            name: name.as_bytes().to_vec(),
-                            newparent: np.fid,
-                            newname: newname.as_bytes().to_vec(),
-                            flags,
-                            src: src.as_ref().map_or(0, |s| s.fid),
-                            victim: victim.as_ref().map_or(0, |v| v.fid),
-                        },
-                        src.clone(),
-                    ))
                 },
             )
         })
@@ -396,9 +434,21 @@ impl Core {
             if self.hidden(&np, newname) {
                 return Err(errno(libc::EPERM));
             }
-            self.ns_op(
+            self.ns_intent(
                 owed,
                 &[&i, &np],
+                || {
+                    // Its link count after (0: unknown): lets recovery tell a lost link from
+                    // a name an in-flight rename moved.
+                    let nlink = fstat(self.nfd(&i)?.as_raw_fd()).map_or(0, |st| st.st_nlink + 1);
+                    let op = NsOp::Link {
+                        fid: i.fid,
+                        newparent: np.fid,
+                        newname: newname.as_bytes().to_vec(),
+                        nlink,
+                    };
+                    Ok((op, Vec::new()))
+                },
                 || {
                     self.lower.link(
                         self.nfd(&i)?.as_raw_fd(),
@@ -406,20 +456,7 @@ impl Core {
                         newname,
                     )?;
                     i.nlookup.fetch_add(1, Ordering::Relaxed);
-                    // Its link count now (namespace operations are serialized here): lets
-                    // recovery tell a lost link from a name an in-flight rename moved.
-                    Ok(fstat(self.nfd(&i)?.as_raw_fd()).map_or(0, |st| st.st_nlink))
-                },
-                |&nlink| {
-                    Some((
-                        NsOp::Link {
-                            fid: i.fid,
-                            newparent: np.fid,
-                            newname: newname.as_bytes().to_vec(),
-                            nlink,
-                        },
-                        None,
-                    ))
+                    Ok(())
                 },
             )?;
             let st = self.stat_of(&i)?;

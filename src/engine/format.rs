@@ -4,8 +4,9 @@
 use crate::pmem::{le_u32, le_u64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PMSTACK\x01");
-pub const VERSION: u32 = 3;
-/// Oldest format this version reads: version 2 lacks only `Part` entries.
+pub const VERSION: u32 = 4;
+/// Oldest format this version reads: version 2 lacks `Part` entries, version 3 namespace
+/// intents (`NsIntent`, `NsDone`).
 pub const VERSION_MIN_READ: u32 = 2;
 pub const PAGE: usize = 4096;
 pub const SLOT: usize = 64;

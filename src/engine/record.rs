@@ -159,7 +159,19 @@ pub enum Record {
         fid: u64,
         handle: Vec<u8>,
     },
+    /// A namespace operation logged after the lower file system did it (creations; every
+    /// namespace operation in logs of format version 3 and older).
     Ns(NsOp),
+    /// A namespace operation logged before the lower file system saw it (renames, links,
+    /// removals). It took effect if an `NsDone` with its LSN and `applied` follows; one with
+    /// `applied: false` says it did not. Without either, it was in flight at the crash, and
+    /// recovery asks the lower whether it happened (and records its answer the same way).
+    NsIntent(NsOp),
+    /// What became of the `NsIntent` of LSN `lsn`.
+    NsDone {
+        lsn: u64,
+        applied: bool,
+    },
     Attr {
         fid: u64,
         op: AttrOp,
@@ -176,6 +188,9 @@ const NS_CREATE: u8 = 1;
 const NS_REMOVE: u8 = 2;
 const NS_RENAME: u8 = 3;
 const NS_LINK: u8 = 4;
+const NS_DONE: u8 = 5;
+/// Or-ed into the operation's code: an `NsIntent`.
+const NS_INTENT: u8 = 0x10;
 
 const AT_TRUNC: u8 = 1;
 const AT_CHMOD: u8 = 2;
@@ -194,7 +209,7 @@ impl Record {
             | Record::Bind { fid, .. }
             | Record::Attr { fid, .. }
             | Record::WriteBack { fid, .. } => *fid,
-            Record::Ns(_) => NAMESPACE_FID,
+            Record::Ns(_) | Record::NsIntent(_) | Record::NsDone { .. } => NAMESPACE_FID,
         }
     }
 
@@ -267,6 +282,18 @@ impl Record {
                         e.c = *mode as u64;
                     }
                 }
+                e
+            }
+            Record::NsDone { lsn, applied } => {
+                let mut e = RawEntry::new(Kind::Namespace, NAMESPACE_FID);
+                e.sub = NS_DONE;
+                e.a = *lsn;
+                e.b = *applied as u64;
+                e
+            }
+            Record::NsIntent(op) => {
+                let mut e = Record::Ns(op.clone()).to_raw();
+                e.sub |= NS_INTENT;
                 e
             }
             Record::Ns(op) => {
@@ -395,9 +422,13 @@ impl Record {
                 };
                 Record::Attr { fid: e.fid, op }
             }
+            Kind::Namespace if e.sub == NS_DONE => Record::NsDone {
+                lsn: e.a,
+                applied: e.b != 0,
+            },
             Kind::Namespace => {
                 let mut f = get_fields(&e.payload)?.into_iter();
-                Record::Ns(match e.sub {
+                let op = match e.sub & !NS_INTENT {
                     NS_CREATE => {
                         let name = f.next()?;
                         let target = f.next()?;
@@ -437,7 +468,12 @@ impl Record {
                         nlink: e.c,
                     },
                     _ => return None,
-                })
+                };
+                if e.sub & NS_INTENT != 0 {
+                    Record::NsIntent(op)
+                } else {
+                    Record::Ns(op)
+                }
             }
         })
     }
@@ -540,6 +576,30 @@ mod tests {
                 newname: b"c".to_vec(),
                 nlink: 3,
             }),
+            Record::NsIntent(NsOp::Rename {
+                parent: 1,
+                name: b"a".to_vec(),
+                newparent: 2,
+                newname: b"b".to_vec(),
+                flags: 2,
+                src: 8,
+                victim: 9,
+            }),
+            Record::NsIntent(NsOp::Remove {
+                parent: 1,
+                name: b"a".to_vec(),
+                dir: false,
+                victim: 12,
+                nlink: 2,
+            }),
+            Record::NsDone {
+                lsn: 77,
+                applied: true,
+            },
+            Record::NsDone {
+                lsn: 78,
+                applied: false,
+            },
         ];
         for r in recs {
             let raw = r.to_raw();

@@ -137,8 +137,16 @@ fn page_bytes<'a>(pm: &'a dyn Pmem, page: u64, buf: &'a mut Vec<u8>) -> &'a [u8]
 
 #[derive(Debug, Default)]
 pub struct ReplayPlan {
-    /// Unexpired namespace operations, in LSN order.
+    /// Unexpired namespace operations that took effect, in LSN order: those logged after the
+    /// lower did them, and intents with a Done that says the lower did them.
     pub namespace: Vec<(u64, NsOp)>,
+    /// Unexpired intents without a Done: in flight at the crash. Recovery asks the lower
+    /// whether each happened (`core::recover`), in LSN order.
+    pub pending: Vec<(u64, NsOp)>,
+    /// Some unexpired rename, link or removal was logged after the lower did it (a log of
+    /// format version 3 or older): the lower may hold one such operation more than the log,
+    /// and recovery must tell that from operations the lower lost.
+    pub logged_after: bool,
     /// Latest known lower handle of every fid.
     pub binds: HashMap<u64, Vec<u8>>,
     /// Per file: unexpired data and attribute operations in LSN order.
@@ -158,7 +166,7 @@ pub struct ReplayPlan {
 
 impl ReplayPlan {
     pub fn is_empty(&self) -> bool {
-        self.namespace.is_empty() && self.files.is_empty()
+        self.namespace.is_empty() && self.pending.is_empty() && self.files.is_empty()
     }
     pub fn live_bytes(&self) -> u64 {
         self.files
@@ -532,9 +540,25 @@ impl Scan {
                 plan.binds.insert(*fid, handle.clone());
             }
         }
+        // What became of each intent.
+        let mut done: HashMap<u64, bool> = HashMap::new();
+        for e in self.live_entries() {
+            if let Record::NsDone { lsn, applied } = e.rec {
+                done.insert(lsn, applied);
+            }
+        }
         for e in self.live_entries() {
             match &e.rec {
-                Record::Ns(op) => plan.namespace.push((e.lsn, op.clone())),
+                Record::Ns(op) => {
+                    plan.logged_after |= !matches!(op, NsOp::Create { .. });
+                    plan.namespace.push((e.lsn, op.clone()))
+                }
+                Record::NsIntent(op) => match done.get(&e.lsn) {
+                    Some(true) => plan.namespace.push((e.lsn, op.clone())),
+                    Some(false) => {}
+                    None => plan.pending.push((e.lsn, op.clone())),
+                },
+                Record::NsDone { .. } => {}
                 Record::Data { fid, off, bytes } => plan.files.entry(*fid).or_default().push((
                     e.lsn,
                     FileOp::Write {

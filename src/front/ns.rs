@@ -1,9 +1,11 @@
 //! Namespace operations of attached processes (`pmstack run`): create (an `O_CREAT` open that
-//! creates), mkdir, symlink, link, unlink, rmdir, rename. Each runs natively and is then
-//! logged, under one lock shared by every attached process, so the log's order is the order
-//! in which the lower file system applied them: durable and ordered on return, as through the
-//! FUSE mount. An fsync of a directory whose every change since it was last made durable was
-//! logged costs nothing.
+//! creates), mkdir, symlink, link, unlink, rmdir, rename. Each is logged and run natively
+//! under one lock shared by every attached process, so the log's order is the order in which
+//! the lower file system applied them: durable and ordered on return, as through the FUSE
+//! mount. Renames, links and removals are logged before the native call (an intent) and
+//! their outcome after (`NsDone`), so the lower never holds one of them that the log lacks;
+//! creations are logged after, since only the call tells the new object. An fsync of a
+//! directory whose every change since it was last made durable was logged costs nothing.
 //!
 //! A change the library did not log (a process outside `pmstack run`, a call it does not
 //! interpose such as mknod or `syscall(SYS_rename)`, anything before the daemon started) shows
@@ -25,6 +27,16 @@ use super::client::{claim, object_gen, Client, NotLogged};
 use super::sys;
 use super::table::*;
 use crate::engine::{NodeKind, NsOp, Record, NAMESPACE_FID, ROOT_FID};
+
+/// What `intended` logged of a rename, link or removal before the call.
+enum Intent {
+    /// Its intent, at this LSN.
+    Logged(u64),
+    /// Nothing: the call changes nothing (a rename between two names of one object).
+    Nothing,
+    /// Nothing: the objects it names were not found (the call is about to fail).
+    NotFound,
+}
 
 /// A directory under the served root, as the parent of a namespace operation.
 pub struct Dir {
@@ -119,11 +131,17 @@ impl Client {
 
     /// The object at `t` (not following a final symlink), with its slot.
     fn object_at(&self, t: &Target) -> Option<Obj> {
+        self.object_named(t, false)
+    }
+
+    /// The object at `t`, following a final symlink if `follow`.
+    fn object_named(&self, t: &Target, follow: bool) -> Option<Obj> {
         let c = t.cname();
+        let nofollow = if follow { 0 } else { libc::O_NOFOLLOW };
         let fd = sys::openat(
             t.dir.fd.as_raw_fd(),
             c.as_ptr(),
-            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            libc::O_PATH | nofollow | libc::O_CLOEXEC,
             0,
         )
         .ok()?;
@@ -201,8 +219,8 @@ impl Client {
         &self,
         dirs: &[&Dir],
         objs: &[&Obj],
-        make: impl FnOnce(&dyn Fn(usize) -> u64) -> NsOp,
-    ) -> Result<(), NotLogged> {
+        make: impl FnOnce(&dyn Fn(usize) -> u64) -> Record,
+    ) -> Result<u64, NotLogged> {
         self.gc_if_checkpoint_moved();
         let mut binds: BTreeMap<usize, &[u8]> = BTreeMap::new();
         for d in dirs.iter().filter(|d| !d.root) {
@@ -227,15 +245,14 @@ impl Client {
                     fids.get(&i).copied().unwrap_or(0)
                 }
             };
-            a.append(&Record::Ns(make(&fid)), None)
-                .map_err(|_| NotLogged)?;
+            let lsn = a.append(&make(&fid), None).map_err(|_| NotLogged)?;
             for (s, (_, h)) in slots.iter().zip(binds.iter()) {
                 self.rebind_if_raced(&mut a, s, h)?;
             }
             if root_slot.is_some() {
                 self.bind_root(&mut a, false)?;
             }
-            Ok(())
+            Ok(lsn)
         })();
         a.commit();
         if r.is_ok() {
@@ -296,10 +313,76 @@ impl Client {
         Ok(out)
     }
 
+    /// Run a rename, link or removal `op` natively with its record logged first
+    /// (`policy::change_namespace`): `log(pre)` commits the intent (Err: the log has no
+    /// room), then the call runs, then what became of it is logged (`NsDone`). `pre` runs
+    /// first, under the same lock (finding the objects the operation names).
+    fn intended<P>(
+        &self,
+        dirs: &[&Dir],
+        pre: impl FnOnce() -> P,
+        op: impl FnOnce() -> io::Result<()>,
+        log: impl FnOnce(P) -> Result<Intent, NotLogged>,
+    ) -> io::Result<()> {
+        if !self.serving() {
+            return self.logged(dirs, || (), op, |(), _, _| Err(NotLogged));
+        }
+        let (_ns, taken_over) = self.table.ns_lock_taken_over();
+        let fd = dirs[0].fd.as_raw_fd();
+        if taken_over || !dirs.iter().all(|d| self.clean(d)) {
+            // The log may lack an operation the lower has: an unlogged change of these
+            // directories, or one of a process that died holding the lock (between its intent
+            // and its call, its Done). It is made durable and every older record expired
+            // first, so the record of this one is the whole story.
+            self.write_back_namespace(fd)?;
+            for d in dirs {
+                self.set_clean(d);
+            }
+        }
+        let p = pre();
+        let lsn = match log(p) {
+            Ok(Intent::Logged(lsn)) => Some(lsn),
+            Ok(Intent::Nothing) => return op(),
+            Ok(Intent::NotFound) => {
+                // The call fails, unless the name appeared since: then it is made durable.
+                op()?;
+                self.write_back_namespace(fd)?;
+                for d in dirs {
+                    self.set_clean(d);
+                }
+                return Ok(());
+            }
+            Err(NotLogged) => None,
+        };
+        let write_back = || self.write_back_namespace(fd);
+        crate::policy::change_namespace(
+            || lsn,
+            op,
+            |lsn, applied| {
+                let mut a = self.log.area();
+                let r = a.append(&Record::NsDone { lsn, applied }, None);
+                a.commit();
+                drop(a);
+                self.table
+                    .w(H_NS_LAST_LSN)
+                    .fetch_max(self.log.lsn_now(), Ordering::AcqRel);
+                r.is_ok()
+            },
+            &write_back,
+        )?;
+        if lsn.is_some() {
+            self.count(P_NS_OPS, 1);
+        }
+        for d in dirs {
+            self.set_clean(d);
+        }
+        Ok(())
+    }
+
     /// unlink, or rmdir (`dir`).
     pub fn unlink(&self, t: &Target, dir: bool) -> io::Result<()> {
         let c = t.cname();
-        self.logged(
+        self.intended(
             &[&t.dir],
             || self.object_at(t),
             || {
@@ -315,19 +398,20 @@ impl Client {
                     ],
                 )
             },
-            |victim, _, append| {
-                if !append {
-                    return Ok(true);
-                }
-                let v = victim.ok_or(NotLogged)?;
-                self.commit_ns(&[&t.dir], &[&v], |fid| NsOp::Remove {
-                    parent: fid(t.dir.slot),
-                    name: t.name.clone(),
-                    dir,
-                    victim: fid(v.slot),
-                    nlink: if dir { 0 } else { v.st.st_nlink },
+            |victim| {
+                let Some(v) = victim else {
+                    return Ok(Intent::NotFound);
+                };
+                self.commit_ns(&[&t.dir], &[&v], |fid| {
+                    Record::NsIntent(NsOp::Remove {
+                        parent: fid(t.dir.slot),
+                        name: t.name.clone(),
+                        dir,
+                        victim: fid(v.slot),
+                        nlink: if dir { 0 } else { v.st.st_nlink },
+                    })
                 })
-                .map(|_| true)
+                .map(Intent::Logged)
             },
         )
     }
@@ -335,7 +419,7 @@ impl Client {
     /// rename/renameat/renameat2 (`flags`: RENAME_NOREPLACE, RENAME_EXCHANGE).
     pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
         let (cf, ct) = (from.cname(), to.cname());
-        self.logged(
+        self.intended(
             &[&from.dir, &to.dir],
             || (self.object_at(from), self.object_at(to)),
             || {
@@ -350,45 +434,41 @@ impl Client {
                     ],
                 )
             },
-            |(src, victim), _, append| {
-                if !append {
-                    return Ok(true);
-                }
-                let s = src.ok_or(NotLogged)?;
+            |(src, victim)| {
+                let Some(s) = src else {
+                    return Ok(Intent::NotFound);
+                };
                 let mut objs = vec![&s];
                 if let Some(v) = &victim {
                     if v.slot == s.slot {
-                        return Ok(false); // two names of one object: rename(2) does nothing
+                        return Ok(Intent::Nothing); // two names of one object: rename(2) does nothing
                     }
                     objs.push(v);
                 }
-                self.commit_ns(&[&from.dir, &to.dir], &objs, |fid| NsOp::Rename {
-                    parent: fid(from.dir.slot),
-                    name: from.name.clone(),
-                    newparent: fid(to.dir.slot),
-                    newname: to.name.clone(),
-                    flags,
-                    src: fid(s.slot),
-                    victim: victim.as_ref().map_or(0, |v| fid(v.slot)),
+                self.commit_ns(&[&from.dir, &to.dir], &objs, |fid| {
+                    Record::NsIntent(NsOp::Rename {
+                        parent: fid(from.dir.slot),
+                        name: from.name.clone(),
+                        newparent: fid(to.dir.slot),
+                        newname: to.name.clone(),
+                        flags,
+                        src: fid(s.slot),
+                        victim: victim.as_ref().map_or(0, |v| fid(v.slot)),
+                    })
                 })
-                .map(|_| true)
+                .map(Intent::Logged)
             },
         )
     }
 
-    /// mkdir, symlink (`target`: Some) or link (`link_from`: Some): the native call, then a
-    /// record for the new name.
+    /// mkdir or symlink (`target`: Some): the native call, then a record for the new name.
     fn make(
         &self,
         t: &Target,
         op: impl FnOnce() -> io::Result<()>,
         target: Option<&[u8]>,
-        link_from: Option<&Target>,
     ) -> io::Result<()> {
-        let dirs: Vec<&Dir> = match link_from {
-            Some(f) => vec![&t.dir, &f.dir],
-            None => vec![&t.dir],
-        };
+        let dirs: Vec<&Dir> = vec![&t.dir];
         self.logged(
             &dirs,
             || (),
@@ -398,15 +478,8 @@ impl Client {
                     return Ok(true);
                 }
                 let o = self.object_at(t).ok_or(NotLogged)?;
-                let rec_dirs: Vec<&Dir> = dirs.clone();
-                self.commit_ns(&rec_dirs, &[&o], |fid| match link_from {
-                    Some(_) => NsOp::Link {
-                        fid: fid(o.slot),
-                        newparent: fid(t.dir.slot),
-                        newname: t.name.clone(),
-                        nlink: o.st.st_nlink,
-                    },
-                    None => NsOp::Create {
+                self.commit_ns(&dirs, &[&o], |fid| {
+                    Record::Ns(NsOp::Create {
                         parent: fid(t.dir.slot),
                         name: t.name.clone(),
                         child: fid(o.slot),
@@ -416,9 +489,9 @@ impl Client {
                         uid: o.st.st_uid,
                         gid: o.st.st_gid,
                         target: target.map(|t| t.to_vec()).unwrap_or_default(),
-                    },
+                    })
                 })?;
-                if link_from.is_none() && o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                if o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
                     // A new directory has no unlogged change: clean from its birth.
                     let slot = self.table.slot(o.slot);
                     let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
@@ -446,7 +519,6 @@ impl Client {
                 )
             },
             None,
-            None,
         )
     }
 
@@ -469,15 +541,15 @@ impl Client {
                 )
             },
             Some(target),
-            None,
         )
     }
 
     /// linkat without AT_EMPTY_PATH (`follow`: AT_SYMLINK_FOLLOW).
     pub fn link(&self, from: &Target, to: &Target, follow: bool) -> io::Result<()> {
         let (cf, ct) = (from.cname(), to.cname());
-        self.make(
-            to,
+        self.intended(
+            &[&to.dir, &from.dir],
+            || self.object_named(from, follow),
             || {
                 at_call(
                     libc::SYS_linkat,
@@ -494,8 +566,21 @@ impl Client {
                     ],
                 )
             },
-            None,
-            Some(from),
+            |o| {
+                let Some(o) = o else {
+                    return Ok(Intent::NotFound);
+                };
+                self.commit_ns(&[&to.dir, &from.dir], &[&o], |fid| {
+                    Record::NsIntent(NsOp::Link {
+                        fid: fid(o.slot),
+                        newparent: fid(to.dir.slot),
+                        newname: to.name.clone(),
+                        // Its link count after (namespace operations are serialized here).
+                        nlink: o.st.st_nlink + 1,
+                    })
+                })
+                .map(Intent::Logged)
+            },
         )
     }
 
@@ -552,7 +637,8 @@ impl Client {
                     return Ok(true);
                 }
                 let o = self.object_of(fd).ok_or(NotLogged)?;
-                self.commit_ns(&[&t.dir], &[&o], |fid| NsOp::Create {
+                self.commit_ns(&[&t.dir], &[&o], |fid| {
+                    Record::Ns(NsOp::Create {
                     parent: fid(t.dir.slot),
                     name: t.name.clone(),
                     child: fid(o.slot),
@@ -562,6 +648,7 @@ impl Client {
                     uid: o.st.st_uid,
                     gid: o.st.st_gid,
                     target: Vec::new(),
+                    })
                 })?;
                 let slot = self.table.slot(o.slot);
                 let mut f = F_BASELINE;

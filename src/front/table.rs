@@ -386,6 +386,11 @@ impl Table {
         PidLock::acquire(self.w(H_NS_LOCK)).0
     }
 
+    /// `ns_lock`, and whether it was taken over from a process that died holding it.
+    pub fn ns_lock_taken_over(&self) -> (PidLock<'_>, bool) {
+        PidLock::acquire(self.w(H_NS_LOCK))
+    }
+
     /// Tell the daemon that slot `idx` was marked for its watch: the `n`th mark's ring entry
     /// holds `n` (so the daemon knows when it was stored) and the slot index + 1. `wake`: the
     /// object waits for vetting (otherwise the daemon's next round, within milliseconds,

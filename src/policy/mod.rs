@@ -77,6 +77,45 @@ pub fn change_attribute<S>(
     fall_back(st)
 }
 
+/// How a rename, link or removal reaches the log and the lower file system, for both front
+/// ends. The caller holds the namespace order for the whole sequence (no other namespace
+/// operation comes between its steps).
+///
+/// - `log_intent`: append and commit the operation's record as an intent (`NsIntent`); its
+///   LSN, or None when it could not be logged (no room, or its objects were not found).
+/// - `apply`: the operation on the lower file system.
+/// - `log_done(lsn, applied)`: append and commit what became of it (`NsDone`); false when
+///   the log has no room.
+/// - `write_back`: make every namespace operation so far durable in the lower file system
+///   and expire the live namespace records.
+///
+/// The record goes first, so the lower never holds one of these operations that the log
+/// lacks: logged after, a crash between the two left the lower one operation ahead, which
+/// recovery cannot always tell from operations the lower lost (a renamed hard link shown
+/// under both names, or under neither). One in flight at a crash is an intent without a
+/// Done, and recovery asks the lower whether it happened. An operation the log cannot take
+/// goes to the lower alone, with the older records written back first (replayed after a
+/// crash, they could undo it) and itself made durable after.
+pub fn change_namespace<T>(
+    log_intent: impl FnOnce() -> Option<u64>,
+    apply: impl FnOnce() -> io::Result<T>,
+    log_done: impl FnOnce(u64, bool) -> bool,
+    write_back: &dyn Fn() -> io::Result<()>,
+) -> io::Result<T> {
+    let Some(lsn) = log_intent() else {
+        write_back()?;
+        let out = apply()?;
+        write_back()?;
+        return Ok(out);
+    };
+    let out = apply();
+    if !log_done(lsn, out.is_ok()) && out.is_ok() {
+        // Recovery would ask the lower, which may still lose the operation.
+        write_back()?;
+    }
+    out
+}
+
 /// Append a binding of `fid` to the lower object with file handle `handle`. Every live record
 /// of a fid needs a binding that outlives the checkpoint (or a creation record); a binding
 /// appended after the records it serves is as good as one before them.

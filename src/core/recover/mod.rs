@@ -43,12 +43,25 @@ pub struct RecoverySummary {
 /// interrupted recovery finds the new object again instead of the lost one.
 pub type Rebind<'a> = &'a dyn Fn(u64, &[u8]) -> Result<(), String>;
 
+/// Records durably in the log whether the lower did the namespace operation of an intent
+/// that was in flight at the crash (LSN, applied), so a recovery killed and run again decides
+/// the same.
+pub type Decide<'a> = &'a dyn Fn(u64, bool) -> Result<(), String>;
+
+/// What recovery writes into the log it replays.
+#[derive(Clone, Copy)]
+pub struct LogHooks<'a> {
+    pub rebind: Rebind<'a>,
+    pub decide: Decide<'a>,
+}
+
 struct Replayer<'a> {
     lower: &'a RealLower,
     plan: &'a ReplayPlan,
     /// The region the plan was made from: out-of-place data is written from it.
     pm: &'a dyn Pmem,
     rebind: Option<Rebind<'a>>,
+    decide: Option<Decide<'a>>,
     /// Directories whose entries recovery changed: fsynced before the log is emptied.
     touched_dirs: Vec<i32>,
     nodes: HashMap<u64, OwnedFd>,
@@ -196,13 +209,13 @@ pub fn replay(
     replay_with(lower, plan, pm, progress, None)
 }
 
-/// `replay`, binding re-created objects in the log through `rebind`.
+/// `replay`, recording in the log what it decides (`hooks`).
 pub fn replay_with(
     lower: &RealLower,
     plan: &ReplayPlan,
     pm: &dyn Pmem,
     progress: &dyn Fn(u64, u64),
-    rebind: Option<Rebind<'_>>,
+    hooks: Option<LogHooks<'_>>,
 ) -> RecoverySummary {
     let t0 = std::time::Instant::now();
     if let Err(e) = check_identity(lower, plan) {
@@ -215,7 +228,8 @@ pub fn replay_with(
         lower,
         plan,
         pm,
-        rebind,
+        rebind: hooks.map(|h| h.rebind),
+        decide: hooks.map(|h| h.decide),
         touched_dirs: Vec::new(),
         nodes: HashMap::new(),
         wanted: Default::default(),
@@ -332,10 +346,21 @@ pub fn recover(
         r.map(|_| ())
             .map_err(|e| format!("binding a re-created object: {e}"))
     };
+    let decide = |lsn: u64, applied: bool| -> Result<(), String> {
+        let mut a = log.area();
+        let r = a.append(&crate::engine::Record::NsDone { lsn, applied }, None);
+        a.commit();
+        r.map(|_| ())
+            .map_err(|e| format!("recording an operation in flight: {e}"))
+    };
     let sum = if plan.is_empty() {
         RecoverySummary::default()
     } else {
-        replay_with(lower, &plan, &**log.pm(), progress, Some(&rebind))
+        let hooks = LogHooks {
+            rebind: &rebind,
+            decide: &decide,
+        };
+        replay_with(lower, &plan, &**log.pm(), progress, Some(hooks))
     };
     if let Some(first) = sum.errors.first() {
         return Err(RecoverError::Incomplete {

@@ -6,6 +6,22 @@ use super::*;
 impl Replayer<'_> {
     pub(super) fn namespace(&mut self) {
         let plan = self.plan;
+        // The operations that took effect: those the log knows, and those in flight at the
+        // crash that the lower did.
+        let mut ops: Vec<(u64, NsOp)> = plan.namespace.clone();
+        for (lsn, op) in &plan.pending {
+            let applied = self.happened(op);
+            if let Some(decide) = self.decide {
+                // Recorded before anything changes: a recovery killed and run again must
+                // decide the same, and what this one moves would change the lower's answer.
+                // A log too full to hold the answer leaves the question to the next run.
+                let _ = decide(*lsn, applied);
+            }
+            if applied {
+                ops.push((*lsn, op.clone()));
+            }
+        }
+        ops.sort_by_key(|(lsn, _)| *lsn);
         let mut target: BTreeMap<(u64, Vec<u8>), Option<u64>> = BTreeMap::new();
         let mut order: Vec<(u64, Vec<u8>)> = Vec::new();
         let mut created: HashMap<u64, &NsOp> = HashMap::new();
@@ -38,7 +54,7 @@ impl Replayer<'_> {
             }
             t.insert(k, v);
         };
-        for (_, op) in &plan.namespace {
+        for (_, op) in &ops {
             match op {
                 NsOp::Create {
                     parent,
@@ -183,8 +199,10 @@ impl Replayer<'_> {
         // at, less those it wants but that do not hold it), unless it sits where the log took
         // it from (the lower lost that move). Decided before anything moves, so that every
         // name of such an object is left as the in-flight operation left it.
+        // Only where the log holds renames, links or removals logged after the lower did them
+        // (older logs): intents say what was in flight, and nothing else was.
         let mut in_flight = std::collections::HashSet::new();
-        for (&fid, &n) in &link_counts {
+        for (&fid, &n) in link_counts.iter().filter(|_| plan.logged_after) {
             if !target.values().any(|v| *v == Some(fid)) {
                 continue;
             }
@@ -216,7 +234,7 @@ impl Replayer<'_> {
                 by_id.insert(id, *f);
             }
         }
-        for (k, v) in &target {
+        for (k, v) in target.iter().filter(|_| plan.logged_after) {
             let Some(w) = *v else { continue };
             let Some((_, c)) = self.at_key(k) else {
                 continue;
@@ -512,5 +530,42 @@ impl Replayer<'_> {
         self.nodes.insert(want, fd);
         self.sum.recreated += 1;
         Ok(Some(true))
+    }
+
+    /// Whether the lower did `op`, an intent without a Done (in flight at the crash). A lower
+    /// keeps its namespace operations in order, so a state that shows `op` done is the state
+    /// after it.
+    fn happened(&mut self, op: &NsOp) -> bool {
+        let holds = |s: &mut Self, dir: u64, name: &[u8], fid: u64| {
+            let Some((_, want)) = s.object(fid) else {
+                return false;
+            };
+            s.at_key(&(dir, name.to_vec()))
+                .is_some_and(|(_, id)| id == want)
+        };
+        match op {
+            NsOp::Rename {
+                parent,
+                name,
+                newparent,
+                newname,
+                src,
+                ..
+            } => holds(self, *newparent, newname, *src) && !holds(self, *parent, name, *src),
+            NsOp::Link {
+                fid,
+                newparent,
+                newname,
+                ..
+            } => holds(self, *newparent, newname, *fid),
+            NsOp::Remove {
+                parent,
+                name,
+                victim,
+                ..
+            } if *victim != 0 => !holds(self, *parent, name, *victim),
+            NsOp::Remove { parent, name, .. } => self.at_key(&(*parent, name.clone())).is_none(),
+            NsOp::Create { parent, name, .. } => self.at_key(&(*parent, name.clone())).is_some(),
+        }
     }
 }
