@@ -35,9 +35,12 @@ struct Args {
     /// Histories run at once (each is independent).
     #[arg(long, default_value_t = 1)]
     jobs: u64,
-    /// Also make hard links (recovery's reconciliation of hard links with an operation in
-    /// flight does not keep the contract yet: see docs/contract.md).
-    #[arg(long)]
+    /// Leave hard links out of the histories (the histories of seeds found before they were
+    /// in them by default).
+    #[arg(long, conflicts_with = "links")]
+    no_links: bool,
+    /// Hard links in the histories (the default; kept so older reproduce lines still run).
+    #[arg(long, hide = true)]
     links: bool,
     /// Leave fallocate out of the histories (the histories of seeds found before it was in
     /// them)
@@ -69,7 +72,7 @@ fn main() {
     };
     let seed0 = a.seed.unwrap_or_else(rand::random);
     let kinds = Kinds {
-        links: a.links,
+        links: !a.no_links,
         fallocate: !a.no_fallocate,
     };
     let next = AtomicU64::new(0);

@@ -73,7 +73,11 @@ impl Core {
         // Built under the order lock (with the objects it names besides `bind`): the objects
         // at its names and their link counts are those the lower has.
         let (op, named) = op()?;
-        let objs: Vec<&Inode> = bind.iter().map(|i| &***i).chain(named.iter().map(|i| &**i)).collect();
+        let objs: Vec<&Inode> = bind
+            .iter()
+            .map(|i| &***i)
+            .chain(named.iter().map(|i| &**i))
+            .collect();
         crate::policy::change_namespace(
             || {
                 let lsn = log.next_lsn();

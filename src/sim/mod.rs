@@ -161,25 +161,24 @@ pub fn core_on_sim_pm(
 /// their histories with it).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Kinds {
-    /// Hard links (recovery's reconciliation of hard links with an operation in flight is
-    /// known not to keep the contract yet: `docs/contract.md`).
+    /// Hard links.
     pub links: bool,
     /// fallocate: allocate (extending or keeping the size), punch a hole, zero a range.
     pub fallocate: bool,
 }
 
 impl Kinds {
-    /// What the random runs use: everything but hard links.
+    /// What the random runs use: everything.
     pub const CAMPAIGN: Kinds = Kinds {
-        links: false,
+        links: true,
         fallocate: true,
     };
 
     /// The simulate example's flags that select these kinds.
     fn flags(self) -> String {
         let mut f = String::new();
-        if self.links {
-            f += " --links";
+        if !self.links {
+            f += " --no-links";
         }
         if !self.fallocate {
             f += " --no-fallocate";

@@ -1,0 +1,342 @@
+//! The namespace operations of attached processes: removals, renames and links (logged as
+//! intents, `intended`), and creations (mkdir, symlink, an `O_CREAT` open; logged after the
+//! call, `logged`); the fsync of a directory.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+
+use super::{at_call, ctime, Dir, Intent, Target};
+use crate::engine::{NodeKind, NsOp, Record};
+use crate::front::client::{claim, object_gen, Client, NotLogged};
+use crate::front::sys;
+use crate::front::table::*;
+
+impl Client {
+    /// unlink, or rmdir (`dir`).
+    pub fn unlink(&self, t: &Target, dir: bool) -> io::Result<()> {
+        let c = t.cname();
+        self.intended(
+            &[&t.dir],
+            || self.object_at(t),
+            || {
+                let fl = if dir { libc::AT_REMOVEDIR } else { 0 };
+                at_call(
+                    libc::SYS_unlinkat,
+                    [
+                        t.dir.fd.as_raw_fd() as i64,
+                        c.as_ptr() as i64,
+                        fl as i64,
+                        0,
+                        0,
+                    ],
+                )
+            },
+            |victim| {
+                let Some(v) = victim else {
+                    return Ok(Intent::NotFound);
+                };
+                self.commit_ns(&[&t.dir], &[&v], |fid| {
+                    Record::NsIntent(NsOp::Remove {
+                        parent: fid(t.dir.slot),
+                        name: t.name.clone(),
+                        dir,
+                        victim: fid(v.slot),
+                        nlink: if dir { 0 } else { v.st.st_nlink },
+                    })
+                })
+                .map(Intent::Logged)
+            },
+        )
+    }
+
+    /// rename/renameat/renameat2 (`flags`: RENAME_NOREPLACE, RENAME_EXCHANGE).
+    pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
+        let (cf, ct) = (from.cname(), to.cname());
+        self.intended(
+            &[&from.dir, &to.dir],
+            || (self.object_at(from), self.object_at(to)),
+            || {
+                at_call(
+                    libc::SYS_renameat2,
+                    [
+                        from.dir.fd.as_raw_fd() as i64,
+                        cf.as_ptr() as i64,
+                        to.dir.fd.as_raw_fd() as i64,
+                        ct.as_ptr() as i64,
+                        flags as i64,
+                    ],
+                )
+            },
+            |(src, victim)| {
+                let Some(s) = src else {
+                    return Ok(Intent::NotFound);
+                };
+                let mut objs = vec![&s];
+                if let Some(v) = &victim {
+                    if v.slot == s.slot {
+                        return Ok(Intent::Nothing); // two names of one object: rename(2) does nothing
+                    }
+                    objs.push(v);
+                }
+                self.commit_ns(&[&from.dir, &to.dir], &objs, |fid| {
+                    Record::NsIntent(NsOp::Rename {
+                        parent: fid(from.dir.slot),
+                        name: from.name.clone(),
+                        newparent: fid(to.dir.slot),
+                        newname: to.name.clone(),
+                        flags,
+                        src: fid(s.slot),
+                        victim: victim.as_ref().map_or(0, |v| fid(v.slot)),
+                    })
+                })
+                .map(Intent::Logged)
+            },
+        )
+    }
+
+    /// mkdir or symlink (`target`: Some): the native call, then a record for the new name.
+    fn make(
+        &self,
+        t: &Target,
+        op: impl FnOnce() -> io::Result<()>,
+        target: Option<&[u8]>,
+    ) -> io::Result<()> {
+        let dirs: Vec<&Dir> = vec![&t.dir];
+        self.logged(
+            &dirs,
+            || (),
+            op,
+            |(), _, append| {
+                if !append {
+                    return Ok(true);
+                }
+                let o = self.object_at(t).ok_or(NotLogged)?;
+                self.commit_ns(&dirs, &[&o], |fid| {
+                    Record::Ns(NsOp::Create {
+                        parent: fid(t.dir.slot),
+                        name: t.name.clone(),
+                        child: fid(o.slot),
+                        kind: NodeKind::from_mode(o.st.st_mode),
+                        mode: o.st.st_mode & 0o7777,
+                        rdev: o.st.st_rdev,
+                        uid: o.st.st_uid,
+                        gid: o.st.st_gid,
+                        target: target.map(|t| t.to_vec()).unwrap_or_default(),
+                    })
+                })?;
+                if o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                    // A new directory has no unlogged change: clean from its birth.
+                    let slot = self.table.slot(o.slot);
+                    let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
+                    slot.w(S_DIR_CTIME).store(c, Ordering::Release);
+                }
+                Ok(true)
+            },
+        )
+    }
+
+    pub fn mkdir(&self, t: &Target, mode: u32) -> io::Result<()> {
+        let c = t.cname();
+        self.make(
+            t,
+            || {
+                at_call(
+                    libc::SYS_mkdirat,
+                    [
+                        t.dir.fd.as_raw_fd() as i64,
+                        c.as_ptr() as i64,
+                        mode as i64,
+                        0,
+                        0,
+                    ],
+                )
+            },
+            None,
+        )
+    }
+
+    pub fn symlink(&self, target: &[u8], t: &Target) -> io::Result<()> {
+        let c = t.cname();
+        let ct = CString::new(target.to_vec())
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        self.make(
+            t,
+            || {
+                at_call(
+                    libc::SYS_symlinkat,
+                    [
+                        ct.as_ptr() as i64,
+                        t.dir.fd.as_raw_fd() as i64,
+                        c.as_ptr() as i64,
+                        0,
+                        0,
+                    ],
+                )
+            },
+            Some(target),
+        )
+    }
+
+    /// linkat without AT_EMPTY_PATH (`follow`: AT_SYMLINK_FOLLOW).
+    pub fn link(&self, from: &Target, to: &Target, follow: bool) -> io::Result<()> {
+        let (cf, ct) = (from.cname(), to.cname());
+        self.intended(
+            &[&to.dir, &from.dir],
+            || self.object_named(from, follow),
+            || {
+                at_call(
+                    libc::SYS_linkat,
+                    [
+                        from.dir.fd.as_raw_fd() as i64,
+                        cf.as_ptr() as i64,
+                        to.dir.fd.as_raw_fd() as i64,
+                        ct.as_ptr() as i64,
+                        if follow {
+                            libc::AT_SYMLINK_FOLLOW as i64
+                        } else {
+                            0
+                        },
+                    ],
+                )
+            },
+            |o| {
+                let Some(o) = o else {
+                    return Ok(Intent::NotFound);
+                };
+                self.commit_ns(&[&to.dir, &from.dir], &[&o], |fid| {
+                    Record::NsIntent(NsOp::Link {
+                        fid: fid(o.slot),
+                        newparent: fid(to.dir.slot),
+                        newname: to.name.clone(),
+                        // Its link count after (namespace operations are serialized here).
+                        nlink: o.st.st_nlink + 1,
+                    })
+                })
+                .map(Intent::Logged)
+            },
+        )
+    }
+
+    /// An `O_CREAT` open of `t` (flags as the real open gets them): tried with `O_EXCL` first,
+    /// so a creation is known and logged; the descriptor. A file this process created is
+    /// marked for the daemon's watch at once (`docs/preload.md`, "Writers outside `pmstack
+    /// run`"): every write to it is seen from its birth, so its syncs are absorbed from the
+    /// first.
+    /// With the descriptor, what the creation learnt of the new file, for `track_born` (None
+    /// if it opened an existing one, or the creation was not logged).
+    pub fn create(
+        &self,
+        t: &Target,
+        flags: i32,
+        mode: u32,
+    ) -> io::Result<(i32, Option<crate::front::client::Born>)> {
+        let c = t.cname();
+        let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
+        let born_marked = std::cell::Cell::new(false);
+        let born = std::cell::Cell::new(None);
+        self.logged(
+            &[&t.dir],
+            || (),
+            || {
+                for _ in 0..8 {
+                    match open(flags | libc::O_EXCL) {
+                        Ok(fd) => {
+                            if let Some(g) = self.group.as_ref().filter(|_| self.watching) {
+                                born_marked
+                                    .set(crate::front::watch::mark(g.as_raw_fd(), fd).is_ok());
+                            }
+                            return Ok((fd, true));
+                        }
+                        Err(e)
+                            if e.raw_os_error() == Some(libc::EEXIST)
+                                && flags & libc::O_EXCL == 0 => {}
+                        Err(e) => return Err(e),
+                    }
+                    match open(flags & !libc::O_CREAT) {
+                        Ok(fd) => return Ok((fd, false)),
+                        // Removed in between: try to create again.
+                        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                // A dangling symlink at the name (O_CREAT follows it): as asked, unlogged (the
+                // directory of the new file sees an unlogged change).
+                open(flags).map(|fd| (fd, false))
+            },
+            |(), &(fd, created), append| {
+                if !created {
+                    return Ok(false);
+                }
+                if !append {
+                    return Ok(true);
+                }
+                let o = self.object_of(fd).ok_or(NotLogged)?;
+                self.commit_ns(&[&t.dir], &[&o], |fid| {
+                    Record::Ns(NsOp::Create {
+                        parent: fid(t.dir.slot),
+                        name: t.name.clone(),
+                        child: fid(o.slot),
+                        kind: NodeKind::File,
+                        mode: o.st.st_mode & 0o7777,
+                        rdev: 0,
+                        uid: o.st.st_uid,
+                        gid: o.st.st_gid,
+                        target: Vec::new(),
+                    })
+                })?;
+                let slot = self.table.slot(o.slot);
+                let mut f = F_BASELINE;
+                if !self.watching {
+                    f |= F_VETTED;
+                } else if born_marked.get() {
+                    // Marked right after its birth: a writer would have had to open the
+                    // new name within microseconds to go unseen (`docs/preload.md`).
+                    f |= F_MARKED | F_VETTED;
+                }
+                slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
+                if f & F_MARKED != 0 {
+                    // Counted like every mark (`marks` in the stats); vetting skips it.
+                    self.table.note_marked(o.slot, false);
+                }
+                born.set(Some(crate::front::client::Born {
+                    st: o.st,
+                    handle: o.handle,
+                    gen: o.gen,
+                    write_only: flags & libc::O_ACCMODE == libc::O_WRONLY,
+                }));
+                Ok(true)
+            },
+        )
+        .map(|(fd, _)| (fd, born.take()))
+    }
+
+    /// fsync/fdatasync of a directory under the root: nothing to do if every change of it
+    /// since it was last made durable was logged; otherwise everything is written back.
+    /// None: not ours.
+    pub fn fsync_dir(&self, fd: i32) -> Option<io::Result<()>> {
+        let st = sys::fstat(fd).ok()?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR
+            || st.st_dev != self.root_dev
+            || !self.serving()
+            || !self.under_root(&sys::fd_path(fd)?)
+        {
+            return None;
+        }
+        let (_, gen) = object_gen(fd, st.st_ino)?;
+        let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
+        let slot = self.table.slot(idx);
+        let _ns = self.table.ns_lock();
+        let c0 = ctime(fd);
+        if c0 != 0 && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c0 {
+            self.count(P_DIR_FSYNC, 1);
+            return Some(Ok(()));
+        }
+        let r = self.write_back_namespace(fd);
+        if r.is_ok() {
+            slot.w(S_DIR_CTIME).store(c0, Ordering::Release);
+        }
+        Some(r)
+    }
+}
