@@ -14,6 +14,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+mod lock;
+mod slot;
+
+pub use lock::{alive, forget_pid, my_pid, now_ns, PidLock};
+pub use slot::Slot;
+
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
 pub const VERSION: u64 = 3;
 
@@ -170,61 +176,6 @@ impl Drop for Table {
         // SAFETY: our own mapping.
         unsafe { libc::munmap(self.ptr as *mut _, self.words * 8) };
     }
-}
-
-pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // Coarse (a few ms of resolution, a fraction of the fine clock's cost): heartbeats are
-    // judged against seconds. SAFETY: valid out-pointer (vDSO call, no system call).
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// Whether process `pid` exists.
-pub fn alive(pid: u64) -> bool {
-    if pid == 0 {
-        return false;
-    }
-    // SAFETY: signal 0 only checks existence.
-    let r = unsafe { libc::kill(pid as i32, 0) };
-    let exists = r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    // A killed process stays a zombie until its parent reaps it: it holds nothing any more.
-    // (A thread group whose leader exited first also shows the leader as a zombie while its
-    // other threads run: only a zombie that is the last of its group is gone.)
-    exists
-        && !std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| {
-            let field = |name: &str| {
-                st.lines()
-                    .find_map(|l| l.strip_prefix(name))
-                    .map(|v| v.trim().to_string())
-            };
-            field("State:").is_some_and(|v| v.starts_with('Z') || v.starts_with('X'))
-                && field("Threads:").as_deref() == Some("1")
-        })
-}
-
-static PID: AtomicU64 = AtomicU64::new(0);
-
-/// This process's pid, cached (getpid is a system call, and slot locks take it on every
-/// write). A forked child must call [`forget_pid`] first (the preload library does, from its
-/// `pthread_atfork` child handler).
-pub fn my_pid() -> u64 {
-    let p = PID.load(Ordering::Relaxed);
-    if p != 0 {
-        return p;
-    }
-    // SAFETY: getpid has no preconditions.
-    let p = unsafe { libc::getpid() as u64 };
-    PID.store(p, Ordering::Relaxed);
-    p
-}
-
-/// After fork, in the child.
-pub fn forget_pid() {
-    PID.store(0, Ordering::Relaxed);
 }
 
 impl Table {
@@ -492,187 +443,6 @@ fn ring_entry(n: u64, idx: usize) -> u64 {
 
 fn slot_hash(dev: u64, ino: u64) -> usize {
     (dev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ino.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)) as usize
-}
-
-pub struct Slot<'a> {
-    t: &'a Table,
-    base: usize,
-    pub idx: usize,
-}
-
-impl<'a> Slot<'a> {
-    pub fn w(&self, k: usize) -> &'a AtomicU64 {
-        self.t.w(self.base + k)
-    }
-
-    /// Lock the slot. A lock whose owner died is taken over and the slot marked fallback.
-    pub fn lock(&self) -> PidLock<'a> {
-        let (g, stolen) = PidLock::acquire(self.w(S_LOCK));
-        if stolen {
-            self.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-        }
-        g
-    }
-
-    pub fn flags(&self) -> u64 {
-        self.w(S_FLAGS).load(Ordering::Acquire)
-    }
-
-    /// The object has entries the checkpoint `cp` has not expired.
-    pub fn live(&self, cp: u64) -> bool {
-        self.w(S_FID).load(Ordering::Acquire) != 0
-            && self.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
-    }
-
-    /// Nothing needs the watch on the object any more: it is marked, not foreign, nobody
-    /// synced it since it was marked (a synced file keeps its mark: its next syncs stay
-    /// absorbable), it has no entries the checkpoint `cp` has not expired (replay has nothing
-    /// to apply over a writer outside `pmstack run`), and no holder `holds` it (the caller
-    /// says which holder records still count).
-    pub fn unwatchable(&self, cp: u64, mut holds: impl FnMut(usize) -> bool) -> bool {
-        let f = self.flags();
-        f & F_MARKED != 0
-            && f & (F_FOREIGN | F_SYNCED) == 0
-            && !self.live(cp)
-            && !self.holders().any(&mut holds)
-    }
-
-    /// Process record `rec` holds the object open.
-    pub fn hold(&self, rec: usize) {
-        self.w(S_HOLDERS + rec / 64)
-            .fetch_or(1 << (rec % 64), Ordering::AcqRel);
-    }
-
-    /// Process record `rec` holds the object no more.
-    pub fn unhold(&self, rec: usize) {
-        self.w(S_HOLDERS + rec / 64)
-            .fetch_and(!(1 << (rec % 64)), Ordering::AcqRel);
-    }
-
-    /// The process records holding the object open (some may have died since).
-    pub fn holders(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..MAX_PROCS)
-            .filter(|&r| self.w(S_HOLDERS + r / 64).load(Ordering::Acquire) & (1 << (r % 64)) != 0)
-    }
-
-    /// Lock the slot if it is free now (the daemon, answering an open: the owner of the lock
-    /// may be waiting for that very answer).
-    pub fn try_lock(&self) -> Option<PidLock<'a>> {
-        self.w(S_LOCK)
-            .compare_exchange(0, my_pid(), Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-            .then_some(PidLock { w: self.w(S_LOCK) })
-    }
-
-    /// Record that `pid` wrote without logging, at LSN counter `mark`.
-    /// False if there is no room (the caller marks the slot fallback).
-    pub fn add_lazy(&self, pid: u64, mark: u64) -> bool {
-        let mut free = None;
-        for k in 0..LAZY_MAX {
-            let p = self.w(S_LAZY + 2 * k);
-            match p.load(Ordering::Relaxed) {
-                x if x == pid => {
-                    self.w(S_LAZY + 2 * k + 1).store(mark, Ordering::Relaxed);
-                    return true;
-                }
-                0 if free.is_none() => free = Some(k),
-                _ => {}
-            }
-        }
-        let Some(k) = free else { return false };
-        self.w(S_LAZY + 2 * k + 1).store(mark, Ordering::Relaxed);
-        self.w(S_LAZY + 2 * k).store(pid, Ordering::Relaxed);
-        true
-    }
-
-    /// Other processes' unlogged writes that the checkpoint `cp` has not made durable.
-    pub fn others_lazy(&self, pid: u64, cp: u64) -> bool {
-        (0..LAZY_MAX).any(|k| {
-            let p = self.w(S_LAZY + 2 * k).load(Ordering::Relaxed);
-            p != 0 && p != pid && self.w(S_LAZY + 2 * k + 1).load(Ordering::Relaxed) >= cp
-        })
-    }
-
-    /// Forget lazy writers: all (`only` None) or one pid.
-    pub fn clear_lazy(&self, only: Option<u64>) {
-        for k in 0..LAZY_MAX {
-            let p = self.w(S_LAZY + 2 * k);
-            if only.is_none_or(|o| p.load(Ordering::Relaxed) == o) {
-                p.store(0, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-/// A lock word holding its owner's pid, and `WAITERS` while someone may sleep on it.
-pub struct PidLock<'a> {
-    w: &'a AtomicU64,
-}
-
-/// Set in a lock word while a waiter may be asleep on it (a futex on its low 32 bits, which
-/// hold the pid: Linux pids are below 2^22): the unlock then wakes one.
-const WAITERS: u64 = 1 << 30;
-
-impl<'a> PidLock<'a> {
-    /// Spin briefly, then sleep on the word until the owner unlocks it (a futex shared by
-    /// every process mapping the table: yielding in a loop instead burnt the CPU the owner
-    /// needed, with more threads than cores). Every few milliseconds of waiting, check
-    /// whether the owner still exists and take the lock over if not. Returns whether it was
-    /// taken over.
-    fn acquire(w: &'a AtomicU64) -> (PidLock<'a>, bool) {
-        let me = my_pid();
-        debug_assert!(me < WAITERS);
-        // Once this thread has slept, it takes the lock marked as contended: others may
-        // still sleep, and its unlock must wake them.
-        let mut mine = me;
-        let mut spins = 0u32;
-        loop {
-            let cur = w.load(Ordering::Relaxed);
-            if cur == 0 {
-                if w.compare_exchange_weak(0, mine, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    return (PidLock { w }, false);
-                }
-                continue;
-            }
-            spins += 1;
-            if spins < 100 {
-                std::hint::spin_loop();
-                continue;
-            }
-            let owner = cur & !WAITERS;
-            if spins % 8 == 0
-                && owner != me
-                && !alive(owner)
-                && w.compare_exchange(
-                    cur,
-                    me | (cur & WAITERS),
-                    Ordering::Acquire,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-            {
-                return (PidLock { w }, true);
-            }
-            if cur & WAITERS == 0
-                && w.compare_exchange(cur, cur | WAITERS, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_err()
-            {
-                continue;
-            }
-            mine = me | WAITERS;
-            super::sys::futex_wait(w, cur | WAITERS, std::time::Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for PidLock<'_> {
-    fn drop(&mut self) {
-        if self.w.swap(0, Ordering::Release) & WAITERS != 0 {
-            super::sys::futex_wake(self.w);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,131 @@
+//! The pid lock of the shared table's words (a slot's lock, the namespace lock), and the
+//! process facts it rests on: this process's pid, whether another one still exists.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // Coarse (a few ms of resolution, a fraction of the fine clock's cost): heartbeats are
+    // judged against seconds. SAFETY: valid out-pointer (vDSO call, no system call).
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Whether process `pid` exists.
+pub fn alive(pid: u64) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks existence.
+    let r = unsafe { libc::kill(pid as i32, 0) };
+    let exists = r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    // A killed process stays a zombie until its parent reaps it: it holds nothing any more.
+    // (A thread group whose leader exited first also shows the leader as a zombie while its
+    // other threads run: only a zombie that is the last of its group is gone.)
+    exists
+        && !std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| {
+            let field = |name: &str| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(|v| v.trim().to_string())
+            };
+            field("State:").is_some_and(|v| v.starts_with('Z') || v.starts_with('X'))
+                && field("Threads:").as_deref() == Some("1")
+        })
+}
+
+static PID: AtomicU64 = AtomicU64::new(0);
+
+/// This process's pid, cached (getpid is a system call, and slot locks take it on every
+/// write). A forked child must call [`forget_pid`] first (the preload library does, from its
+/// `pthread_atfork` child handler).
+pub fn my_pid() -> u64 {
+    let p = PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    // SAFETY: getpid has no preconditions.
+    let p = unsafe { libc::getpid() as u64 };
+    PID.store(p, Ordering::Relaxed);
+    p
+}
+
+/// After fork, in the child.
+pub fn forget_pid() {
+    PID.store(0, Ordering::Relaxed);
+}
+
+/// A lock word holding its owner's pid, and `WAITERS` while someone may sleep on it.
+pub struct PidLock<'a> {
+    pub(super) w: &'a AtomicU64,
+}
+
+/// Set in a lock word while a waiter may be asleep on it (a futex on its low 32 bits, which
+/// hold the pid: Linux pids are below 2^22): the unlock then wakes one.
+const WAITERS: u64 = 1 << 30;
+
+impl<'a> PidLock<'a> {
+    /// Spin briefly, then sleep on the word until the owner unlocks it (a futex shared by
+    /// every process mapping the table: yielding in a loop instead burnt the CPU the owner
+    /// needed, with more threads than cores). Every few milliseconds of waiting, check
+    /// whether the owner still exists and take the lock over if not. Returns whether it was
+    /// taken over.
+    pub(super) fn acquire(w: &'a AtomicU64) -> (PidLock<'a>, bool) {
+        let me = my_pid();
+        debug_assert!(me < WAITERS);
+        // Once this thread has slept, it takes the lock marked as contended: others may
+        // still sleep, and its unlock must wake them.
+        let mut mine = me;
+        let mut spins = 0u32;
+        loop {
+            let cur = w.load(Ordering::Relaxed);
+            if cur == 0 {
+                if w.compare_exchange_weak(0, mine, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return (PidLock { w }, false);
+                }
+                continue;
+            }
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let owner = cur & !WAITERS;
+            if spins % 8 == 0
+                && owner != me
+                && !alive(owner)
+                && w.compare_exchange(
+                    cur,
+                    me | (cur & WAITERS),
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                return (PidLock { w }, true);
+            }
+            if cur & WAITERS == 0
+                && w.compare_exchange(cur, cur | WAITERS, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            mine = me | WAITERS;
+            crate::front::sys::futex_wait(w, cur | WAITERS, std::time::Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for PidLock<'_> {
+    fn drop(&mut self) {
+        if self.w.swap(0, Ordering::Release) & WAITERS != 0 {
+            crate::front::sys::futex_wake(self.w);
+        }
+    }
+}
