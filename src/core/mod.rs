@@ -1,5 +1,5 @@
 //! The file system core: inodes and handles over the lower file system, and the durability
-//! policy of each mode. No FUSE types here: the adapter in `fuse.rs` translates.
+//! policy of each mode. No FUSE types here: the adapter in `fuse/` translates.
 //!
 //! One `Core`, its methods in a file per concern:
 //!

@@ -1,0 +1,195 @@
+//! Calls on a descriptor of a lower object (reads, writes, syncs, sizes), what kind of file
+//! system it is on, and object identities (file handle and inode number).
+
+use std::io;
+use std::os::fd::RawFd;
+
+use super::{cvt, cvt_sz, errno};
+
+pub fn pread(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    // SAFETY: valid buffer.
+    cvt_sz(unsafe { libc::pread(fd, buf.as_mut_ptr() as *mut _, buf.len(), off as i64) })
+}
+
+pub fn pwrite_all(fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<usize> {
+    let total = buf.len();
+    while !buf.is_empty() {
+        // SAFETY: valid buffer.
+        let n =
+            cvt_sz(unsafe { libc::pwrite(fd, buf.as_ptr() as *const _, buf.len(), off as i64) })?;
+        if n == 0 {
+            return Err(errno(libc::EIO));
+        }
+        buf = &buf[n..];
+        off += n as u64;
+    }
+    Ok(total)
+}
+
+/// Write `bufs` one after another at `off` (pwritev, as many calls as short writes need).
+pub fn pwritev_all(fd: RawFd, bufs: &[&[u8]], mut off: u64) -> io::Result<()> {
+    let mut iov: Vec<libc::iovec> = bufs
+        .iter()
+        .filter(|b| !b.is_empty())
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
+    let mut first = 0;
+    while first < iov.len() {
+        let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize);
+        // SAFETY: every iovec points into a live slice of `bufs` (advanced within it below).
+        let n =
+            cvt_sz(unsafe { libc::pwritev(fd, iov[first..].as_ptr(), cnt as i32, off as i64) })?;
+        if n == 0 {
+            return Err(errno(libc::EIO));
+        }
+        off += n as u64;
+        let mut left = n;
+        while left > 0 {
+            let v = &mut iov[first];
+            if left >= v.iov_len {
+                left -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: still within the same slice.
+                v.iov_base = unsafe { (v.iov_base as *mut u8).add(left) } as *mut libc::c_void;
+                v.iov_len -= left;
+                left = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Start writing back `off..off+len` of `fd` without waiting (sync_file_range
+/// SYNC_FILE_RANGE_WRITE): a later fsync then finds less to do. Errors are ignored: it is a
+/// hint (a FUSE lower may not support it).
+pub fn start_write_back(fd: RawFd, off: u64, len: u64) {
+    // SAFETY: a plain system call on a caller-owned descriptor.
+    unsafe { libc::sync_file_range(fd, off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
+}
+
+pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
+    // SAFETY: plain syscalls on a caller-owned fd.
+    cvt(unsafe {
+        if datasync {
+            libc::fdatasync(fd)
+        } else {
+            libc::fsync(fd)
+        }
+    })?;
+    Ok(())
+}
+
+pub fn ftruncate(fd: RawFd, size: u64) -> io::Result<()> {
+    // SAFETY: plain syscall.
+    cvt(unsafe { libc::ftruncate(fd, size as i64) })?;
+    Ok(())
+}
+
+pub fn fallocate(fd: RawFd, mode: i32, off: u64, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall.
+    cvt(unsafe { libc::fallocate(fd, mode, off as i64, len as i64) })?;
+    Ok(())
+}
+
+pub fn lseek(fd: RawFd, off: i64, whence: i32) -> io::Result<i64> {
+    // SAFETY: plain syscall.
+    let r = unsafe { libc::lseek(fd, off, whence) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+pub fn copy_file_range(
+    fd_in: RawFd,
+    off_in: u64,
+    fd_out: RawFd,
+    off_out: u64,
+    len: u64,
+) -> io::Result<usize> {
+    let mut oi = off_in as i64;
+    let mut oo = off_out as i64;
+    // SAFETY: valid pointers.
+    cvt_sz(
+        unsafe { libc::copy_file_range(fd_in, &mut oi, fd_out, &mut oo, len as usize, 0) } as isize,
+    )
+}
+
+/// Local file systems whose file handles name an object for the file system's whole life
+/// (see `RealLower::handles_persistent`).
+/// Whether `fd` is on a local file system (block or memory): its file handles persist, and a
+/// read of its page cache costs a system call, not a network round trip.
+pub fn local_fs(fd: impl std::os::fd::AsFd) -> bool {
+    match rustix::fs::fstatfs(fd) {
+        #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every target
+        Ok(st) => PERSISTENT_HANDLES.contains(&(st.f_type as i64)),
+        Err(_) => false,
+    }
+}
+
+const PERSISTENT_HANDLES: [i64; 5] = [
+    0xEF53,      // ext2/3/4
+    0x5846_5342, // XFS
+    0x9123_683E, // Btrfs
+    0xF2F5_2010, // F2FS
+    0x2FC1_2FC1, // ZFS
+];
+
+/// A name at a file system's root where it keeps deleted files (JuiceFS's `.trash`, hidden
+/// from listings but open by name and by handle): nothing there has a name in LOWER.
+pub fn is_fs_trash(root_entry: &[u8]) -> bool {
+    root_entry == b".trash"
+}
+
+/// Largest file handle the kernel gives (MAX_HANDLE_SZ).
+pub(super) const MAX_HANDLE: usize = 128;
+
+/// Tag of an identity that carries an inode number (`handle_of`). Identities written before
+/// it start with the handle type, a small number, never this.
+const IDENTITY_TAG: [u8; 4] = *b"PMI1";
+
+/// Split an identity into its inode number (None in identities written before it was
+/// recorded) and its raw handle (4-byte type, then the handle's bytes).
+pub fn split_identity(h: &[u8]) -> (Option<u64>, &[u8]) {
+    match h.strip_prefix(&IDENTITY_TAG) {
+        Some(rest) if rest.len() >= 8 => (
+            Some(u64::from_le_bytes(rest[..8].try_into().expect("8 bytes"))),
+            &rest[8..],
+        ),
+        _ => (None, h),
+    }
+}
+
+/// The persistent identity of an object: its file handle (name_to_handle_at, with its 4-byte
+/// type) and its inode number `ino`. The handle finds the object fast; the inode number
+/// checks that what it found is the object, and finds it again where handles do not survive
+/// a remount of the lower (FUSE and network clients).
+pub fn handle_of(node: RawFd, ino: u64) -> io::Result<Vec<u8>> {
+    const MAX: usize = MAX_HANDLE;
+    let mut buf = vec![0u8; 8 + MAX];
+    buf[0..4].copy_from_slice(&(MAX as u32).to_ne_bytes());
+    let mut mount_id: libc::c_int = 0;
+    let empty = c"";
+    // SAFETY: buf is a struct file_handle with MAX bytes of f_handle space.
+    cvt(unsafe {
+        libc::syscall(
+            libc::SYS_name_to_handle_at,
+            node,
+            empty.as_ptr(),
+            buf.as_mut_ptr(),
+            &mut mount_id,
+            libc::AT_EMPTY_PATH,
+        )
+    } as i32)?;
+    let n = (u32::from_ne_bytes(buf[0..4].try_into().expect("4")) as usize).min(MAX);
+    let mut out = IDENTITY_TAG.to_vec();
+    out.extend_from_slice(&ino.to_le_bytes());
+    out.extend_from_slice(&buf[4..8]); // handle_type
+    out.extend_from_slice(&buf[8..8 + n]);
+    Ok(out)
+}

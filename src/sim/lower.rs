@@ -1,0 +1,220 @@
+//! The simulated lower's power cut: its trees of names and bytes, what it keeps of each
+//! page and name at a cut, the inodes kept for names a cut brings back, and the lower as it
+//! was at each fence of the crashing operation.
+
+use super::*;
+
+/// Lower content by inode number, with the inode's names: a power cut keeps inodes' own pages,
+/// whatever their names.
+pub(super) type Tree = BTreeMap<u64, (std::collections::BTreeSet<String>, Vec<u8>)>;
+
+pub(super) fn read_tree(root: &Path) -> Tree {
+    use std::os::unix::fs::MetadataExt;
+    let mut t: Tree = BTreeMap::new();
+    for e in fs::read_dir(root).unwrap().flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if !crate::lower::is_internal(n.as_bytes()) {
+            let ino = e.metadata().unwrap().ino();
+            match t.get_mut(&ino) {
+                Some((names, _)) => {
+                    names.insert(n);
+                }
+                None => {
+                    let data = fs::read(e.path()).unwrap();
+                    t.insert(ino, ([n].into(), data));
+                }
+            }
+        }
+    }
+    t
+}
+
+pub(super) fn by_name(t: &Tree) -> BTreeMap<String, Vec<u8>> {
+    t.values()
+        .flat_map(|(names, d)| names.iter().map(move |n| (n.clone(), d.clone())))
+        .collect()
+}
+
+/// One name of an inode of a tree.
+pub(super) fn first(names: &std::collections::BTreeSet<String>) -> &String {
+    names.first().expect("an inode in a tree has a name")
+}
+
+/// Per inode, the operation count (an index of the history's trees and models) as of which a
+/// tree holds it.
+pub(super) type Times = BTreeMap<u64, usize>;
+
+/// `Times` of a tree taken after `j` operations.
+pub(super) fn times(t: &Tree, j: usize) -> Times {
+    t.keys().map(|&i| (i, j)).collect()
+}
+
+/// Where a power cut took an inode's state from: the size's source and each page's, as
+/// operation counts (`Times`).
+pub(super) struct Origin {
+    pub(super) len: usize,
+    pub(super) size: usize,
+    pub(super) pages: Vec<usize>,
+}
+
+/// Rewind the data of every file in `root` in place to a power-cut state built from trees
+/// (the durable base, and states the lower had since), page by page per inode. Each tree
+/// comes with its `Times`; returns where each inode's state came from.
+pub(super) fn power_cut(
+    root: &Path,
+    base: (&Tree, &Times),
+    cands: &[(&Tree, &Times)],
+    rng: &mut StdRng,
+) -> BTreeMap<u64, Origin> {
+    let now = read_tree(root);
+    let mut origins = BTreeMap::new();
+    // In the order of names, not of inode numbers: the file system hands those out
+    // differently from run to run, and the draws must not follow them (same seed, same run).
+    let mut by_names: Vec<_> = now.iter().collect();
+    by_names.sort_by(|a, b| first(&a.1 .0).cmp(first(&b.1 .0)));
+    for (ino, (names, _)) in by_names {
+        let p = root.join(first(names));
+        let choices: Vec<(&Vec<u8>, Option<usize>)> = std::iter::once(base)
+            .chain(cands.iter().copied())
+            .filter_map(|(t, at)| t.get(ino).map(|(_, d)| (d, at.get(ino).copied())))
+            .collect();
+        let (len, size_at) = {
+            let (d, at) = choices[rng.gen_range(0..choices.len())];
+            (d.len(), at)
+        };
+        let mut out = vec![0u8; len];
+        let mut pages = Vec::new();
+        for pg in 0..len.div_ceil(4096) {
+            let (c, at) = choices[rng.gen_range(0..choices.len())];
+            pages.push(at);
+            let (s, e) = (pg * 4096, ((pg + 1) * 4096).min(len));
+            if s < c.len() {
+                let ce = e.min(c.len());
+                out[s..ce].copy_from_slice(&c[s..ce]);
+            }
+        }
+        let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len(len as u64).unwrap();
+        f.write_all_at(&out, 0).unwrap();
+        if let (Some(size), Some(pages)) = (size_at, pages.into_iter().collect::<Option<Vec<_>>>())
+        {
+            origins.insert(*ino, Origin { len, size, pages });
+        }
+    }
+    origins
+}
+
+/// Hard links, outside the lower, to the inodes that lose their last name during a history: a
+/// power cut may take back the removal of a name (an unlink, or a rename over it), and the
+/// name then refers to its old inode again. Only those: a link outside the lower shows in the
+/// link counts the front ends record, so each is made just before the operation that removes
+/// the last name (to the front end, the file has a name outside the lower, as a file may).
+/// At the power cut, the links of inodes the lower no longer names go (so those inodes are
+/// gone, as in the real file system); the others stay until recovery is over, as that name
+/// outside would.
+pub(super) struct Stash(pub(super) std::path::PathBuf);
+
+impl Stash {
+    pub(super) fn new(dir: &Path) -> Stash {
+        let p = dir.join("stash");
+        fs::create_dir(&p).unwrap();
+        Stash(p)
+    }
+
+    /// Before an operation that may remove `name` from the lower's root (an unlink, a rename
+    /// over it): keep its inode when that is its last name.
+    pub(super) fn keep_last(&self, lower: &Path, name: &str) {
+        use std::os::unix::fs::MetadataExt;
+        let p = lower.join(name);
+        if let Ok(md) = fs::symlink_metadata(&p) {
+            let s = self.0.join(md.ino().to_string());
+            if md.nlink() == 1 && !s.exists() {
+                fs::hard_link(&p, s).unwrap();
+            }
+        }
+    }
+
+    /// Give the lower's root the names it had in `t`, each naming the inode it named then;
+    /// then drop the links of the inodes it does not name.
+    pub(super) fn rewind_names(&self, lower: &Path, t: &Tree) {
+        let now = self.0.with_extension("now"); // the inodes named now, for the moment
+        fs::create_dir(&now).unwrap();
+        for (ino, (names, _)) in read_tree(lower) {
+            fs::hard_link(lower.join(first(&names)), now.join(ino.to_string())).unwrap();
+            for name in names {
+                fs::remove_file(lower.join(&name)).unwrap();
+            }
+        }
+        for (name, ino) in names_of(t) {
+            let s = self.0.join(ino.to_string());
+            let from = if s.exists() {
+                s
+            } else {
+                now.join(ino.to_string())
+            };
+            fs::hard_link(from, lower.join(name)).unwrap();
+        }
+        fs::remove_dir_all(&now).unwrap();
+        for e in fs::read_dir(&self.0).unwrap().flatten() {
+            let ino: u64 = e.file_name().to_string_lossy().parse().unwrap();
+            if !t.contains_key(&ino) {
+                fs::remove_file(e.path()).unwrap();
+            }
+        }
+    }
+
+    pub(super) fn release(self) {
+        fs::remove_dir_all(&self.0).unwrap();
+    }
+}
+
+/// The names of a tree, each with its inode.
+pub(super) fn names_of(t: &Tree) -> BTreeMap<&String, u64> {
+    t.iter()
+        .flat_map(|(i, (names, _))| names.iter().map(move |n| (n, *i)))
+        .collect()
+}
+
+/// The lower as it was at each fence of the crashing operation where a crash image was
+/// taken (`CrashImage::note` is the index): what a power cut at that fence finds in the
+/// lower's page cache and names, which is where the operation's change to the lower stands
+/// relative to its log entries. With each, what `probe` returned then (the front end's count
+/// of real syncs so far, say; 0 without one).
+#[derive(Clone, Default)]
+pub(super) struct FenceTrees(pub(super) Arc<parking_lot::Mutex<Vec<(Tree, SyncCount)>>>);
+
+/// A front end's real syncs so far: of single files (fsync), of the whole lower (syncfs).
+pub(super) type SyncCount = (u64, u64);
+
+impl FenceTrees {
+    pub(super) fn hook(
+        &self,
+        lower: &Path,
+        probe: impl Fn() -> SyncCount + Send + Sync + 'static,
+    ) -> crate::pmem::sim::CaptureHook {
+        let (trees, lower) = (self.0.clone(), lower.to_path_buf());
+        Box::new(move || {
+            let mut t = trees.lock();
+            t.push((read_tree(&lower), probe()));
+            t.len() as u64 - 1
+        })
+    }
+
+    pub(super) fn get(&self, note: u64) -> (Tree, SyncCount) {
+        self.0.lock()[note as usize].clone()
+    }
+}
+
+/// Real syncs inside the crashing operation (`pmstack run`): which of its fences found the
+/// lower's durable state moved on since the operation began. A sync is followed by its
+/// write-back record's fences with nothing changed in the lower in between, so at a fence
+/// after a sync, what that sync covers is durable as the fence's tree has it.
+pub(super) struct InOpSyncs {
+    /// The counts when the operation began.
+    pub(super) before: SyncCount,
+    /// The file a file sync of the operation made durable.
+    pub(super) file: Option<u64>,
+    /// Every fence of the operation follows a sync of the whole lower (the daemon's
+    /// write-back, whose syncfs the probe does not see).
+    pub(super) all: bool,
+}

@@ -1,0 +1,364 @@
+//! The contract's model of a history: every file's events (records written, truncates,
+//! fallocates) and names, and the checks of a recovered lower against it (bytes, names, no
+//! rollback past what the lower made durable).
+
+use super::*;
+
+/// What happened to a file, in order: a record written (its index and length; it starts at
+/// `index * REC` and holds `pattern(id, index, length)`), or a truncate to a size.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Ev {
+    Rec(u64, usize),
+    Trunc(u64),
+    Falloc(Falloc),
+}
+
+/// A fallocate: `zero` (a punched hole or a zeroed range) makes its range read as zeros,
+/// otherwise it only allocates; `keep` keeps the size, otherwise the size grows to the end of
+/// the range.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Falloc {
+    pub(super) off: u64,
+    pub(super) len: u64,
+    zero: bool,
+    keep: bool,
+}
+
+impl Falloc {
+    /// One of allocate, allocate keeping the size, punch a hole (which keeps the size), zero a
+    /// range, zero a range keeping the size; anywhere from the start to past the end of a
+    /// file of `size` bytes.
+    pub(super) fn random(rng: &mut StdRng, size: u64) -> Falloc {
+        let (zero, keep) =
+            [(false, false), (false, true), (true, true), (true, false)][rng.gen_range(0..4)];
+        Falloc {
+            off: rng.gen_range(0..=size + REC / 2),
+            len: rng.gen_range(1..9000),
+            zero,
+            keep,
+        }
+    }
+
+    /// The fallocate(2) mode (a hole is punched when the size is kept, a range zeroed
+    /// otherwise).
+    pub(super) fn mode(self) -> i32 {
+        match (self.zero, self.keep) {
+            (false, false) => 0,
+            (false, true) => libc::FALLOC_FL_KEEP_SIZE,
+            (true, true) => libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            (true, false) => libc::FALLOC_FL_ZERO_RANGE,
+        }
+    }
+
+    /// The size of a file of `size` bytes after it.
+    pub(super) fn size_after(self, size: u64) -> u64 {
+        if self.keep {
+            size
+        } else {
+            size.max(self.off + self.len)
+        }
+    }
+}
+
+/// A file in the model: its id (for `pattern`) and its events, each with whether it was
+/// acknowledged as durable.
+#[derive(Clone, Debug)]
+pub(super) struct File {
+    pub(super) id: u32,
+    pub(super) events: Vec<(Ev, bool)>,
+}
+
+impl File {
+    /// Everything done to the file so far is durable.
+    pub(super) fn sync(&mut self) {
+        for e in &mut self.events {
+            e.1 = true;
+        }
+    }
+
+    /// The file's size after its events.
+    pub(super) fn size(&self) -> u64 {
+        self.events.iter().fold(0, |size, (e, _)| match *e {
+            Ev::Rec(i, l) => size.max(i * REC + l as u64),
+            Ev::Trunc(n) => n,
+            Ev::Falloc(f) => f.size_after(size),
+        })
+    }
+}
+
+/// Names (a name may share its file with others: hard links) and the files they name.
+#[derive(Clone, Default, Debug)]
+pub(super) struct Model {
+    pub(super) names: BTreeMap<String, u32>,
+    pub(super) files: BTreeMap<u32, File>,
+}
+
+impl Model {
+    pub(super) fn names(&self) -> Vec<String> {
+        self.names.keys().cloned().collect()
+    }
+
+    pub(super) fn file(&mut self, name: &str) -> &mut File {
+        self.files.get_mut(&self.names[name]).unwrap()
+    }
+
+    pub(super) fn create(&mut self, name: &str, id: u32) {
+        self.names.insert(name.to_string(), id);
+        self.files.insert(id, File { id, events: vec![] });
+    }
+
+    /// Append the file's next record of `len` bytes: (file id, record index).
+    pub(super) fn write(&mut self, name: &str, len: usize, durable: bool) -> (u32, u64) {
+        let f = self.file(name);
+        let idx = f
+            .events
+            .iter()
+            .filter(|(e, _)| matches!(e, Ev::Rec(..)))
+            .count() as u64;
+        f.events.push((Ev::Rec(idx, len), durable));
+        (f.id, idx)
+    }
+
+    pub(super) fn fallocate(&mut self, name: &str, f: Falloc, durable: bool) {
+        self.file(name).events.push((Ev::Falloc(f), durable));
+    }
+
+    pub(super) fn truncate(&mut self, name: &str, size: u64, durable: bool) {
+        self.file(name).events.push((Ev::Trunc(size), durable));
+    }
+
+    /// fsync: everything done to the file so far is durable. (An O_SYNC write makes only
+    /// itself durable: `write`.)
+    pub(super) fn sync(&mut self, name: &str) {
+        self.file(name).sync();
+    }
+
+    pub(super) fn sync_everything(&mut self) {
+        self.files.values_mut().for_each(File::sync);
+    }
+
+    /// Remove a name; the id of its file when that was its last name (the file is gone).
+    pub(super) fn unlink(&mut self, name: &str) -> Option<u32> {
+        let id = self.names.remove(name).unwrap();
+        if self.names.values().any(|&i| i == id) {
+            return None;
+        }
+        self.files.remove(&id);
+        Some(id)
+    }
+
+    /// rename(2): `a` takes `b`'s place (nothing happens when both name one file). The id of
+    /// the file it replaced when that lost its last name.
+    pub(super) fn rename(&mut self, a: &str, b: &str) -> Option<u32> {
+        let id = self.names[a];
+        if self.names.get(b) == Some(&id) {
+            return None;
+        }
+        let gone = self.names.contains_key(b).then(|| self.unlink(b)).flatten();
+        self.names.remove(a);
+        self.names.insert(b.to_string(), id);
+        gone
+    }
+
+    pub(super) fn exchange(&mut self, a: &str, b: &str) {
+        let (ia, ib) = (self.names[a], self.names[b]);
+        self.names.insert(a.to_string(), ib);
+        self.names.insert(b.to_string(), ia);
+    }
+
+    pub(super) fn link(&mut self, a: &str, b: &str) {
+        self.names.insert(b.to_string(), self.names[a]);
+    }
+
+    /// The model after an operation in flight at a crash: the events of `after`, durable as
+    /// far as they were in `self` (the operation was not acknowledged).
+    pub(super) fn in_flight(&self, after: &Model) -> Model {
+        let mut m = after.clone();
+        for (id, f) in m.files.iter_mut() {
+            let was = self.files.get(id).map_or(&[][..], |f| &f.events[..]);
+            for (n, e) in f.events.iter_mut().enumerate() {
+                e.1 = was.get(n).is_some_and(|w| w.1);
+            }
+        }
+        m
+    }
+
+    pub(super) fn trace(&self) -> String {
+        format!(
+            "{:?} {:?}",
+            self.names,
+            self.files
+                .values()
+                .map(|f| (
+                    f.id,
+                    f.size(),
+                    f.events.len(),
+                    f.events.iter().filter(|e| e.1).count()
+                ))
+                .collect::<Vec<_>>()
+        )
+    }
+}
+
+/// What a byte held after an event that changed it (None: past the end), whether that event
+/// was durable, and the event's index in the file's events.
+pub(super) type Step = (Option<u8>, bool, usize);
+
+/// What each byte of a file held after each event that changed it, in order; and the largest
+/// size the file had.
+pub(super) fn byte_history(f: &File) -> (Vec<Vec<Step>>, usize) {
+    let mut bytes: Vec<Vec<Step>> = Vec::new();
+    let (mut size, mut most) = (0usize, 0usize);
+    // Whether every event so far was durable: a hole left by a durable write is durable
+    // only then (an O_SYNC write does not make an earlier truncate durable).
+    let mut prefix_durable = true;
+    for (event, &(e, durable)) in f.events.iter().enumerate() {
+        let hole_durable = durable && prefix_durable;
+        prefix_durable &= durable;
+        let mut set = |b: usize, v: Option<u8>, durable: bool| {
+            if bytes.len() <= b {
+                bytes.resize(b + 1, Vec::new());
+            }
+            bytes[b].push((v, durable, event));
+        };
+        match e {
+            Ev::Rec(idx, len) => {
+                let s = (idx * REC) as usize;
+                for b in size..s {
+                    set(b, Some(0), hole_durable);
+                }
+                for (k, v) in pattern(f.id, idx, len).into_iter().enumerate() {
+                    set(s + k, Some(v), durable);
+                }
+                size = size.max(s + len);
+            }
+            Ev::Trunc(n) => {
+                let n = n as usize;
+                for b in n..size {
+                    set(b, None, durable);
+                }
+                for b in size..n {
+                    set(b, Some(0), durable);
+                }
+                size = n;
+            }
+            Ev::Falloc(f) => {
+                let n = f.size_after(size as u64) as usize;
+                let (s, e) = (f.off as usize, (f.off + f.len) as usize);
+                for b in 0..n {
+                    // Zeroed inside the file, or new (zero) past its old end.
+                    if (f.zero && (s..e).contains(&b)) || b >= size {
+                        set(b, Some(0), durable);
+                    }
+                }
+                size = n;
+            }
+        }
+        most = most.max(size);
+    }
+    (bytes, most)
+}
+
+/// Rule 2 of the contract: recovery never takes a byte back past what the lower held at the
+/// power cut. `origins` says as of which operation the power cut took each inode's size and
+/// pages; as of then, byte b held the value of the last event of the file (in that
+/// operation's model) that changed it, or nothing. Recovery may leave that value, or show a
+/// later event's, never only an earlier one's. Zero also stands for "past the end" (a
+/// zeroed tail, a hole). Checked for inodes that recovery kept and that named one file of the
+/// models throughout (inode numbers can be reused).
+pub(super) fn no_rollback(
+    origins: &BTreeMap<u64, Origin>,
+    recovered: &Tree,
+    models: &[Model],
+    trees: &[Tree],
+) -> Result<(), String> {
+    // inode -> file id, from each state of the history (names of tree j = names of model j).
+    let mut ids: BTreeMap<u64, Option<u32>> = BTreeMap::new();
+    for (m, t) in models.iter().zip(trees) {
+        for (name, ino) in names_of(t) {
+            if let Some(&id) = m.names.get(name) {
+                let e = ids.entry(ino).or_insert(Some(id));
+                if *e != Some(id) {
+                    *e = None;
+                }
+            }
+        }
+    }
+    let same = |a: Option<u8>, b: Option<u8>| a == b || a.unwrap_or(0) == 0 && b.unwrap_or(0) == 0;
+    for (ino, (names, after)) in recovered {
+        let (Some(o), Some(Some(id))) = (origins.get(ino), ids.get(ino)) else {
+            continue;
+        };
+        let Some(f) = models.iter().rev().find_map(|m| m.files.get(id)) else {
+            continue;
+        };
+        // Events of the file up to operation j.
+        let events_at = |j: usize| models[j].files.get(id).map(|f| f.events.len());
+        let (hist, _) = byte_history(f);
+        for (b, w) in hist.iter().enumerate() {
+            let at = if b < o.len { o.pages[b / 4096] } else { o.size };
+            let Some(n) = events_at(at) else { continue };
+            // The step current as of `at` (None: the byte was never written by then).
+            let cur = w.iter().rposition(|&(_, _, e)| e < n);
+            let r = after.get(b).copied();
+            let from_cur = match cur {
+                Some(i) => w[i..].iter().any(|&(v, _, _)| same(v, r)),
+                None => true,
+            };
+            if !from_cur {
+                return Err(format!(
+                    "{}: byte {b} is {r:?}; the lower held the file as of operation {at} (event {n}), history {w:?}, events {:?}",
+                    first(names),
+                    f.events
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The recovered tree satisfies the model: same names, each with its file's bytes; per byte,
+/// a durable byte shows the last durable event of it or a later one (never rolled back: a
+/// durable truncate that removed it leaves it absent); any other byte shows zero, absence, or
+/// some write of it (never garbage).
+pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
+    let names: Vec<&String> = got.keys().collect();
+    let want: Vec<&String> = m.names.keys().collect();
+    if names != want {
+        return Err(format!("names {names:?}, model {want:?}"));
+    }
+    for (name, id) in &m.names {
+        let f = &m.files[id];
+        let data = &got[name];
+        let (bytes, most) = byte_history(f);
+        if data.len() > most {
+            return Err(format!(
+                "{name}: {} bytes, but the file never held more than {most}",
+                data.len()
+            ));
+        }
+        for (b, w) in bytes.iter().enumerate() {
+            let have = data.get(b).copied();
+            // A truncate not yet durable may have reached the data but not the size (the
+            // lower wrote back the zeroed tail of a page, its journal kept the old size).
+            let shows =
+                |&(v, durable, _): &Step| v == have || (v.is_none() && !durable && have == Some(0));
+            let ok = match w.iter().rposition(|(_, d, _)| *d) {
+                // Durably absent, then written again but not durably: a later write that
+                // extends the file may have reached the lower without this one (a hole).
+                Some(ld) if w[ld].0.is_none() && ld + 1 < w.len() => {
+                    have.is_none_or(|h| h == 0) || w[ld..].iter().any(shows)
+                }
+                Some(ld) => w[ld..].iter().any(shows),
+                None => have.is_none_or(|h| h == 0) || w.iter().any(shows),
+            };
+            if !ok {
+                return Err(format!(
+                    "{name}: byte {b} is {have:?}, allowed {w:?} (events {:?})",
+                    f.events
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,220 @@
+//! The crash simulator through the FUSE mount's core (`Core`, without FUSE): a seeded
+//! history of operations in one PM mode, a crash at one of its fences, recovery and the check.
+
+use super::*;
+
+pub(super) struct Run {
+    pub(super) core: Arc<Core>,
+    pub(super) sim: Arc<SimPmem>,
+    pub(super) handles: BTreeMap<u32, (u64, u64)>, // file id -> (ino, fh)
+}
+
+pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Coverage) {
+    let dir = ScratchDir::new();
+    let lower_path = dir.0.join("lower");
+    fs::create_dir(&lower_path).unwrap();
+    let (sim, core) = core_on_sim_pm(&lower_path, 2048, 4, mode);
+    let mut r = Run {
+        core,
+        sim: sim.clone(),
+        handles: BTreeMap::new(),
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    // One crash per run: every fence of operation `c` is a candidate crash point.
+    let c = rng.gen_range(0..nops);
+    // Whether op c is a write-back: its fences all come after its syncfs, so a crash at one of
+    // them finds the lower durable as of op c's start.
+    let mut crash_op_syncs = false;
+    let stash = Stash::new(&dir.0);
+    let at_fences = FenceTrees::default();
+
+    let mut model = Model::default();
+    let mut models = vec![model.clone()];
+    let mut trees = vec![read_tree(&lower_path)];
+    let mut base_at: Vec<usize> = vec![0]; // index of the durable base tree, per op count
+    let mut base = 0usize;
+    // Index of the tree whose names the lower's journal has committed, per op count: the
+    // last write-back (syncfs), or the last fsync the core fell back to (PM full).
+    let mut ns_at: Vec<usize> = vec![0];
+    let mut next_file = 0u32;
+    for j in 0..=c {
+        if j == c {
+            r.sim.on_capture(at_fences.hook(&lower_path, || (0, 0)));
+            r.sim.capture_at_fences(1.0, 1, seed);
+        }
+        r.sim.set_tag(models.len() as u64 - 1);
+        cov.ops += 1;
+        let names = model.names();
+        let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
+        let fallbacks = r
+            .core
+            .stats
+            .real_syncs
+            .load(std::sync::atomic::Ordering::Relaxed);
+        match rng.gen_range(0..17) {
+            0 | 1 => {
+                let name = format!("f{}", rng.gen_range(0..6));
+                if !model.names.contains_key(&name) {
+                    let osync = rng.gen_bool(0.3);
+                    let flags = libc::O_RDWR
+                        | libc::O_CREAT
+                        | libc::O_EXCL
+                        | if osync { libc::O_SYNC } else { 0 };
+                    let (i, _, fh) = r
+                        .core
+                        .create(1, OsStr::new(&name), 0o644, flags, 0, 0)
+                        .unwrap();
+                    next_file += 1;
+                    r.handles.insert(next_file, (i.ino, fh));
+                    model.create(&name, next_file);
+                }
+            }
+            2..=5 if !names.is_empty() => {
+                // write the file's next record
+                let name = pick(&mut rng);
+                let (_, fh) = r.handles[&model.names[&name]];
+                let sync = r.core.handle(fh).unwrap().sync_writes;
+                let len = rng.gen_range(1..9000usize);
+                let (id, idx) = model.write(&name, len, sync);
+                r.core.write(fh, idx * REC, &pattern(id, idx, len)).unwrap();
+            }
+            6 | 7 if !names.is_empty() => {
+                let name = pick(&mut rng);
+                let (ino, fh) = r.handles[&model.names[&name]];
+                cov.fsyncs += 1;
+                match r.core.fsync(ino, Some(fh), rng.gen_bool(0.5)) {
+                    Err(e) if mode == Mode::Strict && e.raw_os_error() == Some(libc::ENOSYS) => {}
+                    res => res.unwrap(),
+                }
+                model.sync(&name);
+            }
+            8 if !names.is_empty() => {
+                let a = pick(&mut rng);
+                let b = format!("f{}", rng.gen_range(0..6));
+                if a != b {
+                    cov.renames += 1;
+                    stash.keep_last(&lower_path, &b);
+                    r.core
+                        .rename(1, OsStr::new(&a), 1, OsStr::new(&b), 0)
+                        .unwrap();
+                    if let Some(gone) = model.rename(&a, &b) {
+                        r.handles.remove(&gone);
+                    }
+                }
+            }
+            9 if !names.is_empty() => {
+                let a = pick(&mut rng);
+                cov.unlinks += 1;
+                stash.keep_last(&lower_path, &a);
+                r.core.remove(1, OsStr::new(&a), false).unwrap();
+                if let Some(gone) = model.unlink(&a) {
+                    r.handles.remove(&gone);
+                }
+            }
+            10 => {
+                crash_op_syncs = j == c;
+                cov.write_backs += 1;
+                r.core.write_back().unwrap();
+                // Everything in the lower is durable now: the new base.
+                model.sync_everything();
+                base = trees.len();
+            }
+            11 if names.len() >= 2 => {
+                // RENAME_EXCHANGE of two existing names
+                let a = pick(&mut rng);
+                let b = pick(&mut rng);
+                if a != b {
+                    cov.exchanges += 1;
+                    r.core
+                        .rename(1, OsStr::new(&a), 1, OsStr::new(&b), libc::RENAME_EXCHANGE)
+                        .unwrap();
+                    model.exchange(&a, &b);
+                }
+            }
+            12 if !names.is_empty() => {
+                // The kernel closes the file, forgets its inode (FORGET after drop_caches) and
+                // looks it up again at the next open: the object's log identity must survive.
+                let name = pick(&mut rng);
+                let id = model.names[&name];
+                let (ino, fh) = r.handles[&id];
+                let osync = r.core.handle(fh).unwrap().sync_writes;
+                cov.forgets += 1;
+                r.core.release(fh);
+                r.core.forget(ino, 1 << 40);
+                let (i, _) = r.core.lookup(1, OsStr::new(&name)).unwrap();
+                let fl = libc::O_RDWR | if osync { libc::O_SYNC } else { 0 };
+                let fh2 = r.core.open(i.ino, fl).unwrap();
+                r.handles.insert(id, (i.ino, fh2));
+            }
+            13 | 14 if !names.is_empty() => {
+                // truncate (shorter, or longer): durable on return, as every setattr
+                let name = pick(&mut rng);
+                let (ino, _) = r.handles[&model.names[&name]];
+                let size = rng.gen_range(0..=model.file(&name).size() + REC);
+                cov.truncates += 1;
+                r.core
+                    .setattr(ino, None, None, None, Some(size), None, None)
+                    .unwrap();
+                model.truncate(&name, size, mode != Mode::Passthrough);
+            }
+            15 if kinds.links && !names.is_empty() => {
+                // a hard link
+                let a = pick(&mut rng);
+                let b = format!("f{}", rng.gen_range(0..6));
+                if !model.names.contains_key(&b) {
+                    cov.links += 1;
+                    let (ino, _) = r.handles[&model.names[&a]];
+                    r.core.link(ino, 1, OsStr::new(&b)).unwrap();
+                    model.link(&a, &b);
+                }
+            }
+            16 if kinds.fallocate && !names.is_empty() => {
+                let name = pick(&mut rng);
+                let (_, fh) = r.handles[&model.names[&name]];
+                let f = Falloc::random(&mut rng, model.file(&name).size());
+                cov.fallocates += 1;
+                r.core.fallocate(fh, f.off, f.len, f.mode()).unwrap();
+                // Durable on return, as every attribute change.
+                model.fallocate(&name, f, mode != Mode::Passthrough);
+            }
+            _ => {}
+        }
+        if std::env::var("PMSTACK_TRACE").is_ok() {
+            eprintln!("op {j}: {}", model.trace());
+        }
+        let now = read_tree(&lower_path);
+        let ns = if r
+            .core
+            .stats
+            .real_syncs
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > fallbacks
+        {
+            trees.len() // a real fsync after the operation commits the journal
+        } else {
+            base.max(ns_at[j])
+        };
+        models.push(model.clone());
+        trees.push(now);
+        base_at.push(base);
+        ns_at.push(ns);
+    }
+    drop(r);
+    cov.crashes_in_write_back += crash_op_syncs as u64;
+    let after = base_at.get(c + 1).copied().unwrap_or(base);
+    let in_op = if crash_op_syncs { c } else { base_at[c] };
+    let crash = Crash {
+        seed,
+        c,
+        base_in_op: (&trees[in_op], times(&trees[in_op], in_op)),
+        base_after: (&trees[after], times(&trees[after], after)),
+        // A write-back's fences come after its syncfs.
+        ns_in_op: if crash_op_syncs { c } else { ns_at[c] },
+        ns_after: ns_at.get(c + 1).copied().unwrap_or(ns_at[c]),
+        names_change_after_fences: false,
+        stash,
+        at_fences,
+        in_op_syncs: None,
+    };
+    recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
+}
