@@ -143,25 +143,35 @@ impl Core {
             return Ok(());
         };
         let t0 = Instant::now();
-        let (upto, set) = {
-            let _w = self.gate.write();
-            let l = log.lsn_now();
-            self.horizon.store(l, Ordering::SeqCst);
-            self.wb_gen.fetch_add(1, Ordering::AcqRel);
-            (l, std::mem::take(&mut *self.to_sync.lock()))
-        };
-        if let Err(e) = self.make_durable(&set) {
-            // Retried at the next write-back, with whatever was queued since.
-            let mut q = self.to_sync.lock();
-            for (k, v) in set {
-                q.entry(k).or_insert(v);
+        // The objects queued for this write-back (taken with the horizon).
+        let set = std::cell::RefCell::new(HashMap::new());
+        let r = crate::policy::write_back(
+            || {
+                let _w = self.gate.write();
+                let l = log.lsn_now();
+                self.horizon.store(l, Ordering::SeqCst);
+                self.wb_gen.fetch_add(1, Ordering::AcqRel);
+                *set.borrow_mut() = std::mem::take(&mut *self.to_sync.lock());
+                l
+            },
+            || self.make_durable(&set.borrow()),
+            |upto| log.checkpoint(upto),
+        );
+        let upto = match r {
+            Ok(upto) => upto,
+            Err(e) => {
+                let set = set.into_inner();
+                // Retried at the next write-back, with whatever was queued since.
+                let mut q = self.to_sync.lock();
+                for (k, v) in set {
+                    q.entry(k).or_insert(v);
+                }
+                drop(q);
+                self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries every flush interval; check the lower file system (free space, I/O errors in dmesg)");
+                return Err(e);
             }
-            drop(q);
-            self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries every flush interval; check the lower file system (free space, I/O errors in dmesg)");
-            return Err(e);
-        }
-        log.checkpoint(upto);
+        };
         let mut t = self.table.write();
         for i in t.by_ino.values() {
             let mut st = i.st.lock();

@@ -116,6 +116,28 @@ pub fn change_namespace<T>(
     out
 }
 
+/// Write-back, for both front ends: expire the records the lower file system now holds.
+///
+/// - `capture`: take the horizon, an LSN above every record whose data or change has reached
+///   the lower (its page cache, its directories) by now.
+/// - `make_durable`: make the lower hold all of that durably (one syncfs; on lowers that
+///   ignore syncfs, an fsync of every object changed since the last write-back).
+/// - `checkpoint(upto)`: store the horizon: every record below it expires.
+///
+/// The horizon is taken before the lower is made durable, never after: a record appended in
+/// between may describe a change the sync did not cover, and must stay live. A failed sync
+/// stores nothing (the records stay live; the next write-back covers them).
+pub fn write_back(
+    capture: impl FnOnce() -> u64,
+    make_durable: impl FnOnce() -> io::Result<()>,
+    checkpoint: impl FnOnce(u64),
+) -> io::Result<u64> {
+    let upto = capture();
+    make_durable()?;
+    checkpoint(upto);
+    Ok(upto)
+}
+
 /// Append a binding of `fid` to the lower object with file handle `handle`. Every live record
 /// of a fid needs a binding that outlives the checkpoint (or a creation record); a binding
 /// appended after the records it serves is as good as one before them.

@@ -458,6 +458,11 @@ fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
             return Err(bad("the daemon closed the connection".into()));
         }
         line.extend_from_slice(&buf[..r.bytes]);
+        // A hello is a few hundred bytes: anything longer is not one (bounded, like every
+        // read of another process's words).
+        if line.len() > 64 << 10 {
+            return Err(bad("the daemon's hello line is over 64 KiB".into()));
+        }
     }
     Ok((String::from_utf8_lossy(&line).into_owned(), group))
 }

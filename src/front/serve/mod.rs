@@ -310,19 +310,25 @@ impl Daemon {
         // checkpoint is stored, on every path.
         self.table.w(H_CKPT_BUSY).store(1, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        // Bump the counter so every write noted before this point has a mark below `upto`.
-        self.log.next_lsn();
-        let upto = self.log.lsn_now();
-        let synced = self.lower.syncfs();
-        if synced.is_ok() {
-            self.log.checkpoint(upto);
-        }
+        let synced = crate::policy::write_back(
+            || {
+                // Bump the counter so every write noted before this point has a mark below
+                // the horizon.
+                self.log.next_lsn();
+                self.log.lsn_now()
+            },
+            || self.lower.syncfs(),
+            |upto| self.log.checkpoint(upto),
+        );
         self.table.w(H_CKPT_BUSY).store(0, Ordering::SeqCst);
-        if let Err(e) = synced {
-            self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries; check the lower file system (free space, I/O errors in dmesg)");
-            return Err(ServeError::WriteBack(e));
-        }
+        let upto = match synced {
+            Ok(upto) => upto,
+            Err(e) => {
+                self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries; check the lower file system (free space, I/O errors in dmesg)");
+                return Err(ServeError::WriteBack(e));
+            }
+        };
         self.stats.writebacks.fetch_add(1, Ordering::Relaxed);
         self.stats
             .writeback_us
