@@ -41,12 +41,12 @@ pub struct RecoverySummary {
 
 /// Records a new binding of a fid durably in the log (recovery re-created its object), so an
 /// interrupted recovery finds the new object again instead of the lost one.
-pub type Rebind<'a> = &'a dyn Fn(u64, &[u8]) -> Result<(), String>;
+pub type Rebind<'a> = &'a dyn Fn(u64, &[u8]) -> Result<(), crate::engine::LogError>;
 
 /// Records durably in the log whether the lower did the namespace operation of an intent
 /// that was in flight at the crash (LSN, applied), so a recovery killed and run again decides
 /// the same.
-pub type Decide<'a> = &'a dyn Fn(u64, bool) -> Result<(), String>;
+pub type Decide<'a> = &'a dyn Fn(u64, bool) -> Result<(), crate::engine::LogError>;
 
 /// What recovery writes into the log it replays.
 #[derive(Clone, Copy)]
@@ -339,19 +339,17 @@ pub fn recover(
         Err(source) => return Err(RecoverError::Marker { source }),
     }
     let plan = scan.plan(&**log.pm())?;
-    let rebind = |fid: u64, handle: &[u8]| -> Result<(), String> {
+    let rebind = |fid: u64, handle: &[u8]| {
         let mut a = log.area();
         let r = crate::policy::append_bind(&mut a, fid, handle);
         a.commit();
         r.map(|_| ())
-            .map_err(|e| format!("binding a re-created object: {e}"))
     };
-    let decide = |lsn: u64, applied: bool| -> Result<(), String> {
+    let decide = |lsn: u64, applied: bool| {
         let mut a = log.area();
         let r = a.append(&crate::engine::Record::NsDone { lsn, applied }, None);
         a.commit();
         r.map(|_| ())
-            .map_err(|e| format!("recording an operation in flight: {e}"))
     };
     let sum = if plan.is_empty() {
         RecoverySummary::default()

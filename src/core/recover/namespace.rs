@@ -524,7 +524,8 @@ impl Replayer<'_> {
                 real::fsync(dfd.as_raw_fd(), false)?;
             }
             let h = l.handle(fd.as_raw_fd(), st.st_ino)?;
-            rebind(want, &h).map_err(std::io::Error::other)?;
+            rebind(want, &h)
+                .map_err(|e| std::io::Error::other(format!("binding a re-created object: {e}")))?;
             l.rename(p, made, p, name, 0)?;
         }
         self.nodes.insert(want, fd);
