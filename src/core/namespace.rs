@@ -45,7 +45,7 @@ impl Core {
                 // expire the namespace records up to it. Reconciliation at recovery would
                 // otherwise restore the names those older records describe, undoing this
                 // acknowledged operation (e.g. moving a renamed file back).
-                self.ns_write_back(owed, lsn)?;
+                self.ns_write_back(log, owed, lsn)?;
                 Ok(out)
             }
         }
@@ -85,13 +85,8 @@ impl Core {
                 r.ok().map(|_| lsn)
             },
             lower_op,
-            |lsn, applied| {
-                let mut a = log.area();
-                let r = a.append(&Record::NsDone { lsn, applied }, None);
-                a.commit();
-                r.is_ok()
-            },
-            &|| self.ns_write_back(owed, log.next_lsn()),
+            |lsn, applied| crate::policy::log_outcome(log, lsn, applied).is_ok(),
+            &|| self.ns_write_back(log, owed, log.next_lsn()),
         )
     }
 
@@ -145,19 +140,17 @@ impl Core {
 
     /// The log is full: make every namespace operation so far durable in the lower file
     /// system and expire the namespace records below `upto`.
-    fn ns_write_back(&self, owed: &Owed, upto: u64) -> io::Result<()> {
+    fn ns_write_back(&self, log: &crate::engine::Log, owed: &Owed, upto: u64) -> io::Result<()> {
         self.log_full();
         {
             let set = self.to_sync.lock();
             self.make_durable(&set)?;
         }
-        if let Some(log) = self.logging() {
-            if log
-                .write_back(crate::engine::NAMESPACE_FID, upto + 1)
-                .is_err()
-            {
-                owed.full_write_back();
-            }
+        if log
+            .write_back(crate::engine::NAMESPACE_FID, upto + 1)
+            .is_err()
+        {
+            owed.full_write_back();
         }
         Ok(())
     }

@@ -9,8 +9,10 @@
 //! write rule holds for attribute changes as well (`change_attribute`): one that is logged
 //! (every one on the mount, one of an object with live entries under `pmstack run`) is
 //! logged before the lower sees it, and if the lower then refuses it, the object is written
-//! back so that its record expires.
-//! Binding, namespace logging and write-back still live in each front end; see
+//! back so that its record expires. Renames, links and removals are logged before the lower
+//! sees them too, and their outcome after (`change_namespace`, `log_outcome`); write-back
+//! takes its horizon before it makes the lower durable (`write_back`). What each front end
+//! binds, and what it does to its own state after a write-back, still lives in it; see
 //! `docs/contract.md` for the contract they implement.
 
 pub mod dirty;
@@ -18,7 +20,7 @@ pub mod dirty;
 use std::io;
 
 use crate::engine::format::{MAX_PAYLOAD, PAGE};
-use crate::engine::{AreaGuard, LogError, Record};
+use crate::engine::{AreaGuard, Log, LogError, Record};
 
 /// Whether a write must be logged (and committed) before it reaches the lower file system.
 ///
@@ -136,6 +138,16 @@ pub fn write_back(
     make_durable()?;
     checkpoint(upto);
     Ok(upto)
+}
+
+/// Append and commit, on its own, what became of the namespace intent of LSN `lsn`
+/// (`NsDone`: `applied`, or refused). The front ends log it after the call; recovery logs its
+/// answer for an intent in flight at the crash.
+pub fn log_outcome(log: &Log, lsn: u64, applied: bool) -> Result<u64, LogError> {
+    let mut a = log.area();
+    let r = a.append(&Record::NsDone { lsn, applied }, None);
+    a.commit();
+    r
 }
 
 /// Append a binding of `fid` to the lower object with file handle `handle`. Every live record

@@ -345,12 +345,8 @@ pub fn recover(
         a.commit();
         r.map(|_| ())
     };
-    let decide = |lsn: u64, applied: bool| {
-        let mut a = log.area();
-        let r = a.append(&crate::engine::Record::NsDone { lsn, applied }, None);
-        a.commit();
-        r.map(|_| ())
-    };
+    let decide =
+        |lsn: u64, applied: bool| crate::policy::log_outcome(log, lsn, applied).map(|_| ());
     let sum = if plan.is_empty() {
         RecoverySummary::default()
     } else {

@@ -8,7 +8,7 @@ impl Replayer<'_> {
         let plan = self.plan;
         // The operations that took effect: those the log knows, and those in flight at the
         // crash that the lower did.
-        let mut ops: Vec<(u64, NsOp)> = plan.namespace.clone();
+        let mut ops: Vec<(u64, &NsOp)> = plan.namespace.iter().map(|(l, op)| (*l, op)).collect();
         for (lsn, op) in &plan.pending {
             let applied = self.happened(op);
             if let Some(decide) = self.decide {
@@ -18,7 +18,7 @@ impl Replayer<'_> {
                 let _ = decide(*lsn, applied);
             }
             if applied {
-                ops.push((*lsn, op.clone()));
+                ops.push((*lsn, op));
             }
         }
         ops.sort_by_key(|(lsn, _)| *lsn);
@@ -54,7 +54,7 @@ impl Replayer<'_> {
             }
             t.insert(k, v);
         };
-        for (_, op) in &ops {
+        for &(_, op) in &ops {
             match op {
                 NsOp::Create {
                     parent,

@@ -265,41 +265,42 @@ impl Client {
         r
     }
 
-    /// Run `op` natively and log it (`log(pre, out, append)`: Ok(true) logged, or changed
-    /// without appending when `append` is false; Ok(false) nothing changed; Err: could not
-    /// log). `pre` runs first, under the same lock (finding the objects the
-    /// operation removes or moves).
-    fn logged<P, T>(
+    /// Run `op` on the lower file system alone (the daemon is not serving). Its namespace
+    /// records go first (made durable and expired): otherwise a record of, say, the create of
+    /// a name this removes would be replayed after a crash over what the lower made durable
+    /// since. The operation is durable when it returns (the contract of `pmstack run`): its
+    /// directories are synced.
+    fn alone<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        let _ns = self.table.ns_lock();
+        if crate::policy::must_write_back_first(self.ns_live(), false) {
+            self.write_back_namespace(dirs[0].fd.as_raw_fd())?;
+        }
+        let out = op()?;
+        for (i, d) in dirs.iter().enumerate() {
+            if dirs[..i].iter().all(|e| e.slot != d.slot) {
+                sys::fsync(d.fd.as_raw_fd(), false)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Run a creation `op` natively and log it after (`log(out, append)`: Ok(true) logged, or
+    /// changed without appending when `append` is false; Ok(false) nothing changed; Err:
+    /// could not log).
+    fn logged<T>(
         &self,
         dirs: &[&Dir],
-        pre: impl FnOnce() -> P,
         op: impl FnOnce() -> io::Result<T>,
-        log: impl FnOnce(P, &T, bool) -> Result<bool, NotLogged>,
+        log: impl FnOnce(&T, bool) -> Result<bool, NotLogged>,
     ) -> io::Result<T> {
         if !self.serving() {
-            // On the lower file system alone. Its namespace records go first (made durable
-            // and expired): otherwise a record of, say, the create of a name this removes
-            // would be replayed after a crash over what the lower made durable since.
-            // The operation is durable when it returns (the contract of `pmstack run`): its
-            // directories are synced.
-            let _ns = self.table.ns_lock();
-            if crate::policy::must_write_back_first(self.ns_live(), false) {
-                self.write_back_namespace(dirs[0].fd.as_raw_fd())?;
-            }
-            let out = op()?;
-            for (i, d) in dirs.iter().enumerate() {
-                if dirs[..i].iter().all(|e| e.slot != d.slot) {
-                    sys::fsync(d.fd.as_raw_fd(), false)?;
-                }
-            }
-            return Ok(out);
+            return self.alone(dirs, op);
         }
         let _ns = self.table.ns_lock();
         let clean = dirs.iter().all(|d| self.clean(d));
-        let p = pre();
         let out = op()?;
         // Not clean: log only tells whether anything changed, and appends nothing.
-        let logged = match log(p, &out, clean) {
+        let logged = match log(&out, clean) {
             Ok(true) if !clean => Err(NotLogged),
             r => r,
         };
@@ -327,7 +328,7 @@ impl Client {
         log: impl FnOnce(P) -> Result<Intent, NotLogged>,
     ) -> io::Result<()> {
         if !self.serving() {
-            return self.logged(dirs, || (), op, |(), _, _| Err(NotLogged));
+            return self.alone(dirs, op);
         }
         let (_ns, taken_over) = self.table.ns_lock_taken_over();
         let fd = dirs[0].fd.as_raw_fd();
@@ -361,10 +362,7 @@ impl Client {
             || lsn,
             op,
             |lsn, applied| {
-                let mut a = self.log.area();
-                let r = a.append(&Record::NsDone { lsn, applied }, None);
-                a.commit();
-                drop(a);
+                let r = crate::policy::log_outcome(&self.log, lsn, applied);
                 self.table
                     .w(H_NS_LAST_LSN)
                     .fetch_max(self.log.lsn_now(), Ordering::AcqRel);

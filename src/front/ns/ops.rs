@@ -104,37 +104,32 @@ impl Client {
         target: Option<&[u8]>,
     ) -> io::Result<()> {
         let dirs: Vec<&Dir> = vec![&t.dir];
-        self.logged(
-            &dirs,
-            || (),
-            op,
-            |(), _, append| {
-                if !append {
-                    return Ok(true);
-                }
-                let o = self.object_at(t).ok_or(NotLogged)?;
-                self.commit_ns(&dirs, &[&o], |fid| {
-                    Record::Ns(NsOp::Create {
-                        parent: fid(t.dir.slot),
-                        name: t.name.clone(),
-                        child: fid(o.slot),
-                        kind: NodeKind::from_mode(o.st.st_mode),
-                        mode: o.st.st_mode & 0o7777,
-                        rdev: o.st.st_rdev,
-                        uid: o.st.st_uid,
-                        gid: o.st.st_gid,
-                        target: target.map(|t| t.to_vec()).unwrap_or_default(),
-                    })
-                })?;
-                if o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-                    // A new directory has no unlogged change: clean from its birth.
-                    let slot = self.table.slot(o.slot);
-                    let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
-                    slot.w(S_DIR_CTIME).store(c, Ordering::Release);
-                }
-                Ok(true)
-            },
-        )
+        self.logged(&dirs, op, |_, append| {
+            if !append {
+                return Ok(true);
+            }
+            let o = self.object_at(t).ok_or(NotLogged)?;
+            self.commit_ns(&dirs, &[&o], |fid| {
+                Record::Ns(NsOp::Create {
+                    parent: fid(t.dir.slot),
+                    name: t.name.clone(),
+                    child: fid(o.slot),
+                    kind: NodeKind::from_mode(o.st.st_mode),
+                    mode: o.st.st_mode & 0o7777,
+                    rdev: o.st.st_rdev,
+                    uid: o.st.st_uid,
+                    gid: o.st.st_gid,
+                    target: target.map(|t| t.to_vec()).unwrap_or_default(),
+                })
+            })?;
+            if o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                // A new directory has no unlogged change: clean from its birth.
+                let slot = self.table.slot(o.slot);
+                let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
+                slot.w(S_DIR_CTIME).store(c, Ordering::Release);
+            }
+            Ok(true)
+        })
     }
 
     pub fn mkdir(&self, t: &Target, mode: u32) -> io::Result<()> {
@@ -238,7 +233,6 @@ impl Client {
         let born = std::cell::Cell::new(None);
         self.logged(
             &[&t.dir],
-            || (),
             || {
                 for _ in 0..8 {
                     match open(flags | libc::O_EXCL) {
@@ -265,7 +259,7 @@ impl Client {
                 // directory of the new file sees an unlogged change).
                 open(flags).map(|fd| (fd, false))
             },
-            |(), &(fd, created), append| {
+            |&(fd, created), append| {
                 if !created {
                     return Ok(false);
                 }
