@@ -7,6 +7,7 @@
 mod common;
 
 use std::fs;
+use std::os::unix::fs::FileExt;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -39,6 +40,19 @@ fn a_tree_of_200000_files_copies_with_bounded_descriptors() {
     }
     m.mount(&[]);
     let pid = m.daemon_pid();
+    // A file unlinked while a program holds it open lives on only through the daemon's
+    // descriptors of it (the mount declines OPEN, so no handle holds one): eviction must
+    // spare them, or the file is gone under the program.
+    let held = m.mnt.join("held");
+    let hf = fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .write(true)
+        .open(&held)
+        .unwrap();
+    hf.write_all_at(b"kept while open", 0).unwrap();
+    hf.sync_all().unwrap();
+    fs::remove_file(&held).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let peak = Arc::new(AtomicUsize::new(0));
     let sampler = {
@@ -69,6 +83,17 @@ fn a_tree_of_200000_files_copies_with_bounded_descriptors() {
             n += 1;
         }
     }
+    // The kernel's cached pages of the held file go, so it is read from the daemon again.
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    let mut buf = [0u8; 15];
+    hf.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(&buf, b"kept while open", "the unlinked open file after evictions");
+    hf.write_all_at(b"KEPT", 0).unwrap();
+    hf.sync_all().unwrap();
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    hf.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(&buf, b"KEPT while open");
+    drop(hf);
     peak.fetch_max(fd_count(pid), Ordering::Relaxed);
     stop.store(true, Ordering::Relaxed);
     sampler.join().unwrap();

@@ -1,7 +1,7 @@
 //! The data path: opens and handles, reads, writes (logged first where the write rule says
 //! so), fsync (the dirty bytes logged, or a real sync as the fallback), fallocate.
 
-use super::{Core, FileState, Handle, Inode, Mode};
+use super::{Core, FileState, Handle, Inode, Mode, NO_HANDLE};
 use crate::engine::format::PAGE;
 use crate::engine::{AttrOp, Log};
 use crate::lower::errno;
@@ -62,7 +62,7 @@ impl Core {
             fh,
             Arc::new(Handle {
                 ino,
-                fd,
+                fd: Arc::new(fd),
                 sync_writes,
             }),
         );
@@ -77,12 +77,73 @@ impl Core {
             .ok_or_else(|| errno(libc::EBADF))
     }
 
+    /// The file a read or write request names: its open handle, or, for `NO_HANDLE` (the
+    /// kernel sends no OPEN once the adapter declined it: `fuse::Adapter::open`), the inode
+    /// `ino` through its cached I/O descriptor. The kernel checked the caller's rights when
+    /// the program opened the file; `write` says whether the descriptor must be writable.
+    pub fn file(&self, fh: u64, ino: u64, write: bool) -> io::Result<Arc<Handle>> {
+        if fh != NO_HANDLE {
+            return self.handle(fh);
+        }
+        let i = self.inode(ino)?;
+        let fd = self.data_fd(&i, write)?;
+        Ok(Arc::new(Handle {
+            ino: i,
+            fd,
+            sync_writes: false,
+        }))
+    }
+
+    /// The cached I/O descriptor of `i` (see `Node::cached_data`), opened read-write where
+    /// the lower permits it, else with the access `write` needs.
+    fn data_fd(&self, i: &Inode, write: bool) -> io::Result<Arc<OwnedFd>> {
+        if let Some(f) = i.node.cached_data(write) {
+            return Ok(f);
+        }
+        let n = self.nfd(i)?;
+        let alone = if write { libc::O_WRONLY } else { libc::O_RDONLY };
+        let fd = match self.lower.reopen(n.as_raw_fd(), libc::O_RDWR) {
+            Ok(fd) => i.node.fill_data(fd, libc::O_RDWR),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EACCES | libc::EPERM | libc::EROFS | libc::ETXTBSY)
+                ) =>
+            {
+                let fd = self.lower.reopen(n.as_raw_fd(), alone)?;
+                i.node.fill_data(fd, alone)
+            }
+            Err(e) => return Err(e),
+        };
+        self.bound_node_fds();
+        Ok(fd)
+    }
+
     pub fn release(&self, fh: u64) {
         self.handles.write().remove(&fh);
     }
 
-    pub fn read(&self, fh: u64, off: u64, size: u32) -> io::Result<Vec<u8>> {
-        let h = self.handle(fh)?;
+    /// Give up handle `fh` (just made by `create`): its descriptor becomes its inode's I/O
+    /// descriptor (`file`), so later requests for the file come with `NO_HANDLE`. For a mount
+    /// that declined OPEN: its kernel sends no RELEASE for the files it creates either.
+    pub fn unhandle(&self, fh: u64) {
+        let Some(h) = self.handles.write().remove(&fh) else {
+            return;
+        };
+        let Ok(h) = Arc::try_unwrap(h) else { return };
+        let Ok(fd) = Arc::try_unwrap(h.fd) else { return };
+        // SAFETY: F_GETFL on a descriptor we own.
+        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        // A descriptor the lower syncs every write of (passthrough keeps O_SYNC) is not one
+        // for every writer of the file.
+        if fl >= 0 && fl & (libc::O_SYNC | libc::O_DSYNC) == 0 {
+            h.ino.node.fill_data(fd, fl & libc::O_ACCMODE);
+            self.bound_node_fds();
+        }
+    }
+
+    pub fn read(&self, fh: u64, ino: u64, off: u64, size: u32) -> io::Result<Vec<u8>> {
+        let h = self.file(fh, ino, false)?;
         let mut buf = vec![0u8; size as usize];
         let mut got = 0;
         while got < buf.len() {
@@ -96,13 +157,29 @@ impl Core {
         Ok(buf)
     }
 
+    /// A write through the open handle `fh`.
     pub fn write(&self, fh: u64, off: u64, data: &[u8]) -> io::Result<usize> {
+        self.write_to(fh, 0, off, data, 0)
+    }
+
+    /// A write through handle `fh` (or inode `ino`: `file`). `flags` are the file's open
+    /// flags as the kernel sends them with the write (O_SYNC/O_DSYNC also for one
+    /// `pwritev2(RWF_DSYNC)`): a synchronous write is durable on return.
+    pub fn write_to(
+        &self,
+        fh: u64,
+        ino: u64,
+        off: u64,
+        data: &[u8],
+        flags: i32,
+    ) -> io::Result<usize> {
         self.settled(|owed| {
-            let h = self.handle(fh)?;
+            let h = self.file(fh, ino, true)?;
+            let sync_write = h.sync_writes || flags & (libc::O_SYNC | libc::O_DSYNC) != 0;
             let fd = h.fd.as_raw_fd();
             let Some(log) = self.logging() else {
                 let n = real::pwrite_all(fd, data, off)?;
-                if h.sync_writes {
+                if sync_write {
                     real::fsync(fd, true)?;
                 }
                 return Ok(n);
@@ -119,7 +196,7 @@ impl Core {
                 // strict: every write is durable on return. sync: O_SYNC handles, files switched
                 // to eager by active sync, and pages with live entries (see FileState::live_pages).
                 let mut eager = crate::policy::must_log_first(
-                    strict || h.sync_writes || st.eager,
+                    strict || sync_write || st.eager,
                     st.live_attr || touches_live,
                 );
                 if self.opts.mode == Mode::Adaptive {
@@ -140,7 +217,7 @@ impl Core {
                     Ok(()) => {
                         a.commit();
                         drop(a);
-                        if h.sync_writes {
+                        if sync_write {
                             self.stats.absorbed_osync.fetch_add(1, Ordering::Relaxed);
                         }
                         if let Some(p) = st.predictor.as_mut() {
@@ -258,17 +335,13 @@ impl Core {
                     if rd.is_none() {
                         rd = match fh.and_then(|f| self.handle(f).ok()) {
                             Some(h) => Some(h),
-                            None => self
-                                .nfd(i)
-                                .and_then(|n| self.lower.reopen(n.as_raw_fd(), libc::O_RDONLY))
-                                .ok()
-                                .map(|fd| {
-                                    Arc::new(Handle {
-                                        ino: i.clone(),
-                                        fd,
-                                        sync_writes: false,
-                                    })
-                                }),
+                            None => self.data_fd(i, false).ok().map(|fd| {
+                                Arc::new(Handle {
+                                    ino: i.clone(),
+                                    fd,
+                                    sync_writes: false,
+                                })
+                            }),
                         };
                     }
                     let Some(h) = &rd else {
@@ -305,9 +378,9 @@ impl Core {
         ok
     }
 
-    pub fn fallocate(&self, fh: u64, off: u64, len: u64, mode: i32) -> io::Result<()> {
+    pub fn fallocate(&self, fh: u64, ino: u64, off: u64, len: u64, mode: i32) -> io::Result<()> {
         self.settled(|owed| {
-            let h = self.handle(fh)?;
+            let h = self.file(fh, ino, true)?;
             let _g = self.gate.read();
             if let Some(log) = self.logging() {
                 // Dirty bytes are logged first: a collapse or insert moves them and a punch
@@ -328,21 +401,19 @@ impl Core {
         })
     }
 
-    pub fn lseek(&self, fh: u64, off: i64, whence: i32) -> io::Result<i64> {
-        let h = self.handle(fh)?;
+    pub fn lseek(&self, fh: u64, ino: u64, off: i64, whence: i32) -> io::Result<i64> {
+        let h = self.file(fh, ino, false)?;
         real::lseek(h.fd.as_raw_fd(), off, whence)
     }
 
     pub fn copy_file_range(
         &self,
-        fh_in: u64,
-        off_in: u64,
-        fh_out: u64,
-        off_out: u64,
+        (fh_in, ino_in, off_in): (u64, u64, u64),
+        (fh_out, ino_out, off_out): (u64, u64, u64),
         len: u64,
     ) -> io::Result<usize> {
-        let hi = self.handle(fh_in)?;
-        let ho = self.handle(fh_out)?;
+        let hi = self.file(fh_in, ino_in, false)?;
+        let ho = self.file(fh_out, ino_out, true)?;
         if self.logging().is_none() {
             return real::copy_file_range(
                 hi.fd.as_raw_fd(),
@@ -353,8 +424,8 @@ impl Core {
             );
         }
         // Through the write path, so the copy obeys the same logging rules as a write.
-        let data = self.read(fh_in, off_in, len.min(16 << 20) as u32)?;
-        self.write(fh_out, off_out, &data)
+        let data = self.read(fh_in, ino_in, off_in, len.min(16 << 20) as u32)?;
+        self.write_to(fh_out, ino_out, off_out, &data, 0)
     }
 
     pub fn fd_of(&self, fh: u64) -> io::Result<RawFd> {

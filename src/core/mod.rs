@@ -130,9 +130,14 @@ pub struct Inode {
     st: Mutex<FileState>,
 }
 
+/// The file handle of requests that come without one: the adapter declined OPEN, so the
+/// kernel sends reads and writes with this handle and the inode (`Core::file`). Handles
+/// `Core` gives out start at 1.
+pub const NO_HANDLE: u64 = 0;
+
 pub struct Handle {
     pub ino: Arc<Inode>,
-    pub fd: OwnedFd,
+    pub fd: Arc<OwnedFd>,
     pub sync_writes: bool,
 }
 

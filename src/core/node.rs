@@ -22,6 +22,10 @@ pub struct Node {
     /// none, and then the descriptor is never evicted.
     pub handle: Vec<u8>,
     fd: Mutex<Option<Arc<OwnedFd>>>,
+    /// A descriptor of a regular file open for I/O, with its access mode (`O_RDWR` where the
+    /// lower permits it), for reads and writes the kernel sends without an open handle
+    /// (`Core::file`). Reopened from `fd` when evicted, so evictable on every lower.
+    data: Mutex<Option<(Arc<OwnedFd>, i32)>>,
     last_use: AtomicU64,
 }
 
@@ -31,6 +35,7 @@ impl Node {
         Node {
             handle,
             fd: Mutex::new(Some(Arc::new(fd))),
+            data: Mutex::new(None),
             last_use: AtomicU64::new(TICK.fetch_add(1, Ordering::Relaxed)),
         }
     }
@@ -61,29 +66,68 @@ impl Node {
         f
     }
 
-    /// Has a cached descriptor that may be closed (it can be reopened by handle).
+    /// The cached I/O descriptor if its access mode serves `write` (or reads).
+    pub fn cached_data(&self, write: bool) -> Option<Arc<OwnedFd>> {
+        let g = self.data.lock();
+        let (f, acc) = g.as_ref()?;
+        let fits = *acc == libc::O_RDWR || (*acc == libc::O_WRONLY) == write;
+        if !fits {
+            return None;
+        }
+        self.last_use
+            .store(TICK.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
+        Some(f.clone())
+    }
+
+    /// Cache `fd`, an I/O descriptor opened with access mode `acc`, in place of the one
+    /// cached (which its users keep open until they are done).
+    pub fn fill_data(&self, fd: OwnedFd, acc: i32) -> Arc<OwnedFd> {
+        let f = Arc::new(fd);
+        let old = self.data.lock().replace((f.clone(), acc));
+        if old.is_none() {
+            NODE_FDS_OPEN.fetch_add(1, Ordering::Relaxed);
+        }
+        self.last_use
+            .store(TICK.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
+        f
+    }
+
+    /// Has a cached descriptor that may be closed: the node's own if it can be reopened by
+    /// handle, the I/O one always; never those of an object with no name left (unlinked
+    /// while a program has it open): they are what keeps it, and a handle cannot reopen it.
     pub fn evictable(&self) -> bool {
-        !self.handle.is_empty() && self.fd.lock().is_some()
+        let fd = self.fd.lock().clone();
+        let data = self.data.lock().as_ref().map(|(f, _)| f.clone());
+        let closable = data.is_some() || (!self.handle.is_empty() && fd.is_some());
+        closable && !unlinked(fd.as_deref().or(data.as_deref()))
     }
 
     pub fn last_use(&self) -> u64 {
         self.last_use.load(Ordering::Relaxed)
     }
 
-    /// Drop the cached descriptor (users holding it keep it open until they are done).
-    pub fn evict(&self) -> bool {
-        let gone = self.fd.lock().take().is_some();
-        if gone {
-            NODE_FDS_OPEN.fetch_sub(1, Ordering::Relaxed);
+    /// Drop the cached descriptors that may be closed (users holding one keep it open until
+    /// they are done); returns how many.
+    pub fn evict(&self) -> usize {
+        let mut gone = self.data.lock().take().is_some() as usize;
+        if !self.handle.is_empty() {
+            gone += self.fd.lock().take().is_some() as usize;
         }
+        NODE_FDS_OPEN.fetch_sub(gone, Ordering::Relaxed);
         gone
     }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
-        if self.fd.get_mut().is_some() {
-            NODE_FDS_OPEN.fetch_sub(1, Ordering::Relaxed);
-        }
+        let n = self.fd.get_mut().is_some() as usize + self.data.get_mut().is_some() as usize;
+        NODE_FDS_OPEN.fetch_sub(n, Ordering::Relaxed);
     }
+}
+
+/// Whether the object of `fd` has no name left (a failed fstat counts as named).
+fn unlinked(fd: Option<&OwnedFd>) -> bool {
+    use std::os::fd::AsRawFd;
+    fd.and_then(|f| crate::lower::real::fstat(f.as_raw_fd()).ok())
+        .is_some_and(|st| st.st_nlink == 0)
 }

@@ -315,7 +315,7 @@ fn dirty_bytes_moved_by_fallocate_survive_a_power_cut() {
     let a: Vec<u8> = (0..8192u32).map(|k| (k % 251) as u8 + 1).collect();
     assert_eq!(c.write(fh, 0, &a).unwrap(), a.len()); // lazy: dirty, not logged
     const FALLOC_FL_INSERT_RANGE: i32 = 0x20;
-    c.fallocate(fh, 0, 4096, FALLOC_FL_INSERT_RANGE).unwrap();
+    c.fallocate(fh, i.ino, 0, 4096, FALLOC_FL_INSERT_RANGE).unwrap();
     c.fsync(i.ino, Some(fh), false).unwrap();
     let mut want = vec![0u8; 4096];
     want.extend_from_slice(&a);
@@ -385,10 +385,10 @@ fn fsync_logs_dirty_bytes_without_reading_them_back() {
 fn a_refused_attribute_change_never_replays() {
     let r = rig();
     let data = vec![7u8; 3 * 4096];
-    let (_, fh) = write_synced(&r.core, 1, "f", &data);
+    let (i, fh) = write_synced(&r.core, 1, "f", &data);
     let e = r
         .core
-        .fallocate(fh, 0, 4096, libc::FALLOC_FL_PUNCH_HOLE)
+        .fallocate(fh, i, 0, 4096, libc::FALLOC_FL_PUNCH_HOLE)
         .unwrap_err();
     assert!(
         matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)),

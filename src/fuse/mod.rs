@@ -20,7 +20,7 @@ use std::os::fd::{BorrowedFd, RawFd};
 use fuser::BackingId;
 use parking_lot::Mutex;
 
-use crate::core::{Core, Op};
+use crate::core::{Core, Op, NO_HANDLE};
 
 mod ops;
 use crate::lower::real::Stat;
@@ -33,6 +33,11 @@ pub struct Adapter {
     /// Kernel FUSE passthrough: reads and writes of open files go straight to the lower file
     /// (set in `init` when asked for and the kernel offers it).
     pub passthrough: bool,
+    /// Decline OPEN (`open`): opens and closes of files cost no round trip. Only where the
+    /// kernel checks the caller's rights (default_permissions, or a daemon whose own rights
+    /// cover every file), outside passthrough and the writeback cache, which need handles;
+    /// `init` turns it off where the kernel lacks FUSE_NO_OPEN_SUPPORT.
+    pub open_less: bool,
     /// The kernel left dropping privileges on write, truncate and chown to us (`init`).
     killpriv: bool,
     /// Backing ids per inode (the kernel wants one per inode for all its passthrough handles),
@@ -43,12 +48,19 @@ pub struct Adapter {
 }
 
 impl Adapter {
-    pub fn new(core: Arc<Core>, ttl: Duration, writeback_cache: bool, passthrough: bool) -> Self {
+    pub fn new(
+        core: Arc<Core>,
+        ttl: Duration,
+        writeback_cache: bool,
+        passthrough: bool,
+        open_less: bool,
+    ) -> Self {
         Adapter {
             core,
             ttl,
             writeback_cache,
             passthrough,
+            open_less: open_less && !writeback_cache && !passthrough,
             killpriv: false,
             backing: Mutex::new(HashMap::new()),
             pt_handles: Mutex::new(HashMap::new()),

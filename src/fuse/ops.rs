@@ -37,6 +37,10 @@ impl Filesystem for Adapter {
         if !self.writeback_cache && !self.passthrough {
             caps |= InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         }
+        if self.open_less && !config.capabilities().contains(InitFlags::FUSE_NO_OPEN_SUPPORT) {
+            tracing::warn!("kernel lacks FUSE_NO_OPEN_SUPPORT: every open and close is a round trip");
+            self.open_less = false;
+        }
         if let Err(missing) = config.add_capabilities(caps) {
             tracing::warn!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
             let _ = config.add_capabilities(caps & !missing);
@@ -236,6 +240,13 @@ impl Filesystem for Adapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.time(Op::Open);
+        if self.open_less {
+            // ENOSYS: the kernel sends no OPEN (and no RELEASE) again on this mount, and
+            // opens keep the page cache. Reads and writes then come with NO_HANDLE and the
+            // inode, and the file's flags with each write (`Core::file`, `Core::write`).
+            reply.error(Errno::ENOSYS);
+            return;
+        }
         match self.core.open(ino.0, flags.0) {
             Ok(fh) if self.passthrough => {
                 match self.backing_for(ino.0, fh, |fd| {
@@ -259,7 +270,7 @@ impl Filesystem for Adapter {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -268,7 +279,7 @@ impl Filesystem for Adapter {
         reply: ReplyData,
     ) {
         let _t = self.time(Op::Read);
-        match self.core.read(fh.0, offset, size) {
+        match self.core.read(fh.0, ino.0, offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(err(e)),
         }
@@ -282,7 +293,7 @@ impl Filesystem for Adapter {
         offset: u64,
         data: &[u8],
         wf: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
@@ -293,7 +304,7 @@ impl Filesystem for Adapter {
                 return;
             }
         }
-        match self.core.write(fh.0, offset, data) {
+        match self.core.write_to(fh.0, ino.0, offset, data, flags.0) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
         }
@@ -529,13 +540,23 @@ impl Filesystem for Adapter {
                     }
                 }
             }
-            Ok((_, st, fh)) => reply.created(
-                &self.ttl,
-                &attr(&st),
-                Generation(0),
-                FileHandle(fh),
-                FopenFlags::FOPEN_KEEP_CACHE,
-            ),
+            Ok((_, st, fh)) => {
+                // A mount that declined OPEN gets no RELEASE for the files it creates either:
+                // the file is then served by its inode, like every open of it.
+                let fh = if self.open_less {
+                    self.core.unhandle(fh);
+                    NO_HANDLE
+                } else {
+                    fh
+                };
+                reply.created(
+                    &self.ttl,
+                    &attr(&st),
+                    Generation(0),
+                    FileHandle(fh),
+                    FopenFlags::FOPEN_KEEP_CACHE,
+                )
+            }
             Err(e) => reply.error(err(e)),
         }
     }
@@ -543,7 +564,7 @@ impl Filesystem for Adapter {
     fn fallocate(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
@@ -551,7 +572,7 @@ impl Filesystem for Adapter {
         reply: ReplyEmpty,
     ) {
         let _t = self.time(Op::Setattr);
-        match self.core.fallocate(fh.0, offset, length, mode) {
+        match self.core.fallocate(fh.0, ino.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
         }
@@ -560,14 +581,14 @@ impl Filesystem for Adapter {
     fn lseek(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: i64,
         whence: i32,
         reply: ReplyLseek,
     ) {
         let _t = self.time(Op::Other);
-        match self.core.lseek(fh.0, offset, whence) {
+        match self.core.lseek(fh.0, ino.0, offset, whence) {
             Ok(o) => reply.offset(o),
             Err(e) => reply.error(err(e)),
         }
@@ -576,10 +597,10 @@ impl Filesystem for Adapter {
     fn copy_file_range(
         &self,
         _req: &Request,
-        _ino_in: INodeNo,
+        ino_in: INodeNo,
         fh_in: FileHandle,
         offset_in: u64,
-        _ino_out: INodeNo,
+        ino_out: INodeNo,
         fh_out: FileHandle,
         offset_out: u64,
         len: u64,
@@ -587,10 +608,11 @@ impl Filesystem for Adapter {
         reply: ReplyWrite,
     ) {
         let _t = self.time(Op::Write);
-        match self
-            .core
-            .copy_file_range(fh_in.0, offset_in, fh_out.0, offset_out, len)
-        {
+        match self.core.copy_file_range(
+            (fh_in.0, ino_in.0, offset_in),
+            (fh_out.0, ino_out.0, offset_out),
+            len,
+        ) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
         }

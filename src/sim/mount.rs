@@ -72,17 +72,22 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             2..=5 if !names.is_empty() => {
                 // write the file's next record
                 let name = pick(&mut rng);
-                let (_, fh) = r.handles[&model.names[&name]];
+                let (ino, fh) = r.handles[&model.names[&name]];
                 let sync = r.core.handle(fh).unwrap().sync_writes;
                 let len = rng.gen_range(1..9000usize);
                 let (id, idx) = model.write(&name, len, sync);
-                r.core.write(fh, idx * REC, &pattern(id, idx, len)).unwrap();
+                // Every other operation as a mount that declined OPEN sends it: without the
+                // handle, with the file's flags (chosen without a draw: seeds keep their runs).
+                let (via, flags) = open_less(j, fh, sync);
+                r.core
+                    .write_to(via, ino, idx * REC, &pattern(id, idx, len), flags)
+                    .unwrap();
             }
             6 | 7 if !names.is_empty() => {
                 let name = pick(&mut rng);
                 let (ino, fh) = r.handles[&model.names[&name]];
                 cov.fsyncs += 1;
-                match r.core.fsync(ino, Some(fh), rng.gen_bool(0.5)) {
+                match r.core.fsync(ino, Some(open_less(j, fh, false).0), rng.gen_bool(0.5)) {
                     Err(e) if mode == Mode::Strict && e.raw_os_error() == Some(libc::ENOSYS) => {}
                     res => res.unwrap(),
                 }
@@ -170,10 +175,11 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             }
             16 if kinds.fallocate && !names.is_empty() => {
                 let name = pick(&mut rng);
-                let (_, fh) = r.handles[&model.names[&name]];
+                let (ino, fh) = r.handles[&model.names[&name]];
                 let f = Falloc::random(&mut rng, model.file(&name).size());
                 cov.fallocates += 1;
-                r.core.fallocate(fh, f.off, f.len, f.mode()).unwrap();
+                let via = open_less(j, fh, false).0;
+                r.core.fallocate(via, ino, f.off, f.len, f.mode()).unwrap();
                 // Durable on return, as every attribute change.
                 model.fallocate(&name, f, mode != Mode::Passthrough);
             }
@@ -217,4 +223,14 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         in_op_syncs: None,
     };
     recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
+}
+
+/// How operation `j` names its file: by the open handle `fh`, or (odd `j`) as a mount that
+/// declined OPEN does, by `NO_HANDLE`, with O_SYNC in the write's flags for a synchronous file.
+fn open_less(j: usize, fh: u64, sync: bool) -> (u64, i32) {
+    if j % 2 == 1 {
+        (crate::core::NO_HANDLE, if sync { libc::O_SYNC } else { 0 })
+    } else {
+        (fh, 0)
+    }
 }
