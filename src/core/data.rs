@@ -144,17 +144,7 @@ impl Core {
 
     pub fn read(&self, fh: u64, ino: u64, off: u64, size: u32) -> io::Result<Vec<u8>> {
         let h = self.file(fh, ino, false)?;
-        let mut buf = vec![0u8; size as usize];
-        let mut got = 0;
-        while got < buf.len() {
-            let n = real::pread(h.fd.as_raw_fd(), &mut buf[got..], off + got as u64)?;
-            if n == 0 {
-                break;
-            }
-            got += n;
-        }
-        buf.truncate(got);
-        Ok(buf)
+        real::pread_up_to(h.fd.as_raw_fd(), size as usize, off)
     }
 
     /// A write through the open handle `fh`.

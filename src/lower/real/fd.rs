@@ -11,6 +11,31 @@ pub fn pread(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
     cvt_sz(unsafe { libc::pread(fd, buf.as_mut_ptr() as *mut _, buf.len(), off as i64) })
 }
 
+/// Read up to `len` bytes at `off` (fewer only at the end of the file), into a buffer that
+/// is not zeroed first: a read request asks for as much as the kernel's readahead (1 MiB),
+/// and zeroing that much costs more than reading a small file.
+pub fn pread_up_to(fd: RawFd, len: usize, off: u64) -> io::Result<Vec<u8>> {
+    let mut buf: Vec<u8> = Vec::with_capacity(len);
+    while buf.len() < len {
+        let spare = buf.spare_capacity_mut();
+        // SAFETY: pread writes at most `spare.len()` bytes into the buffer's spare capacity.
+        let n = cvt_sz(unsafe {
+            libc::pread(
+                fd,
+                spare.as_mut_ptr() as *mut _,
+                spare.len(),
+                (off + buf.len() as u64) as i64,
+            )
+        })?;
+        if n == 0 {
+            break;
+        }
+        // SAFETY: the `n` bytes after the length were just written by pread.
+        unsafe { buf.set_len(buf.len() + n) };
+    }
+    Ok(buf)
+}
+
 pub fn pwrite_all(fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<usize> {
     let total = buf.len();
     while !buf.is_empty() {
