@@ -1797,3 +1797,57 @@ fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
     assert_eq!(fs::metadata(root.join("j")).unwrap().uid(), 4321);
     let _ = fs::remove_file(&pm);
 }
+
+#[test]
+fn a_write_only_file_synced_after_more_than_its_copy_is_logged_whole() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    use pmstack::front::table::*;
+    // Writes through a write-only descriptor are copied up to a bound (64 KiB) as they are
+    // made; a sync after more reads the rest back through a descriptor of its own. Every
+    // byte must reach the log: after the daemon's death the lower copy is cut short (what a
+    // power loss leaves of bytes nobody synced there), and recovery brings them all back.
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = root.join("region.pm");
+    let mut s = Serve::start(
+        &root,
+        &pm,
+        &["--flush-interval-ms", "3600000", "--all-writers-attached"],
+    );
+    let want: Vec<u8> = (0..200_000u32).map(|k| (k % 253) as u8 + 1).collect();
+    fs::write(root.join("want"), &want).unwrap();
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    a.exec(concat!(
+        "data = open(os.path.join(d, 'want'), 'rb').read()\n",
+        "fd = os.open(os.path.join(d, 'w'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+        "os.fsync(fd)\n",
+        "for k in range(0, len(data), 10000):\n",
+        "    os.write(fd, data[k:k + 10000])\n",
+        "os.fsync(fd)\n",
+        "os.close(fd)",
+    ));
+    let tab = Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let c = proc_counters(&tab, pid);
+    assert!(
+        c[P_ABSORBED_FSYNC] >= 1 && c[P_UNSERVED] == 0,
+        "the sync was not absorbed: {c:?}"
+    );
+    drop(a);
+    s.kill9();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(root.join("w"))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert!(
+        fs::read(root.join("w")).unwrap() == want,
+        "recovery did not bring back every synced byte"
+    );
+    drop(s);
+}

@@ -42,8 +42,8 @@ pub struct Dirty {
     copy: BTreeMap<u64, Box<[u8]>>,
     /// Some dirty bytes are not in `copy`.
     partial: bool,
-    /// Keep a copy at all.
-    keep: bool,
+    /// Most pages this one keeps a copy of (0: none at all).
+    max_pages: usize,
 }
 
 /// Whether new `Dirty`s of this process keep copies.
@@ -61,11 +61,16 @@ impl Default for Dirty {
 impl Dirty {
     /// One that keeps a copy of what is written (`keep`), or never does.
     pub fn new(keep: bool) -> Dirty {
+        Dirty::copying(if keep { COPY_PAGES_MAX_OBJECT } else { 0 })
+    }
+
+    /// One that keeps a copy of at most `pages` pages of what is written.
+    pub fn copying(pages: usize) -> Dirty {
         Dirty {
             ranges: BTreeMap::new(),
             copy: BTreeMap::new(),
             partial: false,
-            keep,
+            max_pages: pages.min(COPY_PAGES_MAX_OBJECT),
         }
     }
 
@@ -139,7 +144,7 @@ impl Dirty {
         if self.partial || data.is_empty() {
             return;
         }
-        if !self.keep {
+        if self.max_pages == 0 {
             self.drop_copy(true);
             return;
         }
@@ -148,10 +153,10 @@ impl Dirty {
         let new = (first..=last)
             .filter(|p| !self.copy.contains_key(p))
             .count();
-        if self.copy.len() + new > COPY_PAGES_MAX_OBJECT
+        if self.copy.len() + new > self.max_pages
             || COPY_PAGES.fetch_add(new, Ordering::Relaxed) + new > COPY_PAGES_MAX
         {
-            if self.copy.len() + new <= COPY_PAGES_MAX_OBJECT {
+            if self.copy.len() + new <= self.max_pages {
                 COPY_PAGES.fetch_sub(new, Ordering::Relaxed);
             }
             self.drop_copy(true);
@@ -162,11 +167,17 @@ impl Dirty {
             let o = off + pos as u64;
             let in_page = (o % page) as usize;
             let n = (PAGE - in_page).min(data.len() - pos);
-            let buf = self
-                .copy
-                .entry(o / page)
-                .or_insert_with(|| vec![0u8; PAGE].into_boxed_slice());
-            buf[in_page..in_page + n].copy_from_slice(&data[pos..pos + n]);
+            let bytes = &data[pos..pos + n];
+            match self.copy.entry(o / page) {
+                // A whole new page: copied as it is, not zeroed first.
+                std::collections::btree_map::Entry::Vacant(v) if n == PAGE => {
+                    v.insert(bytes.into());
+                }
+                e => {
+                    let buf = e.or_insert_with(|| vec![0u8; PAGE].into_boxed_slice());
+                    buf[in_page..in_page + n].copy_from_slice(bytes);
+                }
+            }
             pos += n;
         }
     }

@@ -128,12 +128,15 @@ impl Client {
                         } else {
                             if p.rfd.is_none() {
                                 let path = format!("/proc/self/fd/{fd}\0");
-                                let r = sys::openat(
+                                let Ok(r) = sys::openat(
                                     libc::AT_FDCWD,
                                     path.as_ptr() as *const _,
                                     libc::O_RDONLY | libc::O_CLOEXEC,
                                     0,
-                                )?;
+                                ) else {
+                                    // Not readable by this process: the lower's own sync.
+                                    return self.real_sync(&slot, fd, &mut p);
+                                };
                                 // SAFETY: a fresh descriptor we own.
                                 p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
                             }

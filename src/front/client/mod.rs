@@ -369,11 +369,16 @@ impl Client {
                         p: Mutex::new(Private {
                             // A sync reads dirty bytes back through the program's descriptor
                             // where it can; a write-only one would need a new descriptor (an
-                            // open the daemon's watch must answer): keep a copy instead.
-                            dirty: crate::policy::dirty::Dirty::new(
-                                crate::policy::dirty::copies_kept()
-                                    || write_only_known.unwrap_or_else(|| write_only(fd)),
-                            ),
+                            // open the daemon's watch must answer): keep a copy instead, of
+                            // the bytes a sync typically covers (a file written whole and
+                            // never synced is not copied).
+                            dirty: if crate::policy::dirty::copies_kept() {
+                                crate::policy::dirty::Dirty::new(true)
+                            } else if write_only_known.unwrap_or_else(|| write_only(fd)) {
+                                crate::policy::dirty::Dirty::copying(WRITE_ONLY_COPY_PAGES)
+                            } else {
+                                crate::policy::dirty::Dirty::new(false)
+                            },
                             ..Private::default()
                         }),
                     });
@@ -523,6 +528,10 @@ pub struct Born {
 fn write_only(fd: i32) -> bool {
     sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| f as i32 & libc::O_ACCMODE == libc::O_WRONLY)
 }
+
+/// Pages of unsynced writes through a write-only descriptor a process keeps a copy of per
+/// object (64 KiB): a sync after more reads the rest back through a descriptor of its own.
+const WRITE_ONLY_COPY_PAGES: usize = 16;
 
 /// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller
 /// holds the slot lock and checked that nothing needs the watch. If the mark cannot be
