@@ -136,8 +136,25 @@ impl Client {
         self.object_named(t, false)
     }
 
+    /// `object_at` of an object the operation may remove: its descriptor is kept in `pin`, so
+    /// that the caller closes it after the namespace lock is released, and the lower frees a
+    /// removed object there (ext4 drops its pages and blocks when its last reference goes:
+    /// tens of microseconds, which under the lock every other operation would wait for).
+    fn object_pinned(&self, t: &Target, pin: &mut Vec<OwnedFd>) -> Option<Obj> {
+        let fd = self.open_at(t, false)?;
+        let o = self.object_of(fd.as_raw_fd());
+        pin.push(fd);
+        o
+    }
+
     /// The object at `t`, following a final symlink if `follow`.
     fn object_named(&self, t: &Target, follow: bool) -> Option<Obj> {
+        let fd = self.open_at(t, follow)?;
+        self.object_of(fd.as_raw_fd())
+    }
+
+    /// An O_PATH descriptor of what `t` names, following a final symlink if `follow`.
+    fn open_at(&self, t: &Target, follow: bool) -> Option<OwnedFd> {
         let c = t.cname();
         let nofollow = if follow { 0 } else { libc::O_NOFOLLOW };
         let fd = sys::openat(
@@ -148,8 +165,7 @@ impl Client {
         )
         .ok()?;
         // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        self.object_of(fd.as_raw_fd())
+        Some(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     fn object_of(&self, fd: i32) -> Option<Obj> {

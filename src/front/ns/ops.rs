@@ -17,9 +17,10 @@ impl Client {
     /// unlink, or rmdir (`dir`).
     pub fn unlink(&self, t: &Target, dir: bool) -> io::Result<()> {
         let c = t.cname();
+        let mut pin = Vec::new(); // closed after the lock (`object_pinned`)
         self.intended(
             &[&t.dir],
-            || self.object_at(t),
+            || self.object_pinned(t, &mut pin),
             || {
                 let fl = if dir { libc::AT_REMOVEDIR } else { 0 };
                 at_call(
@@ -54,9 +55,10 @@ impl Client {
     /// rename/renameat/renameat2 (`flags`: RENAME_NOREPLACE, RENAME_EXCHANGE).
     pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
         let (cf, ct) = (from.cname(), to.cname());
+        let mut pin = Vec::new(); // the replaced object's, closed after the lock
         self.intended(
             &[&from.dir, &to.dir],
-            || (self.object_at(from), self.object_at(to)),
+            || (self.object_at(from), self.object_pinned(to, &mut pin)),
             || {
                 at_call(
                     libc::SYS_renameat2,
