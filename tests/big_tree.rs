@@ -46,6 +46,7 @@ fn a_tree_of_200000_files_copies_with_bounded_descriptors() {
     let held = m.mnt.join("held");
     let hf = fs::OpenOptions::new()
         .create(true)
+        .truncate(true)
         .read(true)
         .write(true)
         .open(&held)
@@ -87,7 +88,10 @@ fn a_tree_of_200000_files_copies_with_bounded_descriptors() {
     fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
     let mut buf = [0u8; 15];
     hf.read_exact_at(&mut buf, 0).unwrap();
-    assert_eq!(&buf, b"kept while open", "the unlinked open file after evictions");
+    assert_eq!(
+        &buf, b"kept while open",
+        "the unlinked open file after evictions"
+    );
     hf.write_all_at(b"KEPT", 0).unwrap();
     hf.sync_all().unwrap();
     fs::write("/proc/sys/vm/drop_caches", "1").unwrap();

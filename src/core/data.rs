@@ -101,7 +101,11 @@ impl Core {
             return Ok(f);
         }
         let n = self.nfd(i)?;
-        let alone = if write { libc::O_WRONLY } else { libc::O_RDONLY };
+        let alone = if write {
+            libc::O_WRONLY
+        } else {
+            libc::O_RDONLY
+        };
         let fd = match self.lower.reopen(n.as_raw_fd(), libc::O_RDWR) {
             Ok(fd) => i.node.fill_data(fd, libc::O_RDWR),
             Err(e)
@@ -131,7 +135,9 @@ impl Core {
             return;
         };
         let Ok(h) = Arc::try_unwrap(h) else { return };
-        let Ok(fd) = Arc::try_unwrap(h.fd) else { return };
+        let Ok(fd) = Arc::try_unwrap(h.fd) else {
+            return;
+        };
         // SAFETY: F_GETFL on a descriptor we own.
         let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
         // A descriptor the lower syncs every write of (passthrough keeps O_SYNC) is not one

@@ -315,7 +315,8 @@ fn dirty_bytes_moved_by_fallocate_survive_a_power_cut() {
     let a: Vec<u8> = (0..8192u32).map(|k| (k % 251) as u8 + 1).collect();
     assert_eq!(c.write(fh, 0, &a).unwrap(), a.len()); // lazy: dirty, not logged
     const FALLOC_FL_INSERT_RANGE: i32 = 0x20;
-    c.fallocate(fh, i.ino, 0, 4096, FALLOC_FL_INSERT_RANGE).unwrap();
+    c.fallocate(fh, i.ino, 0, 4096, FALLOC_FL_INSERT_RANGE)
+        .unwrap();
     c.fsync(i.ino, Some(fh), false).unwrap();
     let mut want = vec![0u8; 4096];
     want.extend_from_slice(&a);

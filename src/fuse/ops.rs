@@ -37,8 +37,14 @@ impl Filesystem for Adapter {
         if !self.writeback_cache && !self.passthrough {
             caps |= InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         }
-        if self.open_less && !config.capabilities().contains(InitFlags::FUSE_NO_OPEN_SUPPORT) {
-            tracing::warn!("kernel lacks FUSE_NO_OPEN_SUPPORT: every open and close is a round trip");
+        if self.open_less
+            && !config
+                .capabilities()
+                .contains(InitFlags::FUSE_NO_OPEN_SUPPORT)
+        {
+            tracing::warn!(
+                "kernel lacks FUSE_NO_OPEN_SUPPORT: every open and close is a round trip"
+            );
             self.open_less = false;
         }
         if let Err(missing) = config.add_capabilities(caps) {

@@ -87,7 +87,10 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 let name = pick(&mut rng);
                 let (ino, fh) = r.handles[&model.names[&name]];
                 cov.fsyncs += 1;
-                match r.core.fsync(ino, Some(open_less(j, fh, false).0), rng.gen_bool(0.5)) {
+                match r
+                    .core
+                    .fsync(ino, Some(open_less(j, fh, false).0), rng.gen_bool(0.5))
+                {
                     Err(e) if mode == Mode::Strict && e.raw_os_error() == Some(libc::ENOSYS) => {}
                     res => res.unwrap(),
                 }
