@@ -455,6 +455,20 @@ fn kill9_of_programs_and_daemon_with_power_loss_keeps_every_acknowledged_write()
 /// recovery of the log from before (a create replayed over the unlink, old pages over the
 /// overwrite). The daemon's death is made visible to the program by ageing its heartbeat in
 /// the table, as the 2 s timeout would.
+/// A daemon over a fresh directory in /var/tmp (its region inside) that never writes back by
+/// itself and takes every writer for attached: the log keeps what a test puts in it.
+fn quiet_serve() -> (tempfile::TempDir, PathBuf, PathBuf, Serve) {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = root.join("region.pm");
+    let s = Serve::start(
+        &root,
+        &pm,
+        &["--flush-interval-ms", "3600000", "--all-writers-attached"],
+    );
+    (d, root, pm, s)
+}
+
 #[test]
 fn after_the_daemons_death_nothing_the_program_did_is_undone_by_recovery() {
     if !common::can_mount() || !have("python3") {
@@ -462,14 +476,7 @@ fn after_the_daemons_death_nothing_the_program_did_is_undone_by_recovery() {
     }
     use pmstack::front::table::*;
     use std::sync::atomic::Ordering::Relaxed;
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = root.join("region.pm");
-    let mut s = Serve::start(
-        &root,
-        &pm,
-        &["--flush-interval-ms", "3600000", "--all-writers-attached"],
-    );
+    let (_d, root, pm, mut s) = quiet_serve();
     let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     a.exec(concat!(
@@ -1808,14 +1815,7 @@ fn a_write_only_file_synced_after_more_than_its_copy_is_logged_whole() {
     // made; a sync after more reads the rest back through a descriptor of its own. Every
     // byte must reach the log: after the daemon's death the lower copy is cut short (what a
     // power loss leaves of bytes nobody synced there), and recovery brings them all back.
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = root.join("region.pm");
-    let mut s = Serve::start(
-        &root,
-        &pm,
-        &["--flush-interval-ms", "3600000", "--all-writers-attached"],
-    );
+    let (_d, root, pm, mut s) = quiet_serve();
     let want: Vec<u8> = (0..200_000u32).map(|k| (k % 253) as u8 + 1).collect();
     fs::write(root.join("want"), &want).unwrap();
     let mut a = Py::spawn(s.run(), &root);
