@@ -217,3 +217,59 @@ impl Adapter {
         }
     }
 }
+
+impl Adapter {
+    /// What the mount asks of the kernel at INIT, and what it turns off where the kernel
+    /// lacks it.
+    fn negotiate(&mut self, config: &mut KernelConfig) {
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        // Cache mode. Write-through (default): every write() reaches us with its exact bytes,
+        // so fsync logs byte-granular ranges and an O_SYNC write is logged in the write's own
+        // round trip (the kernel's follow-up FSYNC then finds nothing to do). The writeback
+        // cache makes unsynced writes ~10x faster (they stay in the kernel), but fsync then
+        // costs extra WRITE round trips and logs whole pages; see bench/README.md for the
+        // measurements behind the default.
+        let mut caps = InitFlags::FUSE_PARALLEL_DIROPS;
+        if self.writeback_cache {
+            caps |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        // FUSE passthrough only where every open of an inode can use it: the kernel refuses to
+        // mix passthrough and cached opens of one inode, and in the PM modes writes must reach
+        // the daemon. So: passthrough mode only.
+        if self.passthrough {
+            if config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH)
+                && config.set_max_stack_depth(1).is_ok()
+            {
+                caps |= InitFlags::FUSE_PASSTHROUGH;
+            } else {
+                tracing::warn!("kernel FUSE passthrough unavailable; serving reads and writes through the daemon");
+                self.passthrough = false;
+            }
+        }
+        // Without this the kernel asks for `security.capability` (a GETXATTR round trip) before
+        // every write, to know whether the write must drop it. With it the kernel sends no
+        // such request and leaves dropping set-user-ID, set-group-ID and capabilities to us
+        // (`kill_privs`). Not with the writeback cache (the kernel writes pages back later,
+        // without saying who wrote them) nor with kernel passthrough (writes never reach us).
+        if !self.writeback_cache && !self.passthrough {
+            caps |= InitFlags::FUSE_HANDLE_KILLPRIV_V2;
+        }
+        if self.open_less
+            && !config
+                .capabilities()
+                .contains(InitFlags::FUSE_NO_OPEN_SUPPORT)
+        {
+            tracing::warn!(
+                "kernel lacks FUSE_NO_OPEN_SUPPORT: every open and close is a round trip"
+            );
+            self.open_less = false;
+        }
+        if let Err(missing) = config.add_capabilities(caps) {
+            tracing::warn!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
+            let _ = config.add_capabilities(caps & !missing);
+            caps &= !missing;
+        }
+        self.killpriv = caps.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+    }
+}

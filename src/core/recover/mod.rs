@@ -14,7 +14,10 @@ use crate::pmem::Pmem;
 
 mod files;
 mod namespace;
+mod remove;
 mod resolve;
+
+use remove::Removal;
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct RecoverySummary {

@@ -291,46 +291,15 @@ impl Replayer<'_> {
             }
             pending = next;
         }
-        // Names that must not exist.
-        for key in order.iter().filter(|k| target[*k].is_none()) {
-            let Some(p) = self.resolve(key.0) else {
-                continue;
-            };
-            if let Some((fd, id)) = self.at(p, &key.1) {
-                let st = real::fstat(fd.as_raw_fd()).ok();
-                let dir = st.is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
-                // An object the log took from this name is still here, and has another
-                // name: the lower lost the unlink (or rename) of one of its links.
-                let lost_unlink = !dir
-                    && st.is_some_and(|st| st.st_nlink > 1)
-                    && self.taken_from(&taken, key, id);
-                if !self.doomed.contains(&id) && !lost_unlink {
-                    self.sum.namespace_skipped += 1;
-                    continue;
-                }
-                match self.lower.unlink(p, OsStr::from_bytes(&key.1), dir) {
-                    Ok(()) => {
-                        self.sum.namespace_ops += 1;
-                        self.touched_dirs.push(p);
-                        self.ns_step();
-                    }
-                    Err(e) => self
-                        .sum
-                        .errors
-                        .push(format!("removing {}: {e}", String::from_utf8_lossy(&key.1))),
-                }
-            }
-        }
-        // Objects displaced to temporary names and never placed: removed by the log.
-        for (dir, tmp, _) in stash {
-            let is_dir = self.is_dir_at(dir, &tmp) == Some(true);
-            if let Err(e) = self.lower.unlink(dir, OsStr::from_bytes(&tmp), is_dir) {
-                self.sum
-                    .errors
-                    .push(format!("removing {}: {e}", String::from_utf8_lossy(&tmp)));
-            }
-            self.ns_step();
-        }
+        // Names that must not exist, and objects displaced to temporary names and never
+        // placed (removed by the log): `remove_all`, a directory after what it holds.
+        let gone: Vec<Removal> = order
+            .iter()
+            .filter(|k| target[*k].is_none())
+            .map(|k| Removal::Name(k.clone()))
+            .chain(stash.into_iter().map(|(d, tmp, _)| Removal::Aside(d, tmp)))
+            .collect();
+        self.remove_all(gone, &taken);
     }
 
     /// Make `key` name object `want` (`ends`: what the log wants at the end). Ok(None): its
