@@ -85,11 +85,14 @@ impl Core {
         if fh != NO_HANDLE {
             return self.handle(fh);
         }
-        let i = self.inode(ino)?;
-        let fd = self.data_fd(&i, write)?;
+        self.by_inode(&self.inode(ino)?, write)
+    }
+
+    /// `i` as a handle of its own: through its cached I/O descriptor (`data_fd`).
+    fn by_inode(&self, i: &Arc<Inode>, write: bool) -> io::Result<Arc<Handle>> {
         Ok(Arc::new(Handle {
-            ino: i,
-            fd,
+            ino: i.clone(),
+            fd: self.data_fd(i, write)?,
             sync_writes: false,
         }))
     }
@@ -260,13 +263,11 @@ impl Core {
             }
             let i = self.inode(ino)?;
             let Some(log) = self.logging() else {
-                let fd = match fh.and_then(|f| self.handle(f).ok()) {
-                    Some(h) => return real::fsync(h.fd.as_raw_fd(), datasync),
-                    None => self
-                        .lower
-                        .reopen(self.nfd(&i)?.as_raw_fd(), libc::O_RDONLY)?,
+                let h = match fh.and_then(|f| self.handle(f).ok()) {
+                    Some(h) => h,
+                    None => self.by_inode(&i, false)?,
                 };
-                return real::fsync(fd.as_raw_fd(), datasync);
+                return real::fsync(h.fd.as_raw_fd(), datasync);
             };
             let _g = self.gate.read();
             let mut st = i.st.lock();
@@ -331,13 +332,7 @@ impl Core {
                     if rd.is_none() {
                         rd = match fh.and_then(|f| self.handle(f).ok()) {
                             Some(h) => Some(h),
-                            None => self.data_fd(i, false).ok().map(|fd| {
-                                Arc::new(Handle {
-                                    ino: i.clone(),
-                                    fd,
-                                    sync_writes: false,
-                                })
-                            }),
+                            None => self.by_inode(i, false).ok(),
                         };
                     }
                     let Some(h) = &rd else {

@@ -201,7 +201,7 @@ impl Filesystem for Adapter {
         if self.open_less {
             // ENOSYS: the kernel sends no OPEN (and no RELEASE) again on this mount, and
             // opens keep the page cache. Reads and writes then come with NO_HANDLE and the
-            // inode, and the file's flags with each write (`Core::file`, `Core::write`).
+            // inode, and the file's flags with each write (`Core::file`, `Core::write_to`).
             reply.error(Errno::ENOSYS);
             return;
         }
