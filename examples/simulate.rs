@@ -46,6 +46,10 @@ struct Args {
     /// them)
     #[arg(long)]
     no_fallocate: bool,
+    /// Leave directories out of the histories (the histories of seeds found before they were
+    /// in them)
+    #[arg(long)]
+    no_dirs: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -74,6 +78,7 @@ fn main() {
     let kinds = Kinds {
         links: !a.no_links,
         fallocate: !a.no_fallocate,
+        dirs: !a.no_dirs,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -133,12 +138,12 @@ fn main() {
             cov.histories, cov.ops, cov.crash_images, cov.fences_captured
         );
         println!(
-            "  crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations), recoveries killed and redone {}, replays run twice {}",
-            cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.recoveries_interrupted, cov.double_replays
+            "  crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations), recoveries killed and redone {}, replays run twice {}; crashes kept from taking back a directory's removal (a real directory cannot come back with its inode) {}",
+            cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.recoveries_interrupted, cov.double_replays, cov.dir_removals_kept
         );
         println!(
-            "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, fallocate {}, FORGET+lookup {}; objects re-created by recovery {}",
-            cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.recreated
+            "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, fallocate {}, FORGET+lookup {}, mkdir {}, rmdir {}, rename of a directory {}; objects re-created by recovery {}",
+            cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.mkdirs, cov.rmdirs, cov.dir_renames, cov.recreated
         );
         println!(
             "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}",

@@ -17,6 +17,7 @@ use crate::sim::{pattern, Kinds};
 const LINKS: Kinds = Kinds {
     links: true,
     fallocate: false,
+    dirs: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -35,7 +36,10 @@ fn run_many(mode: Mode) {
             cov.forgets > 0
                 && cov.recoveries_interrupted > 0
                 && cov.write_backs > 0
-                && cov.namespace_rewinds > 0,
+                && cov.namespace_rewinds > 0
+                && cov.mkdirs > 0
+                && cov.rmdirs > 0
+                && cov.dir_renames > 0,
             "{cov:?}"
         );
     }
@@ -310,6 +314,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
             Kinds {
                 links: true,
                 fallocate: true,
+                dirs: false,
             },
         )
     });
@@ -332,6 +337,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
             Kinds {
                 links: true,
                 fallocate: true,
+                dirs: false,
             },
         )
     });

@@ -5,28 +5,63 @@
 use super::*;
 
 /// Lower content by inode number, with the inode's names: a power cut keeps inodes' own pages,
-/// whatever their names.
+/// whatever their names. Names are paths from the root (`d0/f1`); a directory's name ends with
+/// `/` and its content is empty.
 pub(super) type Tree = BTreeMap<u64, (std::collections::BTreeSet<String>, Vec<u8>)>;
 
+/// A directory's name in a `Tree` (and in the names the check compares).
+pub(super) fn is_dir(name: &str) -> bool {
+    name.ends_with('/')
+}
+
 pub(super) fn read_tree(root: &Path) -> Tree {
-    use std::os::unix::fs::MetadataExt;
     let mut t: Tree = BTreeMap::new();
-    for e in fs::read_dir(root).unwrap().flatten() {
+    read_into(root, "", &mut t);
+    t
+}
+
+fn read_into(root: &Path, prefix: &str, t: &mut Tree) {
+    use std::os::unix::fs::MetadataExt;
+    for e in fs::read_dir(root.join(prefix)).unwrap().flatten() {
         let n = e.file_name().to_string_lossy().to_string();
-        if !crate::lower::is_internal(n.as_bytes()) {
-            let ino = e.metadata().unwrap().ino();
-            match t.get_mut(&ino) {
-                Some((names, _)) => {
-                    names.insert(n);
-                }
-                None => {
-                    let data = fs::read(e.path()).unwrap();
-                    t.insert(ino, ([n].into(), data));
-                }
+        if prefix.is_empty() && crate::lower::is_internal(n.as_bytes()) {
+            continue;
+        }
+        let md = e.metadata().unwrap();
+        let path = format!("{prefix}{n}");
+        if md.is_dir() {
+            let name = format!("{path}/");
+            read_into(root, &name, t);
+            t.insert(md.ino(), ([name].into(), Vec::new()));
+            continue;
+        }
+        match t.get_mut(&md.ino()) {
+            Some((names, _)) => {
+                names.insert(path);
+            }
+            None => {
+                let data = fs::read(e.path()).unwrap();
+                t.insert(md.ino(), ([path].into(), data));
             }
         }
     }
-    t
+}
+
+/// Whether a power cut can leave the names of `t`: each of its directories is, as the same
+/// directory, in every state in `later` (the lower's states since `t`, up to now). A real
+/// directory cannot be brought back with its inode once removed, and a reused inode number
+/// is another directory; so the simulated power cuts never take back a directory's removal.
+pub(super) fn restorable<'a>(t: &Tree, later: impl IntoIterator<Item = &'a Tree>) -> bool {
+    let d = dirs_of(t);
+    later.into_iter().all(|l| d.is_subset(&dirs_of(l)))
+}
+
+/// The directories of a tree, by inode.
+pub(super) fn dirs_of(t: &Tree) -> std::collections::BTreeSet<u64> {
+    t.iter()
+        .filter(|(_, (names, _))| is_dir(first(names)))
+        .map(|(i, _)| *i)
+        .collect()
 }
 
 pub(super) fn by_name(t: &Tree) -> BTreeMap<String, Vec<u8>> {
@@ -73,6 +108,9 @@ pub(super) fn power_cut(
     let mut by_names: Vec<_> = now.iter().collect();
     by_names.sort_by(|a, b| first(&a.1 .0).cmp(first(&b.1 .0)));
     for (ino, (names, _)) in by_names {
+        if is_dir(first(names)) {
+            continue;
+        }
         let p = root.join(first(names));
         let choices: Vec<(&Vec<u8>, Option<usize>)> = std::iter::once(base)
             .chain(cands.iter().copied())
@@ -134,18 +172,47 @@ impl Stash {
         }
     }
 
-    /// Give the lower's root the names it had in `t`, each naming the inode it named then;
-    /// then drop the links of the inodes it does not name.
+    /// Give the lower the names it had in `t`, each naming the inode it named then; then drop
+    /// the links of the inodes it does not name. Every directory of `t` must be in the lower
+    /// now (`restorable`): a directory moves back to where `t` had it, and one `t` does not
+    /// have (made since) goes.
     pub(super) fn rewind_names(&self, lower: &Path, t: &Tree) {
         let now = self.0.with_extension("now"); // the inodes named now, for the moment
+        let dirs = self.0.with_extension("dirs"); // the directories, for the moment
         fs::create_dir(&now).unwrap();
+        fs::create_dir(&dirs).unwrap();
+        let mut held: Vec<(String, u64)> = Vec::new();
         for (ino, (names, _)) in read_tree(lower) {
+            if is_dir(first(&names)) {
+                held.push((first(&names).clone(), ino));
+                continue;
+            }
             fs::hard_link(lower.join(first(&names)), now.join(ino.to_string())).unwrap();
             for name in names {
                 fs::remove_file(lower.join(&name)).unwrap();
             }
         }
+        // Deepest first: each directory leaves its parent before the parent moves.
+        held.sort_by_key(|(n, _)| std::cmp::Reverse(n.matches('/').count()));
+        for (name, ino) in &held {
+            fs::rename(lower.join(name), dirs.join(ino.to_string())).unwrap();
+        }
+        let mut back: Vec<(&String, u64)> =
+            names_of(t).into_iter().filter(|(n, _)| is_dir(n)).collect();
+        back.sort_by_key(|(n, _)| n.matches('/').count());
+        for (name, ino) in back {
+            let d = dirs.join(ino.to_string());
+            assert!(
+                d.exists(),
+                "harness: directory {name} (inode {ino}) cannot be brought back"
+            );
+            fs::rename(d, lower.join(name)).unwrap();
+        }
+        fs::remove_dir_all(&dirs).unwrap();
         for (name, ino) in names_of(t) {
+            if is_dir(name) {
+                continue;
+            }
             let s = self.0.join(ino.to_string());
             let from = if s.exists() {
                 s

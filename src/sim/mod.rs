@@ -66,6 +66,9 @@ pub struct Coverage {
     pub namespace_rewinds: u64,
     /// Namespace operations those power cuts took back (each operation that changed names).
     pub namespace_ops_lost: u64,
+    /// Crashes whose choice of fence or of namespace prefix was narrowed because a real
+    /// directory cannot be brought back with its inode once removed (`restorable`).
+    pub dir_removals_kept: u64,
     /// Recoveries killed at a random step, followed by another recovery.
     pub recoveries_interrupted: u64,
     /// Replays run twice (a recovery that replayed everything but did not empty the log).
@@ -80,6 +83,10 @@ pub struct Coverage {
     pub truncates: u64,
     pub fallocates: u64,
     pub links: u64,
+    pub mkdirs: u64,
+    pub rmdirs: u64,
+    /// Renames of directories.
+    pub dir_renames: u64,
     /// Objects recovery had to create again.
     pub recreated: u64,
     /// `pmstack run`: times the daemon was taken for dead (its heartbeat aged), operations
@@ -100,6 +107,7 @@ impl Coverage {
         self.namespace_rewinds += o.namespace_rewinds;
         self.namespace_ops_lost += o.namespace_ops_lost;
         self.recoveries_interrupted += o.recoveries_interrupted;
+        self.dir_removals_kept += o.dir_removals_kept;
         self.double_replays += o.double_replays;
         self.forgets += o.forgets;
         self.write_backs += o.write_backs;
@@ -110,6 +118,9 @@ impl Coverage {
         self.truncates += o.truncates;
         self.fallocates += o.fallocates;
         self.links += o.links;
+        self.mkdirs += o.mkdirs;
+        self.rmdirs += o.rmdirs;
+        self.dir_renames += o.dir_renames;
         self.recreated += o.recreated;
         self.daemon_deaths += o.daemon_deaths;
         self.unserved_ops += o.unserved_ops;
@@ -172,6 +183,9 @@ pub struct Kinds {
     pub links: bool,
     /// fallocate: allocate (extending or keeping the size), punch a hole, zero a range.
     pub fallocate: bool,
+    /// Directories: mkdir, rmdir, renames of directories, files made and renamed in them and
+    /// between them, directory fsyncs of them.
+    pub dirs: bool,
 }
 
 impl Kinds {
@@ -179,6 +193,7 @@ impl Kinds {
     pub const CAMPAIGN: Kinds = Kinds {
         links: true,
         fallocate: true,
+        dirs: true,
     };
 
     /// The simulate example's flags that select these kinds.
@@ -189,6 +204,9 @@ impl Kinds {
         }
         if !self.fallocate {
             f += " --no-fallocate";
+        }
+        if !self.dirs {
+            f += " --no-dirs";
         }
         f
     }
@@ -317,6 +335,12 @@ fn recover_and_check(
     cov.histories += 1;
     cov.crash_images += 1;
     cov.fences_captured += images.len() as u64;
+    // A fence at which the lower still had a directory that operation c then removed cannot
+    // be simulated (`restorable`): such a crash is taken at another fence, or after the
+    // operation.
+    let captured = images.len();
+    images.retain(|i| restorable(&x.at_fences.get(i.note).0, [&trees[c + 1]]));
+    let mut narrowed = images.len() < captured;
     let (img, k, at_fence) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
         (sim.crash_image(rng), c + 1, None)
@@ -349,11 +373,28 @@ fn recover_and_check(
         k1
     };
     let ns_min = if k == c { x.ns_in_op } else { x.ns_after }.min(ns_max);
-    let p = if rng.gen_bool(0.5) {
-        ns_max
+    let restorable_from =
+        |p: usize| restorable(tree(p), trees[p..].iter().chain(at_fence.as_ref()));
+    let p = if (ns_min..=ns_max).all(restorable_from) {
+        if rng.gen_bool(0.5) {
+            ns_max
+        } else {
+            rng.gen_range(ns_min..=ns_max)
+        }
     } else {
-        rng.gen_range(ns_min..=ns_max)
+        narrowed = true;
+        // Only the prefixes that take back no directory's removal.
+        let cands: Vec<usize> = (ns_min..=ns_max).filter(|&p| restorable_from(p)).collect();
+        let last = *cands.last().unwrap_or_else(|| {
+            panic!("harness: no namespace state from {ns_min} to {ns_max} can be restored")
+        });
+        if rng.gen_bool(0.5) {
+            last
+        } else {
+            cands[rng.gen_range(0..cands.len())]
+        }
     };
+    cov.dir_removals_kept += narrowed as u64;
     x.stash.rewind_names(lower_path, tree(p));
     let lost = (p..k.min(ns_max))
         .filter(|&j| names_of(tree(j)) != names_of(tree(j + 1)))

@@ -86,16 +86,52 @@ impl File {
     }
 }
 
-/// Names (a name may share its file with others: hard links) and the files they name.
+/// Names (a name may share its file with others: hard links) and the files they name; and
+/// directories. Names are paths from the root (`d0/f1`); a directory's ends with `/` (`d0/`).
 #[derive(Clone, Default, Debug)]
 pub(super) struct Model {
     pub(super) names: BTreeMap<String, u32>,
     pub(super) files: BTreeMap<u32, File>,
+    pub(super) dirs: std::collections::BTreeSet<String>,
 }
 
 impl Model {
     pub(super) fn names(&self) -> Vec<String> {
         self.names.keys().cloned().collect()
+    }
+
+    /// Where a new name may go: the root (`""`) and every directory.
+    pub(super) fn places(&self) -> Vec<String> {
+        std::iter::once(String::new())
+            .chain(self.dirs.iter().cloned())
+            .collect()
+    }
+
+    /// Nothing is named inside directory `d`.
+    pub(super) fn is_empty_dir(&self, d: &str) -> bool {
+        !self.names.keys().any(|n| n.starts_with(d))
+            && !self.dirs.iter().any(|x| x != d && x.starts_with(d))
+    }
+
+    pub(super) fn mkdir(&mut self, d: &str) {
+        self.dirs.insert(d.to_string());
+    }
+
+    pub(super) fn rmdir(&mut self, d: &str) {
+        assert!(self.is_empty_dir(d));
+        self.dirs.remove(d);
+    }
+
+    /// rename(2) of directory `a` to `b` (vacant, or an empty directory, which goes): what was
+    /// inside `a` is inside `b` now.
+    pub(super) fn rename_dir(&mut self, a: &str, b: &str) {
+        self.dirs.remove(b);
+        let moved = |n: &String| {
+            n.strip_prefix(a)
+                .map_or_else(|| n.clone(), |rest| format!("{b}{rest}"))
+        };
+        self.dirs = self.dirs.iter().map(moved).collect();
+        self.names = self.names.iter().map(|(n, &i)| (moved(n), i)).collect();
     }
 
     pub(super) fn file(&mut self, name: &str) -> &mut File {
@@ -185,7 +221,8 @@ impl Model {
 
     pub(super) fn trace(&self) -> String {
         format!(
-            "{:?} {:?}",
+            "{:?} {:?} {:?}",
+            self.dirs,
             self.names,
             self.files
                 .values()
@@ -323,7 +360,13 @@ pub(super) fn no_rollback(
 /// some write of it (never garbage).
 pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
     let names: Vec<&String> = got.keys().collect();
-    let want: Vec<&String> = m.names.keys().collect();
+    let want: Vec<&String> = m
+        .names
+        .keys()
+        .chain(&m.dirs)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     if names != want {
         return Err(format!("names {names:?}, model {want:?}"));
     }
@@ -361,4 +404,59 @@ pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), St
         }
     }
     Ok(())
+}
+
+/// A name for a new file: `f0` to `f5` at the root or, with directories, in any directory of
+/// the model. (Without directories, the one draw of the histories before they had them.)
+pub(super) fn new_file_name(rng: &mut StdRng, m: &Model, kinds: Kinds) -> String {
+    if kinds.dirs {
+        let places = m.places();
+        let d = places[rng.gen_range(0..places.len())].clone();
+        format!("{d}f{}", rng.gen_range(0..6))
+    } else {
+        format!("f{}", rng.gen_range(0..6))
+    }
+}
+
+/// An operation on directories, as a history draws it (names as in `Model`).
+#[derive(Debug)]
+pub(super) enum DirOp {
+    Mkdir(String),
+    Rmdir(String),
+    /// Rename a directory to a vacant name, or over an empty directory.
+    Rename(String, String),
+}
+
+/// Draw a directory operation the file system would do: directories `d0` to `d3`, at the root
+/// or in a directory at the root (two levels at most); rmdir of an empty directory; a rename
+/// not into itself, keeping two levels. None: the draw found nothing to do.
+pub(super) fn dir_op(rng: &mut StdRng, m: &Model) -> Option<DirOp> {
+    let dirs: Vec<&String> = m.dirs.iter().collect();
+    let depth = |d: &str| d.matches('/').count();
+    // Places a directory may go: the root and the directories at the root.
+    let tops: Vec<String> = m.places().into_iter().filter(|p| depth(p) <= 1).collect();
+    match rng.gen_range(0..3) {
+        0 => {
+            let place = &tops[rng.gen_range(0..tops.len())];
+            let d = format!("{place}d{}/", rng.gen_range(0..4));
+            (!m.dirs.contains(&d)).then_some(DirOp::Mkdir(d))
+        }
+        1 if !dirs.is_empty() => {
+            let d = dirs[rng.gen_range(0..dirs.len())];
+            m.is_empty_dir(d).then(|| DirOp::Rmdir(d.clone()))
+        }
+        2 if !dirs.is_empty() => {
+            let a = dirs[rng.gen_range(0..dirs.len())];
+            let place = &tops[rng.gen_range(0..tops.len())];
+            let b = format!("{place}d{}/", rng.gen_range(0..4));
+            let has_subdirs = m.dirs.iter().any(|x| x != a && x.starts_with(a.as_str()));
+            // Not into itself, and two levels at most.
+            let into_itself = b.starts_with(a.as_str());
+            let too_deep = has_subdirs && depth(place) > 0;
+            let fits = !into_itself && !too_deep;
+            let target_ok = !m.dirs.contains(&b) || (m.is_empty_dir(&b) && !a.starts_with(&b));
+            (fits && target_ok).then(|| DirOp::Rename(a.clone(), b))
+        }
+        _ => None,
+    }
 }

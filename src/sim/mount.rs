@@ -51,19 +51,17 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             .stats
             .real_syncs
             .load(std::sync::atomic::Ordering::Relaxed);
-        match rng.gen_range(0..17) {
+        match rng.gen_range(0..if kinds.dirs { 19 } else { 17 }) {
             0 | 1 => {
-                let name = format!("f{}", rng.gen_range(0..6));
+                let name = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     let flags = libc::O_RDWR
                         | libc::O_CREAT
                         | libc::O_EXCL
                         | if osync { libc::O_SYNC } else { 0 };
-                    let (i, _, fh) = r
-                        .core
-                        .create(1, OsStr::new(&name), 0o644, flags, 0, 0)
-                        .unwrap();
+                    let (dir, n) = at(&r.core, &name);
+                    let (i, _, fh) = r.core.create(dir, &n, 0o644, flags, 0, 0).unwrap();
                     next_file += 1;
                     r.handles.insert(next_file, (i.ino, fh));
                     model.create(&name, next_file);
@@ -98,13 +96,12 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             }
             8 if !names.is_empty() => {
                 let a = pick(&mut rng);
-                let b = format!("f{}", rng.gen_range(0..6));
+                let b = new_file_name(&mut rng, &model, kinds);
                 if a != b {
                     cov.renames += 1;
                     stash.keep_last(&lower_path, &b);
-                    r.core
-                        .rename(1, OsStr::new(&a), 1, OsStr::new(&b), 0)
-                        .unwrap();
+                    let ((da, na), (db, nb)) = (at(&r.core, &a), at(&r.core, &b));
+                    r.core.rename(da, &na, db, &nb, 0).unwrap();
                     if let Some(gone) = model.rename(&a, &b) {
                         r.handles.remove(&gone);
                     }
@@ -114,7 +111,8 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 let a = pick(&mut rng);
                 cov.unlinks += 1;
                 stash.keep_last(&lower_path, &a);
-                r.core.remove(1, OsStr::new(&a), false).unwrap();
+                let (da, na) = at(&r.core, &a);
+                r.core.remove(da, &na, false).unwrap();
                 if let Some(gone) = model.unlink(&a) {
                     r.handles.remove(&gone);
                 }
@@ -133,8 +131,9 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 let b = pick(&mut rng);
                 if a != b {
                     cov.exchanges += 1;
+                    let ((da, na), (db, nb)) = (at(&r.core, &a), at(&r.core, &b));
                     r.core
-                        .rename(1, OsStr::new(&a), 1, OsStr::new(&b), libc::RENAME_EXCHANGE)
+                        .rename(da, &na, db, &nb, libc::RENAME_EXCHANGE)
                         .unwrap();
                     model.exchange(&a, &b);
                 }
@@ -149,7 +148,8 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 cov.forgets += 1;
                 r.core.release(fh);
                 r.core.forget(ino, 1 << 40);
-                let (i, _) = r.core.lookup(1, OsStr::new(&name)).unwrap();
+                let (dir, n) = at(&r.core, &name);
+                let (i, _) = r.core.lookup(dir, &n).unwrap();
                 let fl = libc::O_RDWR | if osync { libc::O_SYNC } else { 0 };
                 let fh2 = r.core.open(i.ino, fl).unwrap();
                 r.handles.insert(id, (i.ino, fh2));
@@ -168,11 +168,12 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             15 if kinds.links && !names.is_empty() => {
                 // a hard link
                 let a = pick(&mut rng);
-                let b = format!("f{}", rng.gen_range(0..6));
+                let b = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&b) {
                     cov.links += 1;
                     let (ino, _) = r.handles[&model.names[&a]];
-                    r.core.link(ino, 1, OsStr::new(&b)).unwrap();
+                    let (db, nb) = at(&r.core, &b);
+                    r.core.link(ino, db, &nb).unwrap();
                     model.link(&a, &b);
                 }
             }
@@ -186,6 +187,29 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 // Durable on return, as every attribute change.
                 model.fallocate(&name, f, mode != Mode::Passthrough);
             }
+            17 | 18 if kinds.dirs => match dir_op(&mut rng, &model) {
+                Some(DirOp::Mkdir(d)) => {
+                    cov.mkdirs += 1;
+                    let (p, n) = at(&r.core, &d);
+                    r.core
+                        .mknod(p, &n, libc::S_IFDIR | 0o755, 0, None, 0, 0)
+                        .unwrap();
+                    model.mkdir(&d);
+                }
+                Some(DirOp::Rmdir(d)) => {
+                    cov.rmdirs += 1;
+                    let (p, n) = at(&r.core, &d);
+                    r.core.remove(p, &n, true).unwrap();
+                    model.rmdir(&d);
+                }
+                Some(DirOp::Rename(a, b)) => {
+                    cov.dir_renames += 1;
+                    let ((da, na), (db, nb)) = (at(&r.core, &a), at(&r.core, &b));
+                    r.core.rename(da, &na, db, &nb, 0).unwrap();
+                    model.rename_dir(&a, &b);
+                }
+                None => {}
+            },
             _ => {}
         }
         if std::env::var("PMSTACK_TRACE").is_ok() {
@@ -236,4 +260,20 @@ fn open_less(j: usize, fh: u64, sync: bool) -> (u64, i32) {
     } else {
         (fh, 0)
     }
+}
+
+/// The inode of the directory that holds `path` (a model name) and its last component, looked
+/// up through the core as the kernel does.
+fn at(core: &Core, path: &str) -> (u64, std::ffi::OsString) {
+    let mut parts: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    let last = parts.pop().expect("a name");
+    let mut dir = 1;
+    for p in parts {
+        dir = core
+            .lookup(dir, OsStr::new(p))
+            .expect("the model's directory")
+            .0
+            .ino;
+    }
+    (dir, last.into())
 }

@@ -24,8 +24,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
-    pattern, read_tree, recover_and_check, Coverage, Crash, Falloc, FenceTrees, InOpSyncs, Kinds,
-    Model, ScratchDir, Stash, Tree, REC,
+    dir_op, new_file_name, pattern, read_tree, recover_and_check, Coverage, Crash, DirOp, Falloc,
+    FenceTrees, InOpSyncs, Kinds, Model, ScratchDir, Stash, Tree, REC,
 };
 use crate::engine::Log;
 use crate::front::client::{Client, Tracked};
@@ -94,7 +94,13 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         &lower,
     )
     .unwrap();
-    let path = |n: &str| lower.join(n).as_os_str().as_bytes().to_vec();
+    let path = |n: &str| {
+        lower
+            .join(n.trim_end_matches('/'))
+            .as_os_str()
+            .as_bytes()
+            .to_vec()
+    };
     let target = |n: &str| {
         c.target(libc::AT_FDCWD, &path(n))
             .expect("a name under the root")
@@ -150,10 +156,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         let mut ns_op = false;
         let mut entry_made_durable: Option<u64> = None;
         let mut real_dir_sync = false;
-        let kind = rng.gen_range(0..19);
+        let kind = rng.gen_range(0..if kinds.dirs { 21 } else { 19 });
         match kind {
             0 | 1 => {
-                let name = format!("f{}", rng.gen_range(0..6));
+                let name = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     ns_op = true;
@@ -208,7 +214,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             8 if !names.is_empty() => {
                 let a = pick(&mut rng);
-                let b = format!("f{}", rng.gen_range(0..6));
+                let b = new_file_name(&mut rng, &model, kinds);
                 if a != b {
                     cov.renames += 1;
                     ns_op = true;
@@ -257,7 +263,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 opens.insert(id, Open { ino: o.ino, fd, t });
             }
             13 => {
-                let p = CString::new(lower.as_os_str().as_bytes()).unwrap();
+                // The root's, or (with directories) any directory's.
+                let place = if kinds.dirs {
+                    let places = model.places();
+                    places[rng.gen_range(0..places.len())].clone()
+                } else {
+                    String::new()
+                };
+                let p = CString::new(path(&place)).unwrap();
                 // SAFETY: a C string; the descriptor is closed below.
                 let dfd = unsafe { libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
                 assert!(dfd >= 0);
@@ -284,7 +297,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             16 if kinds.links && !names.is_empty() => {
                 let a = pick(&mut rng);
-                let b = format!("f{}", rng.gen_range(0..6));
+                let b = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&b) {
                     cov.links += 1;
                     ns_op = true;
@@ -305,6 +318,27 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 model.fallocate(&name, f, false);
                 synced = Some((o.ino, true));
             }
+            19 | 20 if kinds.dirs => match dir_op(&mut rng, &model) {
+                Some(DirOp::Mkdir(d)) => {
+                    cov.mkdirs += 1;
+                    ns_op = true;
+                    c.mkdir(&target(&d), 0o755).unwrap();
+                    model.mkdir(&d);
+                }
+                Some(DirOp::Rmdir(d)) => {
+                    cov.rmdirs += 1;
+                    ns_op = true;
+                    c.unlink(&target(&d), true).unwrap();
+                    model.rmdir(&d);
+                }
+                Some(DirOp::Rename(a, b)) => {
+                    cov.dir_renames += 1;
+                    ns_op = true;
+                    c.rename(&target(&a), &target(&b), 0).unwrap();
+                    model.rename_dir(&a, &b);
+                }
+                None => {}
+            },
             _ => {}
         }
         crash_op_unserved_ns = j == crash_op && ns_op && !alive;
@@ -410,7 +444,10 @@ mod tests {
                 && cov.fallocates > 0
                 && cov.unserved_ops > 0
                 && cov.real_syncs > 0
-                && cov.namespace_rewinds > 0,
+                && cov.namespace_rewinds > 0
+                && cov.mkdirs > 0
+                && cov.rmdirs > 0
+                && cov.dir_renames > 0,
             "{cov:?}"
         );
     }
