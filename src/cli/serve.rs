@@ -46,9 +46,18 @@ pub(super) fn serve_cmd(a: ServeArgs) -> Result<()> {
     let pm = a.pm.clone().unwrap_or_else(|| default_pm(&root));
     let real = RealLower::open(&root)?;
     if !real.syncfs_reliable() {
-        // The daemon's write-back is one syncfs; over a lower that ignores it (a FUSE or
-        // network file system) that would expire entries the lower never made durable.
-        bail!("{} is on a file system that does not honour syncfs (a FUSE or network file system); `pmstack serve` cannot write back safely there: use `pmstack mount`, which fsyncs each changed object", root.display());
+        // syncfs does not reach this lower (a FUSE or network file system): write-back fsyncs
+        // each object the log names instead, opening it by its handle, which needs
+        // CAP_DAC_READ_SEARCH.
+        let ino = pmstack::lower::real::fstat(real.root_fd())?.st_ino;
+        let h = real.handle(real.root_fd(), ino)?;
+        if let Err(e) = real.open_handle(&h) {
+            bail!("{} is on a file system that does not honour syncfs (a FUSE or network file system); `pmstack serve` writes back there by opening each changed file by its handle, which failed ({e}): run it as root, or use `pmstack mount`", root.display());
+        }
+        tracing::info!(
+            "{} does not honour syncfs: write-back fsyncs each changed object",
+            root.display()
+        );
     }
     let mut region = open_region(
         &pm,

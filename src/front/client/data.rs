@@ -96,6 +96,12 @@ impl Client {
             return Ok(n);
         }
         p.dirty.add(start, &buf[..n]);
+        // A write-back whose checkpoint passes the mark taken next counts these bytes durable
+        // (the next sync logs nothing of them): where syncfs is not trusted, the object is
+        // noted for the write-back's fsync first.
+        if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
+            slot.note_for_sync(&t.ino.handle);
+        }
         p.mark = self.log.lsn_now();
         if !slot.add_lazy(self.pid, p.mark) {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);

@@ -123,6 +123,11 @@ impl Client {
         slot: &Slot<'_>,
         handle: &[u8],
     ) -> Result<u64, NotLogged> {
+        // Every record about an object binds it first, before it takes its LSN: where syncfs
+        // is not trusted, this is where the daemon's write-back learns what to fsync.
+        if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
+            slot.note_for_sync(handle);
+        }
         let mut fid = slot.w(S_FID).load(Ordering::Acquire);
         if fid == 0 {
             fid = self.log.next_lsn();

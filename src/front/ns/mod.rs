@@ -207,25 +207,48 @@ impl Client {
     }
 
     /// Make every namespace change so far durable in the lower file system (syncfs through
-    /// `fd`) and expire every older namespace record. Caller holds the namespace lock.
-    fn write_back_namespace(&self, fd: i32) -> io::Result<()> {
+    /// the first of `dirs`, the directories of the operation at hand) and expire every older
+    /// namespace record. Caller holds the namespace lock.
+    fn write_back_namespace(&self, dirs: &[i32]) -> io::Result<()> {
         self.log.next_lsn();
         let upto = self.log.lsn_now();
-        sys::syncfs(fd)?;
+        if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
+            // The lower ignores syncfs. The operation's directories hold the changes the log
+            // may lack (an unlogged change found in them, this operation): fsynced here.
+            // Every object the log names is fsynced by the daemon (it opens them by handle),
+            // whose write-back then expires everything below `upto`.
+            for (i, &d) in dirs.iter().enumerate() {
+                if !dirs[..i].contains(&d) {
+                    sys::fsync(d, false)?;
+                }
+            }
+            self.wait_for_write_back(upto)?;
+            self.count(P_NS_SYNCS, 1);
+            return Ok(());
+        }
+        sys::syncfs(dirs[0])?;
         // Counted when it happened (the crash simulator reads the count at each fence).
         self.count(P_NS_SYNCS, 1);
         if self.log.write_back(NAMESPACE_FID, upto).is_ok() {
             self.table.w(H_NS_WB_LSN).fetch_max(upto, Ordering::AcqRel);
         } else {
             // Not even the reserve has room: wait (bounded) for the daemon's write-back.
-            self.table.w(H_WAKE).store(1, Ordering::Relaxed);
-            let t0 = Instant::now();
-            while self.log.checkpoint_lsn() < upto {
-                if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
-                    return Err(io::Error::from_raw_os_error(libc::EIO));
-                }
-                std::thread::sleep(Duration::from_millis(1));
+            self.wait_for_write_back(upto)?;
+        }
+        Ok(())
+    }
+
+    /// Wake the daemon and wait (at most 10 s) until its write-back has passed `upto`. EIO
+    /// when it does not serve, or not in time: the operation cannot be made durable in order
+    /// with what the log holds.
+    fn wait_for_write_back(&self, upto: u64) -> io::Result<()> {
+        self.table.w(H_WAKE).store(1, Ordering::Relaxed);
+        let t0 = Instant::now();
+        while self.log.checkpoint_lsn() < upto {
+            if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
             }
+            std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
     }
@@ -289,7 +312,7 @@ impl Client {
     fn alone<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         let _ns = self.table.ns_lock();
         if crate::policy::must_write_back_first(self.ns_live(), false) {
-            self.write_back_namespace(dirs[0].fd.as_raw_fd())?;
+            self.write_back_namespace(&raw(dirs))?;
         }
         let out = op()?;
         for (i, d) in dirs.iter().enumerate() {
@@ -324,7 +347,7 @@ impl Client {
             Ok(false) => return Ok(out),
             Ok(true) => self.count(P_NS_OPS, 1),
             // An unlogged change came first, or the log is full: syncfs makes both durable.
-            Err(NotLogged) => self.write_back_namespace(dirs[0].fd.as_raw_fd())?,
+            Err(NotLogged) => self.write_back_namespace(&raw(dirs))?,
         }
         for d in dirs {
             self.set_clean(d);
@@ -347,13 +370,13 @@ impl Client {
             return self.alone(dirs, op);
         }
         let (_ns, taken_over) = self.table.ns_lock_taken_over();
-        let fd = dirs[0].fd.as_raw_fd();
+        let fds = raw(dirs);
         if taken_over || !dirs.iter().all(|d| self.clean(d)) {
             // The log may lack an operation the lower has: an unlogged change of these
             // directories, or one of a process that died holding the lock (between its intent
             // and its call, its Done). It is made durable and every older record expired
             // first, so the record of this one is the whole story.
-            self.write_back_namespace(fd)?;
+            self.write_back_namespace(&fds)?;
             for d in dirs {
                 self.set_clean(d);
             }
@@ -365,7 +388,7 @@ impl Client {
             Ok(Intent::NotFound) => {
                 // The call fails, unless the name appeared since: then it is made durable.
                 op()?;
-                self.write_back_namespace(fd)?;
+                self.write_back_namespace(&fds)?;
                 for d in dirs {
                     self.set_clean(d);
                 }
@@ -373,7 +396,7 @@ impl Client {
             }
             Err(NotLogged) => None,
         };
-        let write_back = || self.write_back_namespace(fd);
+        let write_back = || self.write_back_namespace(&fds);
         crate::policy::change_namespace(
             || lsn,
             op,
@@ -394,6 +417,11 @@ impl Client {
         }
         Ok(())
     }
+}
+
+/// The descriptors of an operation's directories.
+fn raw(dirs: &[&Dir]) -> Vec<i32> {
+    dirs.iter().map(|d| d.fd.as_raw_fd()).collect()
 }
 
 #[cfg(test)]

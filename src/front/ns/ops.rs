@@ -329,7 +329,7 @@ impl Client {
             self.count(P_DIR_FSYNC, 1);
             return Some(Ok(()));
         }
-        let r = self.write_back_namespace(fd);
+        let r = self.write_back_namespace(&[fd]);
         if r.is_ok() {
             slot.w(S_DIR_CTIME).store(c0, Ordering::Release);
         }

@@ -79,6 +79,8 @@ pub struct ServeStats {
     pub writebacks: AtomicU64,
     pub writeback_errors: AtomicU64,
     pub writeback_us: AtomicU64,
+    /// Objects the write-back fsynced one by one (lowers that ignore syncfs).
+    pub objects_synced: AtomicU64,
     pub leases_reclaimed: AtomicU64,
     pub attaches: AtomicU64,
     /// Connections of users the daemon does not serve.
@@ -184,6 +186,11 @@ impl Daemon {
         table
             .w(H_WATCH)
             .store(group.is_some() as u64, Ordering::Release);
+        // Where syncfs does not reach the lower, write-back fsyncs each object the log names
+        // (the processes note them, `Slot::note_for_sync`).
+        table
+            .w(H_PER_OBJECT)
+            .store(!lower.syncfs_reliable() as u64, Ordering::Release);
         Ok(Daemon {
             log,
             lower,
@@ -317,7 +324,13 @@ impl Daemon {
                 self.log.next_lsn();
                 self.log.lsn_now()
             },
-            || self.lower.syncfs(),
+            || {
+                if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
+                    self.sync_noted()
+                } else {
+                    self.lower.syncfs()
+                }
+            },
             |upto| self.log.checkpoint(upto),
         );
         self.table.w(H_CKPT_BUSY).store(0, Ordering::SeqCst);
@@ -334,6 +347,36 @@ impl Daemon {
             .writeback_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(upto)
+    }
+
+    /// The write-back's sync where syncfs does not reach the lower (`H_PER_OBJECT`): fsync
+    /// every object noted since the last write-back, and the root directory (whose records
+    /// bind no slot). Called after the write-back took its LSN: every record below it was
+    /// noted before it took its own. On failure the notes are put back for the next one.
+    fn sync_noted(&self) -> io::Result<()> {
+        let mut taken = Vec::new();
+        let r = (|| {
+            for i in 0..self.table.nslots() {
+                let s = self.table.slot(i);
+                let Some(h) = s.take_for_sync() else { continue };
+                taken.push(i);
+                // None: the slot's object changed while noted; the old one is gone and the
+                // new one's records come after this write-back's LSN.
+                if let Some(h) = h {
+                    self.lower.fsync_handle(&h)?;
+                    self.stats.objects_synced.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            self.lower.fsync_root()
+        })();
+        if r.is_err() {
+            for i in taken {
+                self.table.slot(i).renote();
+            }
+        }
+        // Anything the lower does with it is a bonus.
+        let _ = self.lower.syncfs();
+        r
     }
 
     /// Whether `pid` is attached to this daemon (or is the daemon): registered with the same
@@ -532,6 +575,8 @@ impl Daemon {
             "writebacks": s.writebacks.load(Ordering::Relaxed),
             "writeback_errors": s.writeback_errors.load(Ordering::Relaxed),
             "writeback_us": s.writeback_us.load(Ordering::Relaxed),
+            "objects_synced": s.objects_synced.load(Ordering::Relaxed),
+            "syncfs_trusted": self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) == 0,
             "leases_reclaimed": s.leases_reclaimed.load(Ordering::Relaxed),
             "watching": self.group.is_some(),
             "watched_opens": s.watched_opens.load(Ordering::Relaxed),

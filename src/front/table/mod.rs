@@ -21,7 +21,7 @@ pub use lock::{alive, forget_pid, my_pid, now_ns, PidLock};
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 3;
+pub const VERSION: u64 = 4;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -58,6 +58,11 @@ pub const H_NS_LAST_LSN: usize = 12;
 pub const H_NS_WB_LSN: usize = 13;
 /// How many objects were unmarked (`Client::unwatch_if_idle`, the daemon at an open).
 pub const H_UNMARKS: usize = 14;
+/// 1 when the lower does not make everything durable at syncfs (a FUSE or network file
+/// system): attached processes note each object they log something about, with its handle
+/// (`Slot::note_for_sync`), and the daemon's write-back fsyncs each of them
+/// (`Slot::take_for_sync`) instead of trusting syncfs.
+pub const H_PER_OBJECT: usize = 15;
 pub const H_RING: usize = 16;
 pub const RING: usize = 32;
 /// Counters of processes that detached or died, summed when their record was reused (word
@@ -160,6 +165,19 @@ pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
 
 pub const DEFAULT_SLOTS: usize = 1 << 16;
 
+/// After the slots, one handle record per slot of `HANDLE_WORDS` words: a word with the
+/// handle's length and, in its top bit, the note that the object needs the write-back's
+/// fsync (`H_PER_OBJECT`); then the handle (identity-tagged, as the log records it).
+pub const HANDLE_WORDS: usize = 1 + HANDLE_MAX.div_ceil(8);
+/// The longest identity-tagged handle: tag, inode number, handle type, MAX_HANDLE_SZ bytes.
+pub const HANDLE_MAX: usize = 4 + 8 + 4 + 128;
+pub const HANDLE_NOTED: u64 = 1 << 63;
+
+/// Where the handle records of a table of `nslots` slots start.
+pub fn handles_at(nslots: usize) -> usize {
+    SLOTS_AT + nslots * SLOT_WORDS
+}
+
 pub struct Table {
     ptr: *mut AtomicU64,
     words: usize,
@@ -198,7 +216,7 @@ impl Table {
                 Some(rustix::fs::Gid::from_raw(gid)),
             )?;
         }
-        let words = SLOTS_AT + nslots * SLOT_WORDS;
+        let words = handles_at(nslots) + nslots * HANDLE_WORDS;
         f.set_len((words * 8) as u64)?;
         let t = Self::map(f, words)?;
         t.w(H_VERSION).store(VERSION, Ordering::Relaxed);
@@ -226,7 +244,7 @@ impl Table {
         let t = Self::map(f, len / 8)?;
         if t.w(H_MAGIC).load(Ordering::Acquire) != MAGIC
             || t.w(H_VERSION).load(Ordering::Relaxed) != VERSION
-            || SLOTS_AT + t.nslots() * SLOT_WORDS > t.words
+            || handles_at(t.nslots()) + t.nslots() * HANDLE_WORDS > t.words
         {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,

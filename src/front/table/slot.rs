@@ -15,6 +15,66 @@ impl<'a> Slot<'a> {
         self.t.w(self.base + k)
     }
 
+    /// Word `k` of the slot's handle record (`HANDLE_WORDS`).
+    fn hw(&self, k: usize) -> &'a AtomicU64 {
+        self.t
+            .w(handles_at(self.t.nslots()) + self.idx * HANDLE_WORDS + k)
+    }
+
+    /// Note that the object, whose identity-tagged handle is `handle`, gets a record in the
+    /// log: the daemon's next write-back fsyncs it (`H_PER_OBJECT`). Called before the record
+    /// takes its LSN, so a write-back whose checkpoint passes the record finds the note (it
+    /// takes its LSN first, then the notes). The handle is stored first, the note after.
+    /// Caller holds the slot lock.
+    pub fn note_for_sync(&self, handle: &[u8]) {
+        if handle.len() > HANDLE_MAX {
+            return; // not a handle of this kernel: the caller's records cannot bind either
+        }
+        let len = self.hw(0).load(Ordering::Acquire) & !HANDLE_NOTED;
+        if len as usize != handle.len() || self.handle() != handle {
+            // A new object in this slot: its handle first (the daemon checks it against the
+            // slot's checksum, so a half-written one is never used).
+            for (k, chunk) in handle.chunks(8).enumerate() {
+                let mut w = [0u8; 8];
+                w[..chunk.len()].copy_from_slice(chunk);
+                self.hw(1 + k)
+                    .store(u64::from_le_bytes(w), Ordering::Relaxed);
+            }
+            self.hw(0).store(handle.len() as u64, Ordering::SeqCst);
+        }
+        self.hw(0).fetch_or(HANDLE_NOTED, Ordering::SeqCst);
+    }
+
+    /// The stored handle of the object (empty: none).
+    fn handle(&self) -> Vec<u8> {
+        let len = ((self.hw(0).load(Ordering::Acquire) & !HANDLE_NOTED) as usize).min(HANDLE_MAX);
+        let mut h = Vec::with_capacity(len.next_multiple_of(8));
+        for k in 0..len.div_ceil(8) {
+            h.extend_from_slice(&self.hw(1 + k).load(Ordering::Relaxed).to_le_bytes());
+        }
+        h.truncate(len);
+        h
+    }
+
+    /// The daemon's write-back: if the object was noted since the last one, take the note and
+    /// return its handle, checked against the slot's identity (`S_GEN`, the handle's
+    /// checksum). `Some(None)`: noted, but the handle is being replaced by a newer object's,
+    /// whose records come after this write-back's LSN.
+    pub fn take_for_sync(&self) -> Option<Option<Vec<u8>>> {
+        if self.hw(0).load(Ordering::Acquire) & HANDLE_NOTED == 0 {
+            return None;
+        }
+        self.hw(0).fetch_and(!HANDLE_NOTED, Ordering::SeqCst);
+        let h = self.handle();
+        let gen = crc32c::crc32c(&h) as u64 | 1 << 40;
+        Some((!h.is_empty() && self.w(S_GEN).load(Ordering::Acquire) == gen).then_some(h))
+    }
+
+    /// Put back a note the write-back took but could not honour (it is retried).
+    pub fn renote(&self) {
+        self.hw(0).fetch_or(HANDLE_NOTED, Ordering::SeqCst);
+    }
+
     /// Lock the slot. A lock whose owner died is taken over and the slot marked fallback.
     pub fn lock(&self) -> PidLock<'a> {
         let (g, stolen) = PidLock::acquire(self.w(S_LOCK));
