@@ -1,7 +1,8 @@
 //! pmstack over distributed file systems' client mounts: GlusterFS (a two-brick replica
 //! volume) and JuiceFS (SQLite metadata, a local bucket), set up by `scripts/lowers`. Each
 //! runs the kill -9 tests, the reference-model test and recovery after the client was
-//! remounted. In CI (CI=true) a missing file system is a failure; elsewhere the test says
+//! remounted (through the mount, and through `pmstack run`, whose daemon fsyncs each changed
+//! object there). In CI (CI=true) a missing file system is a failure; elsewhere the test says
 //! what is missing and returns.
 
 mod common;
@@ -123,6 +124,7 @@ fn all_over(kind: &str) {
         .and_then(|s| s.parse().ok());
     if fixed.is_none() {
         common::remount::recover_after_client_remount(&l.mnt, &|| l.remount());
+        common::remount::recover_after_client_remount_under_run(&l.mnt, &|| l.remount());
         second_node_is_refused(&l);
         for mode in ["sync", "strict", "adaptive"] {
             common::model::run_mode(mode, Some(l.subdir(&format!("model-{mode}"))));

@@ -157,6 +157,22 @@ fn recovery_after_the_lower_client_was_remounted_replays_everything() {
     });
 }
 
+/// The same through `pmstack run`: `pmstack serve` over the FUSE lower, killed with -9, the
+/// client remounted before recovery.
+#[test]
+fn recovery_under_pmstack_run_after_the_lower_client_was_remounted_replays_everything() {
+    if !can_mount() {
+        return;
+    }
+    let (base, src) = scratch_with_src("pmstack-fuseremount-run-");
+    let dst = base.path().join("bind");
+    let bind = std::cell::RefCell::new(Some(BindFs::new(&src, &dst)));
+    common::remount::recover_after_client_remount_under_run(&dst, &|| {
+        bind.borrow_mut().take();
+        *bind.borrow_mut() = Some(BindFs::new(&src, &dst));
+    });
+}
+
 /// The file handle the kernel gives for `p` (`name_to_handle_at`): on a FUSE file system it
 /// carries the client's node id for the object.
 fn handle_of(p: &Path) -> Vec<u8> {
@@ -239,15 +255,6 @@ fn a_forgotten_file_keeps_its_identity_when_the_fuse_lower_renumbers_it() {
     m.umount();
 }
 
-/// A PM region file in /dev/shm, removed on drop (also after a failure).
-struct ShmRegion(PathBuf);
-
-impl Drop for ShmRegion {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.0);
-    }
-}
-
 /// `pmstack serve` over a FUSE lower (issue "Over distributed file systems"): syncfs does not
 /// reach it, so the daemon's write-back fsyncs each object the programs logged something
 /// about (their files, the directories of their namespace operations), opening it by handle.
@@ -266,7 +273,7 @@ fn serve_over_a_fuse_lower_makes_every_changed_object_durable_at_write_back() {
         return; // not CI, and no loop devices: LoopFs said so
     };
     let bind = BindFs::new(&ext4.dir, &base.path().join("bind"));
-    let pm = ShmRegion(PathBuf::from(format!(
+    let pm = common::RemoveOnDrop(PathBuf::from(format!(
         "/dev/shm/pmstack-test-fuselower-serve-{}.pm",
         std::process::id()
     )));

@@ -448,3 +448,12 @@ impl Drop for Served {
         self.kill9();
     }
 }
+
+/// A file removed on drop (also after a failure): a PM region a test made.
+pub struct RemoveOnDrop(pub PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}

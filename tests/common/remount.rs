@@ -94,3 +94,120 @@ pub fn recover_after_client_remount(lower: &Path, remount: &dyn Fn()) {
     assert_eq!(v["clean"], serde_json::json!(true), "{v}");
     fs::remove_dir_all(&work).unwrap();
 }
+
+/// `recover_after_client_remount` through `pmstack run`: `pmstack serve` over `lower` (a FUSE
+/// client mount, whose syncfs the kernel does not forward: the daemon fsyncs each changed
+/// object), a program under `pmstack run` makes the same fsynced creates and overwrites,
+/// the daemon is killed with -9, the file system below loses what was not durable, the client
+/// is remounted, and recovery must replay all of it.
+pub fn recover_after_client_remount_under_run(lower: &Path, remount: &dyn Fn()) {
+    const N: usize = 40;
+    let name = format!("remount-run-{}", std::process::id());
+    let work = lower.join(&name);
+    let _ = fs::remove_dir_all(&work);
+    fs::create_dir_all(work.join("old")).unwrap();
+    for k in 0..N {
+        fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
+    }
+    let pm = std::path::PathBuf::from(format!(
+        "/dev/shm/pmstack-test-remount-run-{}.pm",
+        std::process::id()
+    ));
+    let _gone = super::RemoveOnDrop(pm.clone());
+    // Write-back far away: every acknowledged operation stays live in the log. No watch for
+    // writers outside `pmstack run`: the first sync of a new file is then absorbed at once.
+    let mut served = super::Served::start(
+        lower,
+        &pm,
+        &[
+            "--pm-size",
+            "64M",
+            "--flush-interval-ms",
+            "3600000",
+            "--all-writers-attached",
+        ],
+    );
+    // The first operation in a directory the daemon has not seen change is a write-back of
+    // everything (it may hold changes the log lacks): `new` gets one, then the logged ones.
+    // A file made before the daemon started gets one real sync (its baseline), of bytes it
+    // already had; the overwrite after it is absorbed.
+    let script = r#"
+import os, sys
+top, n = sys.argv[1], int(sys.argv[2])
+content = lambda k, tag: bytes(((i & 255) ^ tag ^ k) & 255 for i in range(3000 + 97 * k))
+os.mkdir(top + "/new")
+fd = os.open(top + "/new/warm", os.O_CREAT | os.O_WRONLY, 0o644); os.fsync(fd); os.close(fd)
+for k in range(n):
+    fd = os.open(f"{top}/new/{k}", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.pwrite(fd, content(k, 1), 0); os.fsync(fd); os.close(fd)
+    fd = os.open(f"{top}/old/{k}", os.O_WRONLY)
+    os.pwrite(fd, b"o" * 5000, 0); os.fsync(fd)
+    os.pwrite(fd, content(k, 2), 100); os.fdatasync(fd); os.close(fd)
+"#;
+    let st = super::maybe_run(Path::new("python3"), Some(lower))
+        .arg("-c")
+        .arg(script)
+        .arg(&work)
+        .arg(N.to_string())
+        .status()
+        .unwrap();
+    assert!(st.success(), "the program under pmstack run failed: {st}");
+    let content = |k: usize, tag: u8| -> Vec<u8> {
+        (0..3000 + 97 * k)
+            .map(|i| (i as u8) ^ tag ^ k as u8)
+            .collect()
+    };
+    let mut want = BTreeMap::new();
+    for k in 0..N {
+        want.insert(format!("new/{k}"), content(k, 1));
+        let mut o = vec![b'o'; 5000];
+        let c = content(k, 2);
+        if o.len() < 100 + c.len() {
+            o.resize(100 + c.len(), 0);
+        }
+        o[100..100 + c.len()].copy_from_slice(&c);
+        want.insert(format!("old/{k}"), o);
+    }
+    served.kill9();
+    for k in 0..N {
+        fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
+        if k % 4 == 0 {
+            fs::remove_file(work.join(format!("new/{k}"))).unwrap();
+        } else {
+            fs::File::create(work.join(format!("new/{k}"))).unwrap();
+        }
+    }
+    remount();
+    for k in (0..N).rev() {
+        let _ = fs::metadata(work.join(format!("old/{k}")));
+    }
+    let out = Command::new(bin())
+        .args(["recover", "--pm"])
+        .arg(&pm)
+        .arg(lower)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "recover failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (name, bytes) in &want {
+        let got = fs::read(work.join(name)).unwrap_or_default();
+        assert!(
+            &got == bytes,
+            "{name}: {} bytes after recovery, want {} fsynced bytes; recover said: {}",
+            got.len(),
+            bytes.len(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let out = Command::new(bin())
+        .args(["check", "--json", "--pm"])
+        .arg(&pm)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert_eq!(v["clean"], serde_json::json!(true), "{v}");
+    fs::remove_dir_all(&work).unwrap();
+}
