@@ -369,3 +369,94 @@ os.fsync(fd); os.close(fd)
     assert_eq!(fs::read(ext4.dir.join("lazy")).unwrap(), data[..20000]);
     assert!(!ext4.dir.join("d/g").exists());
 }
+
+/// Write-back of `pmstack run` over a FUSE lower whose client forgot a file the log names:
+/// the file handle the program noted no longer opens (bindfs numbers the file anew), and the
+/// daemon must find the file by inode number and fsync it, never take it for deleted. Before,
+/// the write-back skipped it and expired its records with its bytes still dirty below.
+#[test]
+fn serve_write_back_finds_a_file_the_fuse_lower_renumbered() {
+    if !can_mount() {
+        return;
+    }
+    let base = tempfile::Builder::new()
+        .prefix("pmstack-fuselower-renumber-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let Some(ext4) = LoopFs::new(base.path()) else {
+        return; // not CI, and no loop devices: LoopFs said so
+    };
+    let bind = BindFs::new(&ext4.dir, &base.path().join("bind"));
+    let pm = common::RemoveOnDrop(PathBuf::from(format!(
+        "/dev/shm/pmstack-test-fuselower-renumber-{}.pm",
+        std::process::id()
+    )));
+    // Write-back only when woken below; no watch for writers outside `pmstack run`, so that
+    // the syncs of the new file are absorbed at once.
+    let served = common::Served::start(
+        &bind.0,
+        &pm.0,
+        &[
+            "--pm-size",
+            "64M",
+            "--flush-interval-ms",
+            "3600000",
+            "--all-writers-attached",
+        ],
+    );
+    let script = r#"
+import os, sys
+fd = os.open(sys.argv[1] + "/f", os.O_CREAT | os.O_WRONLY, 0o644)
+os.write(fd, bytes((k % 253) for k in range(65536))); os.fsync(fd)
+os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd)
+"#;
+    let st = common::maybe_run(Path::new("python3"), Some(&bind.0))
+        .arg("-c")
+        .arg(script)
+        .arg(&bind.0)
+        .status()
+        .unwrap();
+    assert!(st.success(), "the program under pmstack run failed: {st}");
+    let stat = || {
+        let out = Command::new(common::bin())
+            .args(["stat", "--json"])
+            .arg(&bind.0)
+            .output()
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
+    };
+    assert!(
+        unsynced_pages(&ext4.dir.join("f")) > 0,
+        "the file's bytes are already durable below: this test cannot show what it is for"
+    );
+    // Until bindfs numbers the file anew: the kernel forgot it, and then bindfs did.
+    let before = handle_of(&bind.0.join("f"));
+    let t0 = Instant::now();
+    while handle_of(&bind.0.join("f")) == before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "bindfs kept the file's handle through a minute of drop_caches: this test cannot show what it is for"
+        );
+        fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let w0 = stat()["writebacks"].as_u64().unwrap_or(0);
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&bind.0).1).unwrap();
+    let t0 = Instant::now();
+    while stat()["writebacks"].as_u64().unwrap_or(0) < w0 + 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no write-back within a minute of waking the daemon"
+        );
+        table
+            .w(pmstack::front::table::H_WAKE)
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        unsynced_pages(&ext4.dir.join("f")),
+        0,
+        "the file has dirty pages in ext4 after write-back expired its log entries"
+    );
+    served.stop();
+}

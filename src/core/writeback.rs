@@ -91,6 +91,7 @@ impl Core {
         if self.syncfs_ok {
             return self.lower.syncfs();
         }
+        let mut handles = Vec::new();
         for (kind, node) in set.values() {
             let fl = match *kind {
                 libc::S_IFDIR => libc::O_RDONLY | libc::O_DIRECTORY,
@@ -99,20 +100,17 @@ impl Core {
                 // are queued with them.
                 _ => continue,
             };
-            let fd = match node {
-                SyncRef::Fd(n) => self.lower.reopen(n.as_raw_fd(), fl),
-                SyncRef::Handle(h) => self
-                    .lower
-                    .open_handle(h)
-                    .and_then(|n| self.lower.reopen(n.as_raw_fd(), fl)),
-            };
-            match fd {
-                Ok(fd) => real::fsync(fd.as_raw_fd(), false)?,
-                // Deleted since: nothing of it needs to be durable.
-                Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {}
-                Err(e) => return Err(e),
+            match node {
+                SyncRef::Fd(n) => {
+                    let fd = self.lower.reopen(n.as_raw_fd(), fl)?;
+                    real::fsync(fd.as_raw_fd(), false)?;
+                }
+                SyncRef::Handle(h) => handles.push(h.as_slice()),
             }
         }
+        // By handle; where handles do not survive the client forgetting an object, one that
+        // no longer opens is looked for by inode number (deleted only if not found).
+        self.lower.fsync_handles(handles)?;
         // Anything the lower does with it is a bonus.
         let _ = self.lower.syncfs();
         Ok(())

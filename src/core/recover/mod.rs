@@ -112,66 +112,6 @@ fn new_name(fid: u64) -> Vec<u8> {
     format!(".pmstack-new-{fid}").into_bytes()
 }
 
-/// Search LOWER's whole tree for the objects whose inode numbers are in `wanted` (one name
-/// each; hard links are one object). Every entry is looked at with its own stat, since FUSE
-/// file systems need not report the same number in a directory listing. Directories that
-/// cannot be read are returned as errors: an object not found must mean it is not there.
-fn search_by_ino(
-    lower: &RealLower,
-    wanted: &std::collections::HashSet<u64>,
-) -> (HashMap<u64, OwnedFd>, Vec<String>) {
-    let mut found = HashMap::new();
-    let mut errors = Vec::new();
-    let Ok(root) = lower.reopen(lower.root_fd(), libc::O_PATH | libc::O_DIRECTORY) else {
-        errors.push("searching LOWER by inode number: cannot open its root".to_string());
-        return (found, errors);
-    };
-    let mut dirs = vec![(root, true)];
-    while let Some((dir, at_root)) = dirs.pop() {
-        if found.len() == wanted.len() {
-            break;
-        }
-        let entries = match lower.read_dir(dir.as_raw_fd()) {
-            Ok(e) => e,
-            Err(e) => {
-                errors.push(format!("searching LOWER by inode number: a directory: {e}"));
-                continue;
-            }
-        };
-        for (name, _, _) in entries {
-            if at_root && real::is_fs_trash(&name) {
-                continue;
-            }
-            let (fd, st) = match lower.lookup(dir.as_raw_fd(), OsStr::from_bytes(&name)) {
-                Ok(x) => x,
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-                Err(e) => {
-                    errors.push(format!(
-                        "searching LOWER by inode number: {}: {e}",
-                        String::from_utf8_lossy(&name)
-                    ));
-                    continue;
-                }
-            };
-            let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
-            if wanted.contains(&st.st_ino) && !found.contains_key(&st.st_ino) {
-                if is_dir {
-                    if let Ok(again) = lower.reopen(fd.as_raw_fd(), libc::O_PATH) {
-                        found.insert(st.st_ino, again);
-                    }
-                } else {
-                    found.insert(st.st_ino, fd);
-                    continue;
-                }
-            }
-            if is_dir {
-                dirs.push((fd, false));
-            }
-        }
-    }
-    (found, errors)
-}
-
 /// Whether the log's handles name objects of `lower` itself: the root binding (recorded in
 /// every write-back interval that logged anything) must open to LOWER's root. A copy of LOWER
 /// (same marker, other inodes) or a lower whose client was remounted (stale handles) fails

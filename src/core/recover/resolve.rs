@@ -82,7 +82,7 @@ impl Replayer<'_> {
                 .filter(|(&fid, _)| fid != ROOT_FID)
                 .filter_map(|(_, h)| real::split_identity(h).0)
                 .collect();
-            let (found, errors) = search_by_ino(self.lower, &wanted);
+            let (found, errors) = real::search_by_ino(self.lower, &wanted);
             if !errors.is_empty() {
                 self.sum.errors.extend(errors);
             }

@@ -9,8 +9,10 @@ use std::path::Path;
 use super::{check_name, errno};
 
 mod fd;
+mod search;
 
 pub use fd::*;
+pub use search::search_by_ino;
 
 pub type Stat = libc::stat;
 
@@ -399,27 +401,6 @@ impl RealLower {
         // SAFETY: valid pointers.
         cvt(unsafe { libc::fstatvfs(node, &mut s) })?;
         Ok(s)
-    }
-
-    /// fsync the object a handle names: a regular file, or a directory (other kinds have
-    /// their entries in directories, which are synced on their own). Ok(false): the object is
-    /// gone, and nothing of it needs to be durable.
-    pub fn fsync_handle(&self, h: &[u8]) -> io::Result<bool> {
-        let node = match self.open_handle(h) {
-            Ok(n) => n,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ESTALE | libc::ENOENT)) => {
-                return Ok(false)
-            }
-            Err(e) => return Err(e),
-        };
-        let fl = match fstat(node.as_raw_fd())?.st_mode & libc::S_IFMT {
-            libc::S_IFDIR => libc::O_RDONLY | libc::O_DIRECTORY,
-            libc::S_IFREG => libc::O_RDONLY,
-            _ => return Ok(true),
-        };
-        let fd = self.reopen(node.as_raw_fd(), fl)?;
-        fsync(fd.as_raw_fd(), false)?;
-        Ok(true)
     }
 
     /// fsync the lower's root directory.
