@@ -420,11 +420,15 @@ pub fn maybe_run(program: &Path, run_root: Option<&Path>) -> Command {
 }
 
 /// A `serve` that is killed if the test fails before it stops it (nothing left running).
-pub struct Served(pub Option<std::process::Child>);
+/// The daemon's shared table (in /dev/shm) is removed with it, also after a kill -9.
+pub struct Served(pub Option<std::process::Child>, PathBuf);
 
 impl Served {
     pub fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Served {
-        Served(Some(start_serve(dir, pm, extra)))
+        Served(
+            Some(start_serve(dir, pm, extra)),
+            pmstack::front::paths(dir).1,
+        )
     }
 
     /// SIGTERM and a clean exit (`stop_serve`).
@@ -439,6 +443,7 @@ impl Served {
         if let Some(mut c) = self.0.take() {
             let _ = c.kill();
             let _ = c.wait();
+            let _ = fs::remove_file(&self.1);
         }
     }
 }
