@@ -148,10 +148,18 @@ fn recovery_after_the_lower_client_was_remounted_replays_everything() {
     if !can_mount() {
         return;
     }
-    let (base, src) = scratch_with_src("pmstack-fuseremount-");
+    over_remountable_bindfs(
+        "pmstack-fuseremount-",
+        common::remount::recover_after_client_remount,
+    );
+}
+
+/// Run `test` over bindfs of a scratch directory, with a remount of bindfs for its `remount`.
+fn over_remountable_bindfs(prefix: &str, test: fn(&Path, &dyn Fn())) {
+    let (base, src) = scratch_with_src(prefix);
     let dst = base.path().join("bind");
     let bind = std::cell::RefCell::new(Some(BindFs::new(&src, &dst)));
-    common::remount::recover_after_client_remount(&dst, &|| {
+    test(&dst, &|| {
         bind.borrow_mut().take();
         *bind.borrow_mut() = Some(BindFs::new(&src, &dst));
     });
@@ -164,13 +172,10 @@ fn recovery_under_pmstack_run_after_the_lower_client_was_remounted_replays_every
     if !can_mount() {
         return;
     }
-    let (base, src) = scratch_with_src("pmstack-fuseremount-run-");
-    let dst = base.path().join("bind");
-    let bind = std::cell::RefCell::new(Some(BindFs::new(&src, &dst)));
-    common::remount::recover_after_client_remount_under_run(&dst, &|| {
-        bind.borrow_mut().take();
-        *bind.borrow_mut() = Some(BindFs::new(&src, &dst));
-    });
+    over_remountable_bindfs(
+        "pmstack-fuseremount-run-",
+        common::remount::recover_after_client_remount_under_run,
+    );
 }
 
 /// The file handle the kernel gives for `p` (`name_to_handle_at`): on a FUSE file system it
@@ -265,23 +270,10 @@ fn serve_over_a_fuse_lower_makes_every_changed_object_durable_at_write_back() {
     if !can_mount() {
         return;
     }
-    let base = tempfile::Builder::new()
-        .prefix("pmstack-fuselower-serve-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let Some(ext4) = LoopFs::new(base.path()) else {
+    let Some(mut o) = ServedOverBindfs::start("serve", &["--flush-interval-ms", "100"]) else {
         return; // not CI, and no loop devices: LoopFs said so
     };
-    let bind = BindFs::new(&ext4.dir, &base.path().join("bind"));
-    let pm = common::RemoveOnDrop(PathBuf::from(format!(
-        "/dev/shm/pmstack-test-fuselower-serve-{}.pm",
-        std::process::id()
-    )));
-    let mut served = common::Served::start(
-        &bind.0,
-        &pm.0,
-        &["--pm-size", "64M", "--flush-interval-ms", "100"],
-    );
+    let (bind, ext4) = (o.bind.0.clone(), o.ext4.dir.clone());
     // A program under `pmstack run`: a file written and fsynced, a directory made, a file in
     // it written and fsynced, renamed, and the directory fsynced. And a file written without
     // a sync, then synced once two write-backs passed its write: the sync logs nothing of
@@ -310,18 +302,12 @@ while wb() < w0 + 2:
     time.sleep(0.05)
 os.fsync(fd); os.close(fd)
 "#;
-    let st = common::maybe_run(Path::new("python3"), Some(&bind.0))
-        .arg("-c")
-        .arg(script)
-        .arg(&bind.0)
-        .arg(pmstack::front::paths(&bind.0).2)
-        .status()
-        .unwrap();
-    assert!(st.success(), "the program under pmstack run failed: {st}");
+    let stats = pmstack::front::paths(&bind).2;
+    common::run_python(&bind, script, &[bind.as_os_str(), stats.as_os_str()]);
     let stat = || {
         let out = Command::new(common::bin())
             .args(["stat", "--json"])
-            .arg(&bind.0)
+            .arg(&bind)
             .output()
             .unwrap();
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
@@ -341,11 +327,7 @@ os.fsync(fd); os.close(fd)
         s["totals"]["absorbed_fsync"].as_u64().unwrap_or(0) > 0,
         "no fsync was absorbed, so nothing was left for write-back: {s}"
     );
-    for p in [
-        ext4.dir.join("f"),
-        ext4.dir.join("d/h"),
-        ext4.dir.join("lazy"),
-    ] {
+    for p in [ext4.join("f"), ext4.join("d/h"), ext4.join("lazy")] {
         assert_eq!(
             unsynced_pages(&p),
             0,
@@ -354,20 +336,20 @@ os.fsync(fd); os.close(fd)
         );
     }
     assert!(s["objects_synced"].as_u64().unwrap_or(0) > 0, "{s}");
-    served.kill9();
+    o.served.kill9();
     let st = Command::new(common::bin())
         .arg("recover")
         .arg("--pm")
-        .arg(&pm.0)
-        .arg(&bind.0)
+        .arg(&o.pm.0)
+        .arg(&bind)
         .status()
         .unwrap();
     assert!(st.success(), "pmstack recover: {st}");
     let data: Vec<u8> = (0..65536u32).map(|k| (k % 253) as u8).collect();
-    assert_eq!(fs::read(ext4.dir.join("f")).unwrap(), data);
-    assert_eq!(fs::read(ext4.dir.join("d/h")).unwrap(), data[..10000]);
-    assert_eq!(fs::read(ext4.dir.join("lazy")).unwrap(), data[..20000]);
-    assert!(!ext4.dir.join("d/g").exists());
+    assert_eq!(fs::read(ext4.join("f")).unwrap(), data);
+    assert_eq!(fs::read(ext4.join("d/h")).unwrap(), data[..10000]);
+    assert_eq!(fs::read(ext4.join("lazy")).unwrap(), data[..20000]);
+    assert!(!ext4.join("d/g").exists());
 }
 
 /// Write-back of `pmstack run` over a FUSE lower whose client forgot a file the log names:
@@ -379,60 +361,38 @@ fn serve_write_back_finds_a_file_the_fuse_lower_renumbered() {
     if !can_mount() {
         return;
     }
-    let base = tempfile::Builder::new()
-        .prefix("pmstack-fuselower-renumber-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let Some(ext4) = LoopFs::new(base.path()) else {
-        return; // not CI, and no loop devices: LoopFs said so
-    };
-    let bind = BindFs::new(&ext4.dir, &base.path().join("bind"));
-    let pm = common::RemoveOnDrop(PathBuf::from(format!(
-        "/dev/shm/pmstack-test-fuselower-renumber-{}.pm",
-        std::process::id()
-    )));
     // Write-back only when woken below; no watch for writers outside `pmstack run`, so that
     // the syncs of the new file are absorbed at once.
-    let served = common::Served::start(
-        &bind.0,
-        &pm.0,
-        &[
-            "--pm-size",
-            "64M",
-            "--flush-interval-ms",
-            "3600000",
-            "--all-writers-attached",
-        ],
-    );
+    let Some(o) = ServedOverBindfs::start(
+        "renumber",
+        &["--flush-interval-ms", "3600000", "--all-writers-attached"],
+    ) else {
+        return; // not CI, and no loop devices: LoopFs said so
+    };
+    let (bind, ext4) = (o.bind.0.clone(), o.ext4.dir.clone());
     let script = r#"
 import os, sys
 fd = os.open(sys.argv[1] + "/f", os.O_CREAT | os.O_WRONLY, 0o644)
 os.write(fd, bytes((k % 253) for k in range(65536))); os.fsync(fd)
 os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd)
 "#;
-    let st = common::maybe_run(Path::new("python3"), Some(&bind.0))
-        .arg("-c")
-        .arg(script)
-        .arg(&bind.0)
-        .status()
-        .unwrap();
-    assert!(st.success(), "the program under pmstack run failed: {st}");
+    common::run_python(&bind, script, &[bind.as_os_str()]);
     let stat = || {
         let out = Command::new(common::bin())
             .args(["stat", "--json"])
-            .arg(&bind.0)
+            .arg(&bind)
             .output()
             .unwrap();
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
     };
     assert!(
-        unsynced_pages(&ext4.dir.join("f")) > 0,
+        unsynced_pages(&ext4.join("f")) > 0,
         "the file's bytes are already durable below: this test cannot show what it is for"
     );
     // Until bindfs numbers the file anew: the kernel forgot it, and then bindfs did.
-    let before = handle_of(&bind.0.join("f"));
+    let before = handle_of(&bind.join("f"));
     let t0 = Instant::now();
-    while handle_of(&bind.0.join("f")) == before {
+    while handle_of(&bind.join("f")) == before {
         assert!(
             t0.elapsed() < Duration::from_secs(60),
             "bindfs kept the file's handle through a minute of drop_caches: this test cannot show what it is for"
@@ -441,7 +401,7 @@ os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd
         std::thread::sleep(Duration::from_millis(10));
     }
     let w0 = stat()["writebacks"].as_u64().unwrap_or(0);
-    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&bind.0).1).unwrap();
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&bind).1).unwrap();
     let t0 = Instant::now();
     while stat()["writebacks"].as_u64().unwrap_or(0) < w0 + 1 {
         assert!(
@@ -454,9 +414,44 @@ os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(
-        unsynced_pages(&ext4.dir.join("f")),
+        unsynced_pages(&ext4.join("f")),
         0,
         "the file has dirty pages in ext4 after write-back expired its log entries"
     );
-    served.stop();
+    o.served.stop();
+}
+
+/// ext4 on a loop device, bindfs over it, and `pmstack serve` over the bindfs mount with a
+/// region of its own; undone in the order of the fields (the daemon first).
+struct ServedOverBindfs {
+    served: common::Served,
+    pm: common::RemoveOnDrop,
+    bind: BindFs,
+    ext4: LoopFs,
+    _base: tempfile::TempDir,
+}
+
+impl ServedOverBindfs {
+    /// None: no loop devices outside CI (`LoopFs` said so).
+    fn start(name: &str, extra: &[&str]) -> Option<ServedOverBindfs> {
+        let base = tempfile::Builder::new()
+            .prefix(&format!("pmstack-fuselower-{name}-"))
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let ext4 = LoopFs::new(base.path())?;
+        let bind = BindFs::new(&ext4.dir, &base.path().join("bind"));
+        let pm = common::RemoveOnDrop(PathBuf::from(format!(
+            "/dev/shm/pmstack-test-fuselower-{name}-{}.pm",
+            std::process::id()
+        )));
+        let args: Vec<&str> = ["--pm-size", "64M"].iter().chain(extra).copied().collect();
+        let served = common::Served::start(&bind.0, &pm.0, &args);
+        Some(ServedOverBindfs {
+            served,
+            pm,
+            bind,
+            ext4,
+            _base: base,
+        })
+    }
 }

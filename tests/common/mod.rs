@@ -462,3 +462,14 @@ impl Drop for RemoveOnDrop {
         let _ = fs::remove_file(&self.0);
     }
 }
+
+/// Run a Python `script` with `args` under `pmstack run --root ROOT`; it must succeed.
+pub fn run_python(root: &Path, script: &str, args: &[&std::ffi::OsStr]) {
+    let st = maybe_run(Path::new("python3"), Some(root))
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(st.success(), "the program under pmstack run failed: {st}");
+}

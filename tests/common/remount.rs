@@ -16,22 +16,12 @@ use super::{bin, Mount};
 /// object once the new client hands the same number out). Recovery must find every object
 /// the log names again and replay all of it, and only then call the region clean.
 pub fn recover_after_client_remount(lower: &Path, remount: &dyn Fn()) {
-    const N: usize = 40;
     let work = lower.join(format!("remount-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&work);
-    fs::create_dir_all(work.join("old")).unwrap();
-    for k in 0..N {
-        fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
-    }
+    make_old(&work);
     let mut m = Mount::new(Some(lower.to_owned()));
     // Write-back far away: every acknowledged operation stays live in the log.
     m.mount(&["--mode", "sync", "--flush-interval-ms", "3600000"]);
     let top = m.mnt.join(work.file_name().unwrap());
-    let content = |k: usize, tag: u8| -> Vec<u8> {
-        (0..3000 + 97 * k)
-            .map(|i| (i as u8) ^ tag ^ k as u8)
-            .collect()
-    };
     fs::create_dir(top.join("new")).unwrap();
     for k in 0..N {
         let f = fs::File::create(top.join(format!("new/{k}"))).unwrap();
@@ -44,52 +34,8 @@ pub fn recover_after_client_remount(lower: &Path, remount: &dyn Fn()) {
         g.write_all_at(&content(k, 2), 100).unwrap();
         g.sync_data().unwrap();
     }
-    let mut want = BTreeMap::new();
-    for k in 0..N {
-        want.insert(format!("new/{k}"), content(k, 1));
-        let mut o = vec![b'o'; 5000];
-        let c = content(k, 2);
-        if o.len() < 100 + c.len() {
-            o.resize(100 + c.len(), 0);
-        }
-        o[100..100 + c.len()].copy_from_slice(&c);
-        want.insert(format!("old/{k}"), o);
-    }
     m.kill9();
-    for k in 0..N {
-        fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
-        if k % 4 == 0 {
-            fs::remove_file(work.join(format!("new/{k}"))).unwrap();
-        } else {
-            fs::File::create(work.join(format!("new/{k}"))).unwrap();
-        }
-    }
-    remount();
-    // Programs on the node look names up first, so old handles could open the wrong objects.
-    for k in (0..N).rev() {
-        let _ = fs::metadata(work.join(format!("old/{k}")));
-    }
-    let out = Command::new(bin())
-        .args(["recover", "--pm"])
-        .arg(&m.pm)
-        .arg(lower)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "recover failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for (name, bytes) in &want {
-        let got = fs::read(work.join(name)).unwrap_or_default();
-        assert!(
-            &got == bytes,
-            "{name}: {} bytes after recovery, want {} fsynced bytes; recover said: {}",
-            got.len(),
-            bytes.len(),
-            String::from_utf8_lossy(&out.stdout)
-        );
-    }
+    lose_and_recover(lower, &work, &m.pm, remount);
     let v = m.check_json();
     assert_eq!(v["clean"], serde_json::json!(true), "{v}");
     fs::remove_dir_all(&work).unwrap();
@@ -101,14 +47,9 @@ pub fn recover_after_client_remount(lower: &Path, remount: &dyn Fn()) {
 /// the daemon is killed with -9, the file system below loses what was not durable, the client
 /// is remounted, and recovery must replay all of it.
 pub fn recover_after_client_remount_under_run(lower: &Path, remount: &dyn Fn()) {
-    const N: usize = 40;
     let name = format!("remount-run-{}", std::process::id());
     let work = lower.join(&name);
-    let _ = fs::remove_dir_all(&work);
-    fs::create_dir_all(work.join("old")).unwrap();
-    for k in 0..N {
-        fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
-    }
+    make_old(&work);
     let pm = std::path::PathBuf::from(format!(
         "/dev/shm/pmstack-test-remount-run-{}.pm",
         std::process::id()
@@ -144,19 +85,43 @@ for k in range(n):
     os.pwrite(fd, b"o" * 5000, 0); os.fsync(fd)
     os.pwrite(fd, content(k, 2), 100); os.fdatasync(fd); os.close(fd)
 "#;
-    let st = super::maybe_run(Path::new("python3"), Some(lower))
-        .arg("-c")
-        .arg(script)
-        .arg(&work)
-        .arg(N.to_string())
-        .status()
+    let n = N.to_string();
+    super::run_python(lower, script, &[work.as_os_str(), n.as_ref()]);
+    served.kill9();
+    lose_and_recover(lower, &work, &pm, remount);
+    let out = Command::new(bin())
+        .args(["check", "--json", "--pm"])
+        .arg(&pm)
+        .output()
         .unwrap();
-    assert!(st.success(), "the program under pmstack run failed: {st}");
-    let content = |k: usize, tag: u8| -> Vec<u8> {
-        (0..3000 + 97 * k)
-            .map(|i| (i as u8) ^ tag ^ k as u8)
-            .collect()
-    };
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert_eq!(v["clean"], serde_json::json!(true), "{v}");
+    fs::remove_dir_all(&work).unwrap();
+}
+
+/// Files per directory in these tests.
+const N: usize = 40;
+
+/// What the test writes: file `k`'s bytes for `tag` (1: a new file, 2: an overwrite).
+fn content(k: usize, tag: u8) -> Vec<u8> {
+    (0..3000 + 97 * k)
+        .map(|i| (i as u8) ^ tag ^ k as u8)
+        .collect()
+}
+
+/// `work/old/0..N`, each 5000 bytes of `o`, made before pmstack runs.
+fn make_old(work: &Path) {
+    let _ = fs::remove_dir_all(work);
+    fs::create_dir_all(work.join("old")).unwrap();
+    for k in 0..N {
+        fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
+    }
+}
+
+/// After pmstack (region `pm`) was killed: the node "crashes" (the lower loses the overwrites
+/// and the new files' bytes, a quarter of the new files entirely), the client is remounted,
+/// recovery runs, and every fsynced byte must be back.
+fn lose_and_recover(lower: &Path, work: &Path, pm: &Path, remount: &dyn Fn()) {
     let mut want = BTreeMap::new();
     for k in 0..N {
         want.insert(format!("new/{k}"), content(k, 1));
@@ -168,7 +133,6 @@ for k in range(n):
         o[100..100 + c.len()].copy_from_slice(&c);
         want.insert(format!("old/{k}"), o);
     }
-    served.kill9();
     for k in 0..N {
         fs::write(work.join(format!("old/{k}")), vec![b'o'; 5000]).unwrap();
         if k % 4 == 0 {
@@ -178,12 +142,13 @@ for k in range(n):
         }
     }
     remount();
+    // Programs on the node look names up first, so old handles could open the wrong objects.
     for k in (0..N).rev() {
         let _ = fs::metadata(work.join(format!("old/{k}")));
     }
     let out = Command::new(bin())
         .args(["recover", "--pm"])
-        .arg(&pm)
+        .arg(pm)
         .arg(lower)
         .output()
         .unwrap();
@@ -202,12 +167,4 @@ for k in range(n):
             String::from_utf8_lossy(&out.stdout)
         );
     }
-    let out = Command::new(bin())
-        .args(["check", "--json", "--pm"])
-        .arg(&pm)
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    assert_eq!(v["clean"], serde_json::json!(true), "{v}");
-    fs::remove_dir_all(&work).unwrap();
 }
