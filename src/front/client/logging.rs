@@ -113,19 +113,22 @@ impl Client {
         slot: &Slot<'_>,
         ino: &Inode,
     ) -> Result<u64, NotLogged> {
-        self.bind_handle(a, slot, &ino.handle)
+        self.bind_handle(a, slot, &ino.handle, true)
     }
 
     /// `bind` for any object whose handle the caller has (directories, namespace victims).
+    /// `durable`: the record needs the object itself made durable at write-back (its data,
+    /// its attributes, a directory's entries), not only the directories it is named in.
     pub(in crate::front) fn bind_handle(
         &self,
         a: &mut crate::engine::AreaGuard<'_>,
         slot: &Slot<'_>,
         handle: &[u8],
+        durable: bool,
     ) -> Result<u64, NotLogged> {
         // Every record about an object binds it first, before it takes its LSN: where syncfs
         // is not trusted, this is where the daemon's write-back learns what to fsync.
-        if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
+        if durable && self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
             slot.note_for_sync(handle);
         }
         let mut fid = slot.w(S_FID).load(Ordering::Acquire);

@@ -276,7 +276,11 @@ impl Client {
         let r = (|| {
             let mut fids = BTreeMap::new();
             for (s, (&i, h)) in slots.iter().zip(binds.iter()) {
-                fids.insert(i, self.bind_handle(&mut a, s, h)?);
+                // A namespace change is durable in the directories that name the objects:
+                // only they need the write-back's fsync (a removed object would not even
+                // open by handle on a FUSE lower, and be searched for in vain).
+                let dir = dirs.iter().any(|d| d.slot == i);
+                fids.insert(i, self.bind_handle(&mut a, s, h, dir)?);
             }
             let root_slot = dirs.iter().find(|d| d.root).map(|d| d.slot);
             let fid = |i: usize| {
