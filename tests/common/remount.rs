@@ -50,9 +50,12 @@ pub fn recover_after_client_remount_under_run(lower: &Path, remount: &dyn Fn()) 
     let name = format!("remount-run-{}", std::process::id());
     let work = lower.join(&name);
     make_old(&work);
+    // One region per call: the tests of several lowers run at once in one process.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let pm = std::path::PathBuf::from(format!(
-        "/dev/shm/pmstack-test-remount-run-{}.pm",
-        std::process::id()
+        "/dev/shm/pmstack-test-remount-run-{}-{}.pm",
+        std::process::id(),
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let _gone = super::RemoveOnDrop(pm.clone());
     // Write-back far away: every acknowledged operation stays live in the log. No watch for
