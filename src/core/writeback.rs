@@ -93,12 +93,10 @@ impl Core {
         }
         let mut handles = Vec::new();
         for (kind, node) in set.values() {
-            let fl = match *kind {
-                libc::S_IFDIR => libc::O_RDONLY | libc::O_DIRECTORY,
-                libc::S_IFREG => libc::O_RDONLY,
-                // Symlinks and special files: their entries are in their parents, which
-                // are queued with them.
-                _ => continue,
+            // Symlinks and special files: their entries are in their parents, which are
+            // queued with them.
+            let Some(fl) = real::fsync_flags(*kind) else {
+                continue;
             };
             match node {
                 SyncRef::Fd(n) => {
@@ -117,11 +115,7 @@ impl Core {
     }
 
     pub(super) fn sync_object(&self, i: &Inode) -> io::Result<()> {
-        let fl = if i.kind == libc::S_IFDIR {
-            libc::O_RDONLY | libc::O_DIRECTORY
-        } else if i.kind == libc::S_IFREG {
-            libc::O_RDONLY
-        } else {
+        let Some(fl) = real::fsync_flags(i.kind) else {
             return self.lower.syncfs();
         };
         let fd = self.lower.reopen(self.nfd(i)?.as_raw_fd(), fl)?;

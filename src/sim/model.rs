@@ -107,6 +107,12 @@ impl Model {
             .collect()
     }
 
+    /// One of `places`, drawn.
+    pub(super) fn random_place(&self, rng: &mut StdRng) -> String {
+        let places = self.places();
+        places[rng.gen_range(0..places.len())].clone()
+    }
+
     /// Nothing is named inside directory `d`.
     pub(super) fn is_empty_dir(&self, d: &str) -> bool {
         !self.names.keys().any(|n| n.starts_with(d))
@@ -410,8 +416,7 @@ pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), St
 /// the model. (Without directories, the one draw of the histories before they had them.)
 pub(super) fn new_file_name(rng: &mut StdRng, m: &Model, kinds: Kinds) -> String {
     if kinds.dirs {
-        let places = m.places();
-        let d = places[rng.gen_range(0..places.len())].clone();
+        let d = m.random_place(rng);
         format!("{d}f{}", rng.gen_range(0..6))
     } else {
         format!("f{}", rng.gen_range(0..6))

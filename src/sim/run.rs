@@ -265,8 +265,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             13 => {
                 // The root's, or (with directories) any directory's.
                 let place = if kinds.dirs {
-                    let places = model.places();
-                    places[rng.gen_range(0..places.len())].clone()
+                    model.random_place(&mut rng)
                 } else {
                     String::new()
                 };

@@ -191,6 +191,19 @@ impl Client {
         }
     }
 
+    /// Wait (at most 10 s) until the daemon's checkpoint has passed `upto`. EIO when it does
+    /// not serve, or not in time.
+    pub(in crate::front) fn wait_for_checkpoint(&self, upto: u64) -> io::Result<()> {
+        let t0 = Instant::now();
+        while self.log.checkpoint_lsn() < upto {
+            if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
     /// The lower file system's own fsync of the object, then a write-back record expiring its
     /// older entries (they must never be replayed over what this sync made durable). Caller
     /// holds the slot lock.
@@ -213,13 +226,7 @@ impl Client {
             if self.log.write_back(fid, upto).is_err() {
                 // Not even the reserve has room: wait (bounded) for the daemon's write-back
                 // to pass `upto`, which expires the entries as well.
-                let t0 = Instant::now();
-                while self.log.checkpoint_lsn() < upto {
-                    if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
-                        return Err(io::Error::from_raw_os_error(libc::EIO));
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
+                self.wait_for_checkpoint(upto)?;
             }
         }
         slot.w(S_LAST_LSN).store(0, Ordering::Release);

@@ -21,7 +21,6 @@ use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 mod ops;
 
@@ -243,14 +242,7 @@ impl Client {
     /// with what the log holds.
     fn wait_for_write_back(&self, upto: u64) -> io::Result<()> {
         self.table.w(H_WAKE).store(1, Ordering::Relaxed);
-        let t0 = Instant::now();
-        while self.log.checkpoint_lsn() < upto {
-            if t0.elapsed() > Duration::from_secs(10) || !self.serving() {
-                return Err(io::Error::from_raw_os_error(libc::EIO));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(())
+        self.wait_for_checkpoint(upto)
     }
 
     /// Append binds for `objs` (slot, handle) and the record `make` builds from their fids,

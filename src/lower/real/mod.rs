@@ -12,7 +12,7 @@ mod fd;
 mod search;
 
 pub use fd::*;
-pub use search::search_by_ino;
+pub use search::{fsync_flags, search_by_ino};
 
 pub type Stat = libc::stat;
 

@@ -70,6 +70,17 @@ pub fn search_by_ino(
     (found, errors)
 }
 
+/// How to open an object of file type `kind` (its S_IFMT bits) to fsync it: regular files
+/// and directories. None for the other kinds: symlinks and special files have nothing of
+/// their own to sync, their entries are in their directories.
+pub fn fsync_flags(kind: u32) -> Option<i32> {
+    match kind {
+        libc::S_IFDIR => Some(libc::O_RDONLY | libc::O_DIRECTORY),
+        libc::S_IFREG => Some(libc::O_RDONLY),
+        _ => None,
+    }
+}
+
 impl RealLower {
     /// fsync each object the identity-tagged `handles` name (regular files and directories;
     /// other kinds have their entries in directories, synced on their own). A handle that
@@ -110,10 +121,8 @@ impl RealLower {
     /// fsync a regular file or a directory given by any descriptor of it (O_PATH too);
     /// false for other kinds.
     fn fsync_node(&self, node: &OwnedFd) -> io::Result<bool> {
-        let fl = match fstat(node.as_raw_fd())?.st_mode & libc::S_IFMT {
-            libc::S_IFDIR => libc::O_RDONLY | libc::O_DIRECTORY,
-            libc::S_IFREG => libc::O_RDONLY,
-            _ => return Ok(false),
+        let Some(fl) = fsync_flags(fstat(node.as_raw_fd())?.st_mode & libc::S_IFMT) else {
+            return Ok(false);
         };
         let fd = self.reopen(node.as_raw_fd(), fl)?;
         fsync(fd.as_raw_fd(), false)?;
