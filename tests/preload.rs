@@ -1436,6 +1436,92 @@ fn kill9_and_power_loss_keep_every_acknowledged_namespace_operation() {
     crash_rounds("pmstack-preload-ns-", 4, ns_crash_round);
 }
 
+/// (namespace write-backs, absorbed directory fsyncs, logged namespace operations) of
+/// attached process `pid`, once its stats show `want` (they are written every 500 ms).
+fn expect_ns_counts(s: &Serve, pid: u64, want: (u64, u64, u64), what: &str) {
+    let counts = || -> (u64, u64, u64) {
+        let p = proc_stats(&s.stats(), pid).unwrap_or_default();
+        let g = |k: &str| p[k].as_u64().unwrap_or(0);
+        (g("ns_write_backs"), g("absorbed_dir_fsync"), g("ns_ops"))
+    };
+    let t0 = Instant::now();
+    while counts() != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: (write-backs, absorbed dir fsyncs, logged) {:?}, want {want:?}",
+            counts()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Paths relative to the working directory or to a directory descriptor under the root are
+/// logged like absolute ones (the library knows those directories are under the root
+/// without asking the kernel each time); a relative path whose directory is outside the root
+/// is not ours, and one with ".." is resolved by the kernel.
+#[test]
+fn namespace_operations_on_relative_paths_are_logged_like_absolute_ones() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let outside = tempfile::tempdir_in("/var/tmp").unwrap();
+    let pm = shm_region("nsrel");
+    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    // A directory's first change writes back what came before it (here the mkdir, and the
+    // first create in the new directory); then its changes are logged.
+    a.exec("os.chdir(d)\nos.mkdir('sub')\nos.close(os.open('r1', os.O_CREAT | os.O_WRONLY))");
+    expect_ns_counts(
+        &s,
+        pid,
+        (1, 0, 1),
+        "mkdir and create in the working directory",
+    );
+    a.exec(concat!(
+        "os.rename('r1', 'r2')\n",
+        "dfd = os.open('sub', os.O_RDONLY)\n",
+        "os.close(os.open('f', os.O_CREAT | os.O_WRONLY, dir_fd=dfd))\n",
+        "os.fsync(dfd)",
+    ));
+    expect_ns_counts(
+        &s,
+        pid,
+        (2, 1, 2),
+        "a rename, then a create beside a descriptor",
+    );
+    a.exec(concat!(
+        "os.rename('r2', 'sub/r3')\n",
+        "os.unlink('f', dir_fd=dfd)\n",
+        "os.chdir('sub')\n",
+        "os.rename('../sub/r3', 'r4')\n",
+        "os.fsync(dfd)",
+    ));
+    expect_ns_counts(
+        &s,
+        pid,
+        (2, 2, 5),
+        "renames and an unlink by relative paths",
+    );
+    // Outside the root: not ours (nothing logged, nothing written back); then one more
+    // logged operation, so that the stats are known to be written after them.
+    a.exec(&format!(
+        "os.chdir({:?})\nos.close(os.open('o', os.O_CREAT | os.O_WRONLY))\nos.rename('o', 'p')",
+        outside.path()
+    ));
+    a.exec("os.rename('r4', 'r5', src_dir_fd=dfd, dst_dir_fd=dfd)");
+    expect_ns_counts(&s, pid, (2, 2, 6), "outside the root, then one inside");
+    drop(a);
+    let mut s = s;
+    s.stop();
+    let _ = fs::remove_file(&pm);
+    assert!(root.join("sub/r5").exists() && !root.join("r1").exists() && !root.join("r2").exists());
+    assert!(!root.join("sub/f").exists() && !root.join("sub/r3").exists());
+    assert!(outside.path().join("p").exists());
+}
+
 #[test]
 fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back() {
     if !common::can_mount() || !have("python3") {
@@ -1445,23 +1531,8 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     let root = fs::canonicalize(d.path()).unwrap();
     let pm = shm_region("nsdir");
     let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
-    // (namespace write-backs, absorbed directory fsyncs, logged operations) of `pid`.
-    let counts = |pid: u64| -> (u64, u64, u64) {
-        let p = proc_stats(&s.stats(), pid).unwrap_or_default();
-        let g = |k: &str| p[k].as_u64().unwrap_or(0);
-        (g("ns_write_backs"), g("absorbed_dir_fsync"), g("ns_ops"))
-    };
-    let expect = |pid: u64, want: (u64, u64, u64), what: &str| {
-        let t0 = Instant::now();
-        while counts(pid) != want {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "{what}: (write-backs, absorbed dir fsyncs, logged) {:?}, want {want:?}",
-                counts(pid)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let expect =
+        |pid: u64, want: (u64, u64, u64), what: &str| expect_ns_counts(&s, pid, want, what);
     let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     // The directory's first logged change writes back what came before it; then it is clean.

@@ -50,6 +50,7 @@ mod attrs;
 mod fds;
 mod namespace;
 mod open;
+mod places;
 mod stdio;
 mod sync;
 mod syscall;

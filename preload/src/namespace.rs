@@ -27,10 +27,12 @@ pub(crate) fn ns_targets(
             let (d, p) = paths[0];
             let given = user_cstr(p)?;
             let given = &given[..];
+            let parent = pmstack::front::open::parent_of(given);
             let ours = if given.starts_with(b"/") {
                 given.starts_with(r)
+            } else if crate::places::given_under(d, parent) {
+                true
             } else {
-                let parent = pmstack::front::open::parent_of(given);
                 let cp = std::ffi::CString::new(parent).ok()?;
                 let fd = sys::openat(d, cp.as_ptr(), libc::O_PATH | libc::O_CLOEXEC, 0).ok()?;
                 let under = sys::fd_path(fd).is_some_and(|p| under_root(&p));
@@ -43,11 +45,12 @@ pub(crate) fn ns_targets(
             client()?
         }
     };
-    let mut ts = Vec::with_capacity(paths.len());
+    let mut given = Vec::with_capacity(paths.len());
     for &(d, p) in paths {
         // Unreadable or longer than PATH_MAX: the native call gives the kernel's errno.
-        ts.push(c.target(d, &user_cstr(p)?)?);
+        given.push((d, user_cstr(p)?));
     }
+    let ts = c.targets(&given, crate::places::given_under)?;
     Some((c, ts))
 }
 

@@ -31,5 +31,6 @@ fn sync(fd: c_int, n: libc::c_long) -> c_int {
 fn dir_sync(fd: c_int) -> Option<c_int> {
     let _g = Inside::enter()?;
     let c = client_if_needed()?;
-    c.fsync_dir(fd).map(unit_ret)
+    c.fsync_dir(fd, |st| crate::places::dir_under(fd, st))
+        .map(unit_ret)
 }

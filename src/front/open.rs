@@ -66,13 +66,21 @@ pub fn reopen_flags(flags: i32) -> i32 {
     flags & !(libc::O_CREAT | libc::O_EXCL)
 }
 
-/// Whether a path a program gave names something under the root by its text alone: an
-/// absolute path (not relative to a directory descriptor) that starts with the root and has
-/// no "..". Such a path is under the root as far as the log is concerned (a symlink inside
-/// that leads elsewhere on the same file system is still a file the log can replay by handle;
-/// other file systems are refused by device); anything else the kernel resolves.
-pub fn given_path_under(root: &[u8], dirfd: i32, given: &[u8]) -> bool {
-    dirfd == libc::AT_FDCWD && path_under(root, given) && !given.windows(2).any(|w| w == b"..")
+/// Whether a path a program gave names something under the root by its text alone: no ".."
+/// component, and absolute under the root, or relative to a directory that lies under it
+/// (`start_under`, asked only then: the working directory or the descriptor the path is
+/// relative to). Such a path is under the root as far as the log is concerned (a symlink
+/// inside that leads elsewhere on the same file system is still a file the log can replay by
+/// handle; other file systems are refused by device); for anything else the kernel is asked
+/// where the path resolved.
+pub fn given_under(root: &[u8], given: &[u8], start_under: impl FnOnce() -> bool) -> bool {
+    if given.is_empty() || given.split(|&b| b == b'/').any(|c| c == b"..") {
+        return false;
+    }
+    if given.starts_with(b"/") {
+        return path_under(root, given);
+    }
+    start_under()
 }
 
 /// The directory part of a path a program gave ("." for a bare name, "/" for an entry of
@@ -97,10 +105,22 @@ mod tests {
         assert!(path_under(&r, b"/srv/data/a/b"));
         assert!(!path_under(&r, b"/srv/database"));
         assert!(!path_under(&r, b"/srv"));
-        assert!(given_path_under(&r, libc::AT_FDCWD, b"/srv/data/x"));
-        assert!(!given_path_under(&r, libc::AT_FDCWD, b"/srv/data/../etc/x"));
-        assert!(!given_path_under(&r, 3, b"/srv/data/x"));
-        assert!(!given_path_under(&r, libc::AT_FDCWD, b"x"));
+        let start = |under: bool| move || under;
+        assert!(given_under(&r, b"/srv/data/x", start(false)));
+        assert!(given_under(&r, b"/srv/data", start(false)));
+        assert!(given_under(&r, b"/srv/data/a..b", start(false)));
+        assert!(!given_under(&r, b"/srv/data/../etc/x", start(true)));
+        assert!(!given_under(&r, b"/srv/data/a/..", start(true)));
+        assert!(!given_under(&r, b"/srv/database/x", start(true)));
+        assert!(!given_under(&r, b"/", start(true)));
+        // Relative: as the directory it starts from.
+        assert!(given_under(&r, b"x", start(true)));
+        assert!(given_under(&r, b".", start(true)));
+        assert!(given_under(&r, b"a/b", start(true)));
+        assert!(!given_under(&r, b"x", start(false)));
+        assert!(!given_under(&r, b"../x", start(true)));
+        assert!(!given_under(&r, b"a/../../x", start(true)));
+        assert!(!given_under(&r, b"", start(true)));
     }
 
     #[test]

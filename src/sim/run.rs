@@ -102,7 +102,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             .to_vec()
     };
     let target = |n: &str| {
-        c.target(libc::AT_FDCWD, &path(n))
+        c.target(libc::AT_FDCWD, &path(n), |_| false)
             .expect("a name under the root")
     };
     let mut rng = StdRng::seed_from_u64(seed);
@@ -273,7 +273,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // SAFETY: a C string; the descriptor is closed below.
                 let dfd = unsafe { libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
                 assert!(dfd >= 0);
-                match c.fsync_dir(dfd) {
+                match c.fsync_dir(dfd, |_| c.fd_under_root(dfd)) {
                     Some(r) => r.unwrap(),
                     None => {
                         crate::front::sys::fsync(dfd, false).unwrap();

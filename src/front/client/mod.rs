@@ -312,6 +312,11 @@ impl Client {
         super::open::path_under(&self.root, path)
     }
 
+    /// Whether the object of `fd` lies under the root, by the path the kernel reports.
+    pub fn fd_under_root(&self, fd: i32) -> bool {
+        sys::fd_path(fd).is_some_and(|p| self.under_root(&p))
+    }
+
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {

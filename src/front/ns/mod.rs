@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 
 mod ops;
@@ -47,9 +48,10 @@ pub struct Dir {
     root: bool,
 }
 
-/// A name in a directory under the root.
+/// A name in a directory under the root. The targets of one call whose paths name the same
+/// directory (a rename within a directory) share it: it is opened and checked once.
 pub struct Target {
-    pub dir: Dir,
+    pub dir: Rc<Dir>,
     pub name: Vec<u8>,
 }
 
@@ -100,9 +102,47 @@ fn split(path: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
 
 impl Client {
     /// `(dirfd, path)` as a parent directory under the root and a final name; None when it is
-    /// not ours (the caller then runs the call natively).
-    pub fn target(&self, dirfd: i32, path: &[u8]) -> Option<Target> {
+    /// not ours (the caller then runs the call natively). `under(parent)`: whether the
+    /// parent's path (relative to `dirfd`) lies under the root by its text alone
+    /// (`open::given_under`); if not, the kernel is asked where it resolved.
+    pub fn target(
+        &self,
+        dirfd: i32,
+        path: &[u8],
+        under: impl FnOnce(&[u8]) -> bool,
+    ) -> Option<Target> {
         let (parent, name) = split(path)?;
+        let dir = Rc::new(self.dir_at(dirfd, &parent, under(&parent))?);
+        Some(Target { dir, name })
+    }
+
+    /// `target` of each `(dirfd, path)` of one call (None if any is not ours); paths whose
+    /// parent is named alike share one `Dir`. `under(dirfd, parent)` as in `target`.
+    pub fn targets(
+        &self,
+        paths: &[(i32, Vec<u8>)],
+        under: impl Fn(i32, &[u8]) -> bool,
+    ) -> Option<Vec<Target>> {
+        let mut parents: Vec<(i32, Vec<u8>, Rc<Dir>)> = Vec::with_capacity(paths.len());
+        let mut out = Vec::with_capacity(paths.len());
+        for (d, path) in paths {
+            let (parent, name) = split(path)?;
+            let dir = match parents.iter().find(|(pd, pp, _)| pd == d && *pp == parent) {
+                Some((_, _, dir)) => dir.clone(),
+                None => {
+                    let dir = Rc::new(self.dir_at(*d, &parent, under(*d, &parent))?);
+                    parents.push((*d, parent, dir.clone()));
+                    dir
+                }
+            };
+            out.push(Target { dir, name });
+        }
+        Some(out)
+    }
+
+    /// The directory `parent` (relative to `dirfd`) if it lies under the root (`known_under`:
+    /// by its text; else the kernel is asked where it resolved).
+    fn dir_at(&self, dirfd: i32, parent: &[u8], known_under: bool) -> Option<Dir> {
         let c = CString::new(parent).ok()?;
         let fd = sys::openat(
             dirfd,
@@ -114,19 +154,18 @@ impl Client {
         // SAFETY: a fresh descriptor we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let st = sys::fstat(fd.as_raw_fd()).ok()?;
-        if st.st_dev != self.root_dev || !self.under_root(&sys::fd_path(fd.as_raw_fd())?) {
+        if st.st_dev != self.root_dev
+            || !(known_under || self.under_root(&sys::fd_path(fd.as_raw_fd())?))
+        {
             return None;
         }
         let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
-        Some(Target {
-            dir: Dir {
-                fd,
-                slot: idx,
-                handle,
-                root: st.st_ino == self.root_ino,
-            },
-            name,
+        Some(Dir {
+            fd,
+            slot: idx,
+            handle,
+            root: st.st_ino == self.root_ino,
         })
     }
 
@@ -331,6 +370,7 @@ impl Client {
         if !self.serving() {
             return self.alone(dirs, op);
         }
+        let dirs = &distinct(dirs);
         let _ns = self.table.ns_lock();
         let clean = dirs.iter().all(|d| self.clean(d));
         let out = op()?;
@@ -365,6 +405,7 @@ impl Client {
         if !self.serving() {
             return self.alone(dirs, op);
         }
+        let dirs = &distinct(dirs);
         let (_ns, taken_over) = self.table.ns_lock_taken_over();
         let fds = raw(dirs);
         if taken_over || !dirs.iter().all(|d| self.clean(d)) {
@@ -413,6 +454,17 @@ impl Client {
         }
         Ok(())
     }
+}
+
+/// An operation's directories, each once (in the order given).
+fn distinct<'a>(dirs: &[&'a Dir]) -> Vec<&'a Dir> {
+    let mut out: Vec<&Dir> = Vec::with_capacity(dirs.len());
+    for d in dirs {
+        if !out.iter().any(|e| std::ptr::eq(*e, *d)) {
+            out.push(d);
+        }
+    }
+    out
 }
 
 /// The descriptors of an operation's directories.

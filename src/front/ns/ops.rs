@@ -310,13 +310,18 @@ impl Client {
 
     /// fsync/fdatasync of a directory under the root: nothing to do if every change of it
     /// since it was last made durable was logged; otherwise everything is written back.
-    /// None: not ours.
-    pub fn fsync_dir(&self, fd: i32) -> Option<io::Result<()>> {
+    /// None: not ours. `under(st)`: whether the directory lies under the root (the preload
+    /// library remembers the directories it found there; `fd_under_root` asks the kernel).
+    pub fn fsync_dir(
+        &self,
+        fd: i32,
+        under: impl FnOnce(&libc::stat) -> bool,
+    ) -> Option<io::Result<()>> {
         let st = sys::fstat(fd).ok()?;
         if st.st_mode & libc::S_IFMT != libc::S_IFDIR
             || st.st_dev != self.root_dev
             || !self.serving()
-            || !self.under_root(&sys::fd_path(fd)?)
+            || !under(&st)
         {
             return None;
         }
