@@ -147,43 +147,71 @@ pub fn lock_region(path: &Path) -> Result<fs::File, RegionError> {
     Ok(f)
 }
 
+/// The host's lock on a lower directory (`lock_lower`): its file is removed when the owner
+/// lets go (still holding the lock, so that nobody takes a lock on a file about to go).
+struct LowerLock {
+    f: fs::File,
+    path: PathBuf,
+}
+
+impl Drop for LowerLock {
+    fn drop(&mut self) {
+        // Only if the name is still this file's (it always is while the lock is held).
+        let ours = |m: fs::Metadata| {
+            use std::os::unix::fs::MetadataExt;
+            self.f
+                .metadata()
+                .is_ok_and(|f| (f.dev(), f.ino()) == (m.dev(), m.ino()))
+        };
+        if fs::metadata(&self.path).is_ok_and(ours) {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
 /// One owner per lower directory: a mount and a `pmstack serve` (or two of either, with
 /// different regions bound to one lower) would each replay its log over the other's newer
 /// bytes. An flock on a file named after the lower's marker, holding the owner's pid.
-fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<fs::File, RegionError> {
+fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<LowerLock, RegionError> {
+    use std::os::unix::fs::MetadataExt;
     let dir = Path::new(RUN_DIR);
     fs::create_dir_all(dir).map_err(|source| RegionError::RunDir {
         dir: dir.into(),
         source,
     })?;
     let p = dir.join(format!("lower-{}.lock", uuid::Uuid::from_bytes(*id)));
-    let mut f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .open(&p)
-        .map_err(|source| RegionError::LowerLockFile {
-            path: p.clone(),
-            source,
-        })?;
-    // SAFETY: plain flock on an owned fd.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let mut who = String::new();
-        let _ = f.read_to_string(&mut who);
-        return Err(RegionError::LowerInUse {
-            lower: lower.into(),
-            pid: who.trim().to_string(),
-        });
-    }
     let io = |source| RegionError::LowerLockFile {
         path: p.clone(),
         source,
     };
+    let mut f = loop {
+        let mut f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .open(&p)
+            .map_err(io)?;
+        // SAFETY: plain flock on an owned fd.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let mut who = String::new();
+            let _ = f.read_to_string(&mut who);
+            return Err(RegionError::LowerInUse {
+                lower: lower.into(),
+                pid: who.trim().to_string(),
+            });
+        }
+        // The previous owner may have removed the file between our open and our lock: a
+        // lock on a file nobody else finds is no lock. Then again, on the file now there.
+        let held = f.metadata().map_err(io)?;
+        if fs::metadata(&p).is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino())) {
+            break f;
+        }
+    };
     f.set_len(0).map_err(io)?;
     write!(f, "{}", std::process::id()).map_err(io)?;
-    Ok(f)
+    Ok(LowerLock { f, path: p })
 }
 
 /// Whose log a region holds: the region file's owner (`lower::creds`). A region of this
@@ -234,7 +262,7 @@ pub struct Region {
     /// What the recovery of this open did, if the log needed one.
     pub recovery: Option<RecoverySummary>,
     _region_lock: fs::File,
-    _lower_lock: fs::File,
+    _lower_lock: LowerLock,
     lease: Lease,
     /// Told when the clean shutdown cannot be recorded.
     warn: Box<dyn Fn(&str) + Send + Sync>,

@@ -559,12 +559,22 @@ fn pmstacks_own_files_are_never_world_writable() {
             assert_eq!(mode & 0o002, 0, "{} has mode {mode:o}", e.path().display());
         }
     }
+    // The host's lock on the lower directory, named after its marker.
+    let id = fs::read_to_string(m.lower.join(pmstack::lower::MARKER)).unwrap();
+    let lock = Path::new("/run/pmstack").join(format!("lower-{}.lock", id.trim()));
+    assert!(lock.exists(), "{} missing while mounted", lock.display());
     m.umount();
     // A clean unmount leaves nothing of this mount behind (an empty daemon log included).
-    for ext in ["stats", "log"] {
-        let p = stats.with_extension(ext);
+    for p in [
+        stats.with_extension("stats"),
+        stats.with_extension("log"),
+        lock,
+    ] {
         assert!(!p.exists(), "{} left behind", p.display());
     }
+    // And the lower directory can be taken again.
+    m.mount(&[]);
+    m.umount();
 }
 
 /// Under FUSE_HANDLE_KILLPRIV_V2 the kernel no longer asks for `security.capability` before

@@ -142,8 +142,11 @@ impl Drop for Serve {
     fn drop(&mut self) {
         self.kill9();
         let _ = fs::remove_file(&self.pm);
-        // A killed daemon leaves its table in /dev/shm (a clean stop removes it).
-        let _ = fs::remove_file(pmstack::front::paths(&self.dir).1);
+        // A killed daemon leaves its table in /dev/shm (a clean stop removes it); every
+        // daemon leaves its last stats for the operator.
+        let (_, table, stats) = pmstack::front::paths(&self.dir);
+        let _ = fs::remove_file(table);
+        let _ = fs::remove_file(stats);
     }
 }
 

@@ -420,15 +420,13 @@ pub fn maybe_run(program: &Path, run_root: Option<&Path>) -> Command {
 }
 
 /// A `serve` that is killed if the test fails before it stops it (nothing left running).
-/// The daemon's shared table (in /dev/shm) is removed with it, also after a kill -9.
+/// The daemon's shared table (in /dev/shm) is removed with it, also after a kill -9, and so
+/// are its last stats. The second field is the served directory.
 pub struct Served(pub Option<std::process::Child>, PathBuf);
 
 impl Served {
     pub fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Served {
-        Served(
-            Some(start_serve(dir, pm, extra)),
-            pmstack::front::paths(dir).1,
-        )
+        Served(Some(start_serve(dir, pm, extra)), dir.to_path_buf())
     }
 
     /// SIGTERM and a clean exit (`stop_serve`).
@@ -443,7 +441,7 @@ impl Served {
         if let Some(mut c) = self.0.take() {
             let _ = c.kill();
             let _ = c.wait();
-            let _ = fs::remove_file(&self.1);
+            let _ = fs::remove_file(pmstack::front::paths(&self.1).1);
         }
     }
 }
@@ -451,6 +449,8 @@ impl Served {
 impl Drop for Served {
     fn drop(&mut self) {
         self.kill9();
+        // The daemon's last stats, which it leaves for the operator.
+        let _ = fs::remove_file(pmstack::front::paths(&self.1).2);
     }
 }
 
