@@ -69,7 +69,11 @@ pub(crate) unsafe fn do_open(
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
             }
-            c.and_then(|c| c.track_path(fd, sync, path.as_deref()).map(|t| (c, t)))
+            let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
+            c.and_then(|c| {
+                c.track_path(fd, sync, path.as_deref(), Some(write_only))
+                    .map(|t| (c, t))
+            })
         }
     };
     match tracked {

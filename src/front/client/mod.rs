@@ -320,11 +320,18 @@ impl Client {
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
-        self.track_path(fd, sync, None)
+        self.track_path(fd, sync, None, None)
     }
 
-    /// `track`, with the descriptor's path when the caller already read it.
-    pub fn track_path(&self, fd: i32, sync: bool, path: Option<&[u8]>) -> Option<Arc<Tracked>> {
+    /// `track`, with the descriptor's path when the caller already read it, and whether it
+    /// is write-only when the caller knows how it was opened.
+    pub fn track_path(
+        &self,
+        fd: i32,
+        sync: bool,
+        path: Option<&[u8]>,
+        write_only: Option<bool>,
+    ) -> Option<Arc<Tracked>> {
         let st = sys::fstat(fd).ok()?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_dev != self.root_dev {
             return None;
@@ -337,7 +344,7 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd, st.st_ino)?;
-        self.track_object(fd, sync, &st, handle, gen, None)
+        self.track_object(fd, sync, &st, handle, gen, write_only)
     }
 
     /// `track` of a file `create` just made (`Born`: what it already knows of it, so the
