@@ -1439,6 +1439,59 @@ fn kill9_and_power_loss_keep_every_acknowledged_namespace_operation() {
     crash_rounds("pmstack-preload-ns-", 4, ns_crash_round);
 }
 
+/// The library keeps O_SYNC and O_DSYNC away from the kernel's descriptor (it logs those
+/// writes instead); `fcntl(F_GETFL)` still reports what the program asked for, also through a
+/// duplicate and in a forked child, and nothing it did not ask for.
+#[test]
+fn fcntl_getfl_reports_the_sync_flags_the_program_asked_for() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("getfl");
+    let s = Serve::start(&root, &pm, &[]);
+    let script = r#"
+import fcntl, os, sys
+d = sys.argv[1]
+def kind(fd):
+    g = fcntl.fcntl(fd, fcntl.F_GETFL)
+    return "sync" if g & os.O_SYNC == os.O_SYNC else ("dsync" if g & os.O_DSYNC else "none")
+got = []
+for name, fl in (("sync", os.O_SYNC), ("dsync", os.O_DSYNC), ("none", 0)):
+    fd = os.open(os.path.join(d, name), os.O_CREAT | os.O_RDWR | fl, 0o644)
+    os.write(fd, b"x")
+    got.append((name, kind(fd), kind(os.dup(fd))))
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if kind(fd) == name else 1)
+    assert os.waitpid(pid, 0)[1] == 0, "forked child of " + name
+for name, k, kd in got:
+    assert k == name and kd == name, got
+print("ok")
+"#;
+    let out = s
+        .run()
+        .args(["python3", "-c", script])
+        .arg(&root)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The library did track the descriptors: each O_SYNC or O_DSYNC write was absorbed, or
+    // synced for real (the first file's creation was the directory's first change, written
+    // back instead of logged: its file is not absorbed before the daemon vetted it).
+    s.wait_stats("O_SYNC and O_DSYNC writes seen", |v| {
+        let t = &v["totals"];
+        t["absorbed_osync"].as_u64().unwrap_or(0) + t["real_syncs"].as_u64().unwrap_or(0) >= 2
+    });
+    drop(s);
+    let _ = fs::remove_file(&pm);
+}
+
 /// (namespace write-backs, absorbed directory fsyncs, logged namespace operations) of
 /// attached process `pid`, once its stats show `want` (they are written every 500 ms).
 fn expect_ns_counts(s: &Serve, pid: u64, want: (u64, u64, u64), what: &str) {

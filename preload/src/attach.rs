@@ -161,8 +161,10 @@ pub(crate) fn client() -> Option<&'static Client> {
             let c: &'static Client = Box::leak(Box::new(c));
             match inherited {
                 Some(Some(fds)) => {
-                    for (fd, sync) in fds {
-                        c.track(fd, sync);
+                    for (fd, sync, asked) in fds {
+                        if let Some(t) = c.track(fd, sync) {
+                            t.asked.store(asked, Ordering::Relaxed);
+                        }
                     }
                 }
                 // A fresh program (exec) or a parent whose table was busy at the fork: any

@@ -78,6 +78,8 @@ pub(crate) unsafe fn do_open(
     };
     match tracked {
         Some((c, t)) => {
+            let asked = flags & (libc::O_SYNC | libc::O_DSYNC);
+            t.asked.store(asked, std::sync::atomic::Ordering::Relaxed);
             // (An empty file needs no truncation: a new file, typically.)
             if trunc && !new && sys::fstat(fd).is_ok_and(|st| st.st_size > 0) {
                 if let Err(e) = c.ftruncate(&t, fd, 0) {

@@ -251,9 +251,11 @@ impl Client {
 
     /// The tracked descriptors and their O_SYNC flags, unless the table is locked (after a
     /// fork, a lock held by another thread of the parent stays held in the child).
-    pub fn fds_snapshot(&self) -> Option<Vec<(i32, bool)>> {
-        self.fds
-            .try_read()
-            .map(|m| m.iter().map(|(fd, t)| (*fd, t.sync)).collect())
+    pub fn fds_snapshot(&self) -> Option<Vec<(i32, bool, i32)>> {
+        self.fds.try_read().map(|m| {
+            m.iter()
+                .map(|(fd, t)| (*fd, t.sync, t.asked.load(Ordering::Relaxed)))
+                .collect()
+        })
     }
 }

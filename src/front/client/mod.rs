@@ -66,6 +66,10 @@ pub struct Tracked {
     pub ino: Arc<Inode>,
     /// The program asked for O_SYNC or O_DSYNC (kept away from the real descriptor).
     pub sync: bool,
+    /// Which of O_SYNC and O_DSYNC the program opened the descriptor with: `fcntl(F_GETFL)`
+    /// reports them as the kernel would have (0: neither, or not known: a descriptor
+    /// inherited over exec, whose writes are all logged).
+    pub asked: std::sync::atomic::AtomicI32,
 }
 
 pub struct Client {
@@ -399,7 +403,11 @@ impl Client {
                 }
             }
         };
-        let t = Arc::new(Tracked { ino, sync });
+        let t = Arc::new(Tracked {
+            ino,
+            sync,
+            asked: 0.into(),
+        });
         self.fds.write().insert(fd, t.clone());
         Some(t)
     }
