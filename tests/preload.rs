@@ -1492,6 +1492,44 @@ print("ok")
     let _ = fs::remove_file(&pm);
 }
 
+/// `open(O_TRUNC)` of an existing file marks its modification and change times for update,
+/// also when the file is empty (POSIX; the library truncates instead of the kernel).
+#[test]
+fn o_trunc_of_an_existing_empty_file_updates_its_times() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("otrunc");
+    let s = Serve::start(&root, &pm, &[]);
+    let script = r#"
+import os, sys, time
+p = os.path.join(sys.argv[1], "empty")
+open(p, "w").close()
+before = os.stat(p)
+time.sleep(0.05)  # above the timestamp granularity (the coarse clock ticks every 4 ms)
+os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))
+after = os.stat(p)
+assert after.st_mtime_ns > before.st_mtime_ns, "mtime kept"
+assert after.st_ctime_ns > before.st_ctime_ns, "ctime kept"
+print("ok")
+"#;
+    let out = s
+        .run()
+        .args(["python3", "-c", script])
+        .arg(&root)
+        .output()
+        .unwrap();
+    drop(s);
+    let _ = fs::remove_file(&pm);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// (namespace write-backs, absorbed directory fsyncs, logged namespace operations) of
 /// attached process `pid`, once its stats show `want` (they are written every 500 ms).
 fn expect_ns_counts(s: &Serve, pid: u64, want: (u64, u64, u64), what: &str) {

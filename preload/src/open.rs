@@ -80,8 +80,9 @@ pub(crate) unsafe fn do_open(
         Some((c, t)) => {
             let asked = flags & (libc::O_SYNC | libc::O_DSYNC);
             t.asked.store(asked, std::sync::atomic::Ordering::Relaxed);
-            // (An empty file needs no truncation: a new file, typically.)
-            if trunc && !new && sys::fstat(fd).is_ok_and(|st| st.st_size > 0) {
+            // A file this call created is empty. An existing one is truncated even when it
+            // is empty: the kernel's O_TRUNC updates its modification and change times.
+            if trunc && !new {
                 if let Err(e) = c.ftruncate(&t, fd, 0) {
                     c.untrack(fd);
                     sys::close(fd);
