@@ -1439,18 +1439,43 @@ fn kill9_and_power_loss_keep_every_acknowledged_namespace_operation() {
     crash_rounds("pmstack-preload-ns-", 4, ns_crash_round);
 }
 
+/// A temporary directory served for a test (needs python3): the directory (removed on
+/// drop), its canonical path, the region, the daemon. None where the test cannot run.
+fn served_tmp(name: &str, extra: &[&str]) -> Option<(tempfile::TempDir, PathBuf, PathBuf, Serve)> {
+    if !common::can_mount() || !have("python3") {
+        return None;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region(name);
+    let s = Serve::start(&root, &pm, extra);
+    Some((d, root, pm, s))
+}
+
+/// Run a Python `script` under `pmstack run` of `s` with the root as its argument; it must
+/// print "ok".
+fn python_ok(s: &Serve, root: &Path, script: &str) {
+    let out = s
+        .run()
+        .args(["python3", "-c", script])
+        .arg(root)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The library keeps O_SYNC and O_DSYNC away from the kernel's descriptor (it logs those
 /// writes instead); `fcntl(F_GETFL)` still reports what the program asked for, also through a
 /// duplicate and in a forked child, and nothing it did not ask for.
 #[test]
 fn fcntl_getfl_reports_the_sync_flags_the_program_asked_for() {
-    if !common::can_mount() || !have("python3") {
+    let Some((_d, root, pm, s)) = served_tmp("getfl", &[]) else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = shm_region("getfl");
-    let s = Serve::start(&root, &pm, &[]);
+    };
     let script = r#"
 import fcntl, os, sys
 d = sys.argv[1]
@@ -1470,17 +1495,7 @@ for name, k, kd in got:
     assert k == name and kd == name, got
 print("ok")
 "#;
-    let out = s
-        .run()
-        .args(["python3", "-c", script])
-        .arg(&root)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python_ok(&s, &root, script);
     // The library did track the descriptors: each O_SYNC or O_DSYNC write was absorbed, or
     // synced for real (the first file's creation was the directory's first change, written
     // back instead of logged: its file is not absorbed before the daemon vetted it).
@@ -1496,13 +1511,9 @@ print("ok")
 /// also when the file is empty (POSIX; the library truncates instead of the kernel).
 #[test]
 fn o_trunc_of_an_existing_empty_file_updates_its_times() {
-    if !common::can_mount() || !have("python3") {
+    let Some((_d, root, pm, s)) = served_tmp("otrunc", &[]) else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = shm_region("otrunc");
-    let s = Serve::start(&root, &pm, &[]);
+    };
     let script = r#"
 import os, sys, time
 p = os.path.join(sys.argv[1], "empty")
@@ -1515,19 +1526,9 @@ assert after.st_mtime_ns > before.st_mtime_ns, "mtime kept"
 assert after.st_ctime_ns > before.st_ctime_ns, "ctime kept"
 print("ok")
 "#;
-    let out = s
-        .run()
-        .args(["python3", "-c", script])
-        .arg(&root)
-        .output()
-        .unwrap();
+    python_ok(&s, &root, script);
     drop(s);
     let _ = fs::remove_file(&pm);
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// (namespace write-backs, absorbed directory fsyncs, logged namespace operations) of
@@ -1555,14 +1556,10 @@ fn expect_ns_counts(s: &Serve, pid: u64, want: (u64, u64, u64), what: &str) {
 /// is not ours, and one with ".." is resolved by the kernel.
 #[test]
 fn namespace_operations_on_relative_paths_are_logged_like_absolute_ones() {
-    if !common::can_mount() || !have("python3") {
+    let Some((_d, root, pm, s)) = served_tmp("nsrel", &["--flush-interval-ms", "3600000"]) else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
+    };
     let outside = tempfile::tempdir_in("/var/tmp").unwrap();
-    let pm = shm_region("nsrel");
-    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     // A directory's first change writes back what came before it (here the mkdir, and the
