@@ -1507,6 +1507,41 @@ print("ok")
     let _ = fs::remove_file(&pm);
 }
 
+/// A file opened for writing by a path relative to the working directory or to a directory
+/// descriptor under the root is tracked like one opened by its absolute path: its writes are
+/// seen and its syncs absorbed (an untracked writer of an object with live entries would
+/// have its writes rolled back by replay).
+#[test]
+fn files_opened_by_relative_paths_are_tracked() {
+    // (No watch: absorption then does not wait for the daemon's vetting of each file.)
+    let Some((_d, root, pm, s)) = served_tmp("relopen", &["--all-writers-attached"]) else {
+        return;
+    };
+    let script = r#"
+import os, sys
+d = sys.argv[1]
+os.mkdir(os.path.join(d, "sub"))
+for p in ("sub/a", "sub/b"):
+    os.close(os.open(os.path.join(d, p), os.O_CREAT | os.O_WRONLY, 0o644))
+os.chdir(os.path.join(d, "sub"))
+dfd = os.open(".", os.O_RDONLY)
+for fd in (os.open("a", os.O_WRONLY), os.open("b", os.O_WRONLY, dir_fd=dfd)):
+    for _ in range(2):
+        os.write(fd, b"x" * 4096)
+        os.fsync(fd)
+    os.close(fd)
+print("ok")
+"#;
+    python_ok(&s, &root, script);
+    // A file's first sync may be real (a creation written back instead of logged); its
+    // second is absorbed if the library tracks the descriptor.
+    s.wait_stats("the second fsync of each file absorbed", |v| {
+        v["totals"]["absorbed_fsync"].as_u64() >= Some(2)
+    });
+    drop(s);
+    let _ = fs::remove_file(&pm);
+}
+
 /// `open(O_TRUNC)` of an existing file marks its modification and change times for update,
 /// also when the file is empty (POSIX; the library truncates instead of the kernel).
 #[test]

@@ -59,21 +59,14 @@ pub(crate) unsafe fn do_open(
         None => {
             // SAFETY: the kernel just opened this path: a readable C string.
             let given = unsafe { CStr::from_ptr(path) }.to_bytes();
-            let path = if crate::places::given_under(dirfd, given) {
-                Some(given.to_vec())
-            } else {
-                sys::fd_path(fd)
-            };
-            let ours = path.as_deref().is_some_and(under_root);
+            let ours = crate::places::given_under(dirfd, given)
+                || sys::fd_path(fd).is_some_and(|p| under_root(&p));
             let c = if ours { client() } else { None };
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
             }
             let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
-            c.and_then(|c| {
-                c.track_path(fd, sync, path.as_deref(), Some(write_only))
-                    .map(|t| (c, t))
-            })
+            c.and_then(|c| c.track_under(fd, sync, Some(write_only)).map(|t| (c, t)))
         }
     };
     match tracked {

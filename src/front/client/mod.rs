@@ -324,27 +324,32 @@ impl Client {
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
-        self.track_path(fd, sync, None, None)
+        self.track_if(fd, sync, None, || self.fd_under_root(fd))
     }
 
-    /// `track`, with the descriptor's path when the caller already read it, and whether it
-    /// is write-only when the caller knows how it was opened.
-    pub fn track_path(
+    /// `track` of a descriptor the caller knows to be under the root (by the path it was
+    /// opened with, `open::given_under`, or the path the kernel reports), and whether it is
+    /// write-only when the caller knows how it was opened.
+    pub fn track_under(
         &self,
         fd: i32,
         sync: bool,
-        path: Option<&[u8]>,
         write_only: Option<bool>,
     ) -> Option<Arc<Tracked>> {
+        self.track_if(fd, sync, write_only, || true)
+    }
+
+    /// Track `fd` if it is a regular file of the root's file system and `under()` says it
+    /// lies under the root (asked last: it may cost a system call).
+    fn track_if(
+        &self,
+        fd: i32,
+        sync: bool,
+        write_only: Option<bool>,
+        under: impl FnOnce() -> bool,
+    ) -> Option<Arc<Tracked>> {
         let st = sys::fstat(fd).ok()?;
-        if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_dev != self.root_dev {
-            return None;
-        }
-        let under = match path {
-            Some(p) => self.under_root(p),
-            None => self.under_root(&sys::fd_path(fd)?),
-        };
-        if !under {
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_dev != self.root_dev || !under() {
             return None;
         }
         let (handle, gen) = object_gen(fd, st.st_ino)?;
