@@ -281,8 +281,7 @@ fn postgresql_under_pmstack_run_as_its_own_user_keeps_every_transaction() {
         );
     }
     pg.stop();
-    serve.stop();
-    let st = common::served_stats(&root);
+    let st = serve.stop();
     let t = &st["totals"];
     let absorbed = t["absorbed_fsync"].as_u64().unwrap() + t["absorbed_osync"].as_u64().unwrap();
     assert!(

@@ -429,11 +429,12 @@ impl Served {
         Served(Some(start_serve(dir, pm, extra)), dir.to_path_buf())
     }
 
-    /// SIGTERM and a clean exit (`stop_serve`).
-    pub fn stop(mut self) {
+    /// SIGTERM and a clean exit (`stop_serve`); the daemon's last stats.
+    pub fn stop(mut self) -> serde_json::Value {
         if let Some(c) = self.0.take() {
             stop_serve(c);
         }
+        served_stats(&self.1)
     }
 
     /// SIGKILL, as a crash.
