@@ -15,7 +15,9 @@ use pmstack::front::{open, sys};
 
 use crate::attach::*;
 
-/// Directories (descriptor or AT_FDCWD, device, inode number) found under the root.
+/// Directories (descriptor or AT_FDCWD, device, inode number) found under the root. Only
+/// ever `try_lock`ed: a thread that finds it busy asks the kernel instead, and a child forked
+/// while another thread held it (the lock then stays held in the child) never waits on it.
 static KNOWN: Mutex<Vec<(c_int, u64, u64)>> = Mutex::new(Vec::new());
 
 /// Enough for the working directory and the directory descriptors a program walks with.
@@ -38,7 +40,7 @@ pub(crate) fn start_under(fd: c_int) -> bool {
 /// `start_under` of a directory whose stat the caller has.
 pub(crate) fn dir_under(fd: c_int, st: &libc::stat) -> bool {
     let key = (fd, st.st_dev, st.st_ino);
-    if KNOWN.lock().is_ok_and(|k| k.contains(&key)) {
+    if KNOWN.try_lock().is_ok_and(|k| k.contains(&key)) {
         return true;
     }
     let path = if fd == libc::AT_FDCWD {
@@ -48,7 +50,7 @@ pub(crate) fn dir_under(fd: c_int, st: &libc::stat) -> bool {
     };
     let under = path.is_some_and(|p| under_root(&p));
     if under {
-        if let Ok(mut k) = KNOWN.lock() {
+        if let Ok(mut k) = KNOWN.try_lock() {
             if !k.contains(&key) {
                 if k.len() >= KNOWN_MAX {
                     k.clear();
