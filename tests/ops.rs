@@ -583,6 +583,17 @@ fn pmstacks_own_files_are_never_world_writable() {
 /// capability, as on the lower file system; root's writes keep the mode bits.
 #[test]
 fn writes_by_other_users_drop_privileges_as_on_the_lower_without_a_round_trip() {
+    privileges_after_writes("allow_other");
+}
+
+/// The same with the kernel's writeback cache: it writes pages back after the write returned
+/// (a suid or sgid file's writes still come through at once, for the daemon to drop them).
+#[test]
+fn writes_through_the_writeback_cache_drop_privileges_as_on_the_lower() {
+    privileges_after_writes("allow_other,cache=writeback");
+}
+
+fn privileges_after_writes(opts: &str) {
     if !can_mount() {
         return;
     }
@@ -607,7 +618,7 @@ fn writes_by_other_users_drop_privileges_as_on_the_lower_without_a_round_trip() 
     fs::set_permissions(m.base.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let native = m.base.path().join("native");
     fs::create_dir(&native).unwrap();
-    m.mount(&["-o", "allow_other"]);
+    m.mount(&["-o", opts]);
     let sh = |user: Option<u32>, cmd: &str| {
         let mut c = match user {
             Some(u) => {

@@ -250,9 +250,10 @@ impl Adapter {
         // Without this the kernel asks for `security.capability` (a GETXATTR round trip) before
         // every write, to know whether the write must drop it. With it the kernel sends no
         // such request and leaves dropping set-user-ID, set-group-ID and capabilities to us
-        // (`kill_privs`). Not with the writeback cache (the kernel writes pages back later,
-        // without saying who wrote them) nor with kernel passthrough (writes never reach us).
-        if !self.writeback_cache && !self.passthrough {
+        // (`kill_privs`). With the writeback cache too: the kernel then sends a write that
+        // must drop set-user-ID or set-group-ID through at once, flagged, instead of caching
+        // it. Not with kernel passthrough (writes never reach us).
+        if !self.passthrough {
             caps |= InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         }
         if self.open_less
