@@ -1542,6 +1542,61 @@ print("ok")
     let _ = fs::remove_file(&pm);
 }
 
+/// Namespace calls on paths with a trailing slash, which ask the kernel for a directory, give
+/// under `pmstack run` what they give on the lower alone: `unlink("f/")` of a file fails with
+/// ENOTDIR (it removed the file), `open("n/", O_CREAT)` with EISDIR (it created a file), and so
+/// on. The same script runs on a plain directory and under `pmstack run`.
+#[test]
+fn trailing_slashes_mean_what_they_mean_on_the_lower() {
+    let Some((_d, root, pm, s)) = served_tmp("slash", &[]) else {
+        return;
+    };
+    let script = r#"
+import os, sys
+d = sys.argv[1]
+res = []
+def tr(name, f):
+    try:
+        f()
+        res.append(name + ": ok")
+    except OSError as e:
+        res.append(name + ": " + os.strerror(e.errno))
+open(d + "/f", "w").close()
+os.mkdir(d + "/e")
+tr("unlink f/", lambda: os.unlink(d + "/f/"))
+tr("rename f/ g", lambda: os.rename(d + "/f/", d + "/g"))
+tr("rename f g/", lambda: os.rename(d + "/f", d + "/g/"))
+tr("link f h/", lambda: os.link(d + "/f", d + "/h/"))
+tr("mkdir m/", lambda: os.mkdir(d + "/m/"))
+tr("rename m/ k/", lambda: os.rename(d + "/m/", d + "/k/"))
+tr("rmdir k/", lambda: os.rmdir(d + "/k/"))
+tr("rmdir f/", lambda: os.rmdir(d + "/f/"))
+tr("open n/ O_CREAT", lambda: os.close(os.open(d + "/n/", os.O_CREAT | os.O_WRONLY)))
+tr("symlink s/", lambda: os.symlink("f", d + "/s/"))
+tr("unlink e/", lambda: os.unlink(d + "/e/"))
+names = sorted(n for n in os.listdir(d) if not n.startswith(".pmstack"))
+print(" | ".join(res) + " || " + " ".join(names))
+"#;
+    let run = |c: &mut Command, dir: &Path| {
+        let out = c.args(["python3", "-c", script]).arg(dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let plain = tempfile::tempdir_in("/var/tmp").unwrap();
+    let want = run(&mut Command::new("env"), plain.path());
+    let got = run(&mut s.run(), &root);
+    drop(s);
+    let _ = fs::remove_file(&pm);
+    assert_eq!(
+        got, want,
+        "under pmstack run (left), on the lower alone (right)"
+    );
+}
+
 /// `open(O_TRUNC)` of an existing file marks its modification and change times for update,
 /// also when the file is empty (POSIX; the library truncates instead of the kernel).
 #[test]

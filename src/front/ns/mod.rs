@@ -82,12 +82,16 @@ fn at_call(n: i64, a: [i64; 5]) -> io::Result<()> {
     sys::check(unsafe { sys::syscall6(n, a[0], a[1], a[2], a[3], a[4], 0) }).map(|_| ())
 }
 
-/// Split a path into its parent part and final name ("a/b/" -> ("a", "b"); "x" -> (".", "x")).
-/// None for names that are no entry of their own ("", ".", "..", "/").
+/// Split a path into its parent part and final name ("a/b" -> ("a", "b"); "x" -> (".", "x")).
+/// None for names that are no entry of their own ("", ".", "..", "/"), and for a path with a
+/// trailing slash: it asks the kernel for a directory ("f/" fails with ENOTDIR where f is a
+/// file, "n/" cannot be created as a file), which the name without it would not; such a
+/// call runs natively, unlogged (its directory then writes everything back at its next
+/// logged change or sync).
 fn split(path: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
-    let mut p = path;
-    while p.len() > 1 && p.ends_with(b"/") {
-        p = &p[..p.len() - 1];
+    let p = path;
+    if p.len() > 1 && p.ends_with(b"/") {
+        return None;
     }
     let (parent, name) = match p.iter().rposition(|&b| b == b'/') {
         Some(0) => (&b"/"[..], &p[1..]),
@@ -484,7 +488,8 @@ mod tests {
         };
         assert_eq!(s("x"), Some((".".into(), "x".into())));
         assert_eq!(s("a/b"), Some(("a".into(), "b".into())));
-        assert_eq!(s("a/b/"), Some(("a".into(), "b".into())));
+        assert_eq!(s("a/b/"), None);
+        assert_eq!(s("a/b//"), None);
         assert_eq!(s("/x"), Some(("/".into(), "x".into())));
         assert_eq!(s("/srv/db/x"), Some(("/srv/db".into(), "x".into())));
         for bad in ["", ".", "..", "/", "a/.", "a/..", "//"] {
