@@ -1597,6 +1597,61 @@ print(" | ".join(res) + " || " + " ".join(names))
     );
 }
 
+/// A write through an O_APPEND descriptor lands at the end of the file, a pwrite too (Linux
+/// ignores its offset), and so does its log record: replay after a crash puts the bytes
+/// where the program's write put them. The library logged a pwrite at its offset, and
+/// recovery wrote the appended bytes over the start of the file. Also when O_APPEND is set
+/// later by `fcntl(F_SETFL)`.
+#[test]
+fn appends_by_pwrite_are_replayed_at_the_end_of_the_file() {
+    let Some((_d, root, pm, mut s)) = served_tmp(
+        "append",
+        &["--all-writers-attached", "--flush-interval-ms", "3600000"],
+    ) else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    // The root's first change writes back what came before it; then the files' creations
+    // are logged, and their syncs absorbed from the first.
+    a.exec(concat!(
+        "open(os.path.join(d, 'first'), 'w').close()\n",
+        "fa = os.open(os.path.join(d, 'a'), os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)\n",
+        "fb = os.open(os.path.join(d, 'b'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+        "import fcntl\n",
+        "fcntl.fcntl(fb, fcntl.F_SETFL, os.O_APPEND)\n",
+        "for fd in (fa, fb):\n",
+        "    os.write(fd, b'a' * 100)\n",
+        "    os.fsync(fd)\n",
+        "    os.pwrite(fd, b'X' * 10, 0)\n",
+        "    os.fsync(fd)",
+    ));
+    let want = [vec![b'a'; 100], vec![b'X'; 10]].concat();
+    for f in ["a", "b"] {
+        assert_eq!(
+            fs::read(root.join(f)).unwrap(),
+            want,
+            "{f} before the crash"
+        );
+    }
+    // The daemon dies with the records live; the lower loses the appended bytes (as a power
+    // cut could: they were only in its page cache).
+    s.kill9();
+    for f in ["a", "b"] {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(root.join(f))
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+    }
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    for f in ["a", "b"] {
+        assert_eq!(fs::read(root.join(f)).unwrap(), want, "{f} after recovery");
+    }
+}
+
 /// `open(O_TRUNC)` of an existing file marks its modification and change times for update,
 /// also when the file is empty (POSIX; the library truncates instead of the kernel).
 #[test]

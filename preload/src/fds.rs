@@ -81,6 +81,13 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
     if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
         dup_track(fd, r);
     }
+    if cmd == libc::F_SETFL && r >= 0 {
+        // O_APPEND may change: where the descriptor's writes land.
+        if let Some((_g, _c, t)) = lookup(fd) {
+            let append = arg as c_int & libc::O_APPEND != 0;
+            t.append.store(append, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
     if cmd == libc::F_GETFL && r >= 0 {
         // The O_SYNC/O_DSYNC the program asked for, which the library kept away from the
         // kernel's descriptor (it logs those writes instead).

@@ -65,8 +65,7 @@ pub(crate) unsafe fn do_open(
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
             }
-            let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
-            c.and_then(|c| c.track_under(fd, sync, Some(write_only)).map(|t| (c, t)))
+            c.and_then(|c| c.track_under(fd, sync, Some(flags)).map(|t| (c, t)))
         }
     };
     match tracked {

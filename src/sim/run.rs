@@ -174,7 +174,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     let t = match born {
                         Some(b) => c.track_born(fd, osync, b),
                         // (Its path is absolute under the root.)
-                        None => c.track_under(fd, osync, Some(false)),
+                        None => c.track_under(fd, osync, Some(libc::O_RDWR)),
                     }
                     .expect("a file under the root is tracked");
                     let ino = ino_of(fd);
@@ -260,7 +260,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // SAFETY: a C string; the descriptor is this history's.
                 let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
                 assert!(fd >= 0, "reopening {name}");
-                let t = c.track_under(fd, sync, Some(false)).unwrap();
+                let t = c.track_under(fd, sync, Some(libc::O_RDWR)).unwrap();
                 opens.insert(id, Open { ino: o.ino, fd, t });
             }
             13 => {

@@ -29,11 +29,12 @@ impl Client {
         {
             // Logged (and committed) before the lower file system sees the bytes: see
             // `policy::must_log_first`. Where they land is known before the write.
+            // An O_APPEND descriptor writes at the end of the file, a pwrite too (Linux
+            // ignores its offset): the size now, under the slot lock every attached writer
+            // of the object takes.
             let start = match off {
+                _ if t.append.load(Ordering::Relaxed) => sys::fstat(fd)?.st_size as u64,
                 Some(o) => o,
-                None if sys::fcntl(fd, libc::F_GETFL, 0)? & libc::O_APPEND as i64 != 0 => {
-                    sys::fstat(fd)?.st_size as u64
-                }
                 None => sys::lseek(fd, 0, libc::SEEK_CUR)?,
             };
             // The log's copy: a buffer the program cannot read fails here, as the kernel
@@ -73,6 +74,8 @@ impl Client {
         // SAFETY: the kernel just accepted these `n` bytes for this write.
         let buf = unsafe { src.accepted(n) };
         let start = match off {
+            // Appended (also by a pwrite): the end of the file, still under the slot lock.
+            _ if t.append.load(Ordering::Relaxed) => sys::fstat(fd)?.st_size as u64 - n as u64,
             Some(o) => o,
             None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
         };

@@ -70,6 +70,9 @@ pub struct Tracked {
     /// reports them as the kernel would have (0: neither, or not known: a descriptor
     /// inherited over exec, whose writes are all logged).
     pub asked: std::sync::atomic::AtomicI32,
+    /// The descriptor is O_APPEND (as opened, or set by `fcntl(F_SETFL)`): every write lands
+    /// at the end of the file, a positional one (pwrite) too, whatever its offset.
+    pub append: std::sync::atomic::AtomicBool,
 }
 
 pub struct Client {
@@ -328,15 +331,10 @@ impl Client {
     }
 
     /// `track` of a descriptor the caller knows to be under the root (by the path it was
-    /// opened with, `open::given_under`, or the path the kernel reports), and whether it is
-    /// write-only when the caller knows how it was opened.
-    pub fn track_under(
-        &self,
-        fd: i32,
-        sync: bool,
-        write_only: Option<bool>,
-    ) -> Option<Arc<Tracked>> {
-        self.track_if(fd, sync, write_only, || true)
+    /// opened with, `open::given_under`, or the path the kernel reports), with the flags it
+    /// was opened with when the caller knows them (`OpenFlags`).
+    pub fn track_under(&self, fd: i32, sync: bool, flags: Option<i32>) -> Option<Arc<Tracked>> {
+        self.track_if(fd, sync, flags, || true)
     }
 
     /// Track `fd` if it is a regular file of the root's file system and `under()` says it
@@ -345,7 +343,7 @@ impl Client {
         &self,
         fd: i32,
         sync: bool,
-        write_only: Option<bool>,
+        flags: Option<i32>,
         under: impl FnOnce() -> bool,
     ) -> Option<Arc<Tracked>> {
         let st = sys::fstat(fd).ok()?;
@@ -353,13 +351,13 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd, st.st_ino)?;
-        self.track_object(fd, sync, &st, handle, gen, write_only)
+        self.track_object(fd, sync, &st, handle, gen, flags)
     }
 
     /// `track` of a file `create` just made (`Born`: what it already knows of it, so the
     /// creation costs no more system calls than it must).
     pub fn track_born(&self, fd: i32, sync: bool, b: Born) -> Option<Arc<Tracked>> {
-        self.track_object(fd, sync, &b.st, b.handle, b.gen, Some(b.write_only))
+        self.track_object(fd, sync, &b.st, b.handle, b.gen, Some(b.flags))
     }
 
     fn track_object(
@@ -369,8 +367,13 @@ impl Client {
         st: &libc::stat,
         handle: Vec<u8>,
         gen: u64,
-        write_only_known: Option<bool>,
+        flags: Option<i32>,
     ) -> Option<Arc<Tracked>> {
+        // The descriptor's status flags, asked once when the caller does not know them
+        // (unknown: taken as write-only, not appending).
+        let flags = flags.unwrap_or_else(|| {
+            sys::fcntl(fd, libc::F_GETFL, 0).map_or(libc::O_WRONLY, |f| f as i32)
+        });
         let (idx, ()) = claim(&self.table, st, gen, |slot| {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
@@ -395,7 +398,7 @@ impl Client {
                             // never synced is not copied).
                             dirty: if crate::policy::dirty::copies_kept() {
                                 crate::policy::dirty::Dirty::new(true)
-                            } else if write_only_known.unwrap_or_else(|| write_only(fd)) {
+                            } else if flags & libc::O_ACCMODE == libc::O_WRONLY {
                                 crate::policy::dirty::Dirty::copying(WRITE_ONLY_COPY_PAGES)
                             } else {
                                 crate::policy::dirty::Dirty::new(false)
@@ -412,6 +415,7 @@ impl Client {
             ino,
             sync,
             asked: 0.into(),
+            append: (flags & libc::O_APPEND != 0).into(),
         });
         self.fds.write().insert(fd, t.clone());
         Some(t)
@@ -546,7 +550,8 @@ pub struct Born {
     pub(super) st: libc::stat,
     pub(super) handle: Vec<u8>,
     pub(super) gen: u64,
-    pub(super) write_only: bool,
+    /// The flags of the open that created it.
+    pub(super) flags: i32,
 }
 
 /// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).

@@ -300,7 +300,7 @@ impl Client {
                     st: o.st,
                     handle: o.handle,
                     gen: o.gen,
-                    write_only: flags & libc::O_ACCMODE == libc::O_WRONLY,
+                    flags,
                 }));
                 Ok(true)
             },
