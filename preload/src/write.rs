@@ -5,7 +5,6 @@ use std::ffi::{c_int, c_void};
 
 use libc::{iovec, off_t, size_t, ssize_t};
 use pmstack::front::sys::{self, ProgramBytes};
-use pmstack::front::table::F_FALLBACK;
 
 use crate::abi::*;
 use crate::attach::*;
@@ -90,10 +89,11 @@ pub unsafe extern "C" fn pwritev2(
                     .and_then(|v| c.write(&t, fd, ProgramBytes::of(&v), at, sync)),
             );
         }
-        // Flags the library does not model: the real call, and the next sync is real.
-        let r = kernel!(libc::SYS_pwritev2, fd, iov, cnt, off, off >> 32, flags);
-        c.flag(&t, fd, F_FALLBACK);
-        return r as ssize_t;
+        // Flags the library does not model (RWF_APPEND, RWF_NOWAIT ...): the real call, unlogged.
+        // The object's live entries are expired first (replay must never apply them over
+        // this write), and its next sync is real.
+        c.before_unseen_write(&t, fd);
+        return kernel!(libc::SYS_pwritev2, fd, iov, cnt, off, off >> 32, flags) as ssize_t;
     }
     kernel!(libc::SYS_pwritev2, fd, iov, cnt, off, off >> 32, flags) as ssize_t
 }
