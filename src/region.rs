@@ -157,23 +157,22 @@ struct LowerLock {
 impl Drop for LowerLock {
     fn drop(&mut self) {
         // Only if the name is still this file's (it always is while the lock is held).
-        let ours = |m: fs::Metadata| {
-            use std::os::unix::fs::MetadataExt;
-            self.f
-                .metadata()
-                .is_ok_and(|f| (f.dev(), f.ino()) == (m.dev(), m.ino()))
-        };
-        if fs::metadata(&self.path).is_ok_and(ours) {
+        if self.f.metadata().is_ok_and(|f| names(&self.path, &f)) {
             let _ = fs::remove_file(&self.path);
         }
     }
+}
+
+/// Whether `path` names the file whose metadata is `held`.
+fn names(path: &Path, held: &fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()))
 }
 
 /// One owner per lower directory: a mount and a `pmstack serve` (or two of either, with
 /// different regions bound to one lower) would each replay its log over the other's newer
 /// bytes. An flock on a file named after the lower's marker, holding the owner's pid.
 fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<LowerLock, RegionError> {
-    use std::os::unix::fs::MetadataExt;
     let dir = Path::new(RUN_DIR);
     fs::create_dir_all(dir).map_err(|source| RegionError::RunDir {
         dir: dir.into(),
@@ -204,8 +203,7 @@ fn lock_lower(id: &[u8; 16], lower: &Path) -> Result<LowerLock, RegionError> {
         }
         // The previous owner may have removed the file between our open and our lock: a
         // lock on a file nobody else finds is no lock. Then again, on the file now there.
-        let held = f.metadata().map_err(io)?;
-        if fs::metadata(&p).is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino())) {
+        if names(&p, &f.metadata().map_err(io)?) {
             break f;
         }
     };

@@ -102,7 +102,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             .to_vec()
     };
     let target = |n: &str| {
-        c.target(libc::AT_FDCWD, &path(n), |_| false)
+        c.targets(&[(libc::AT_FDCWD, path(n))], |_, _| false)
+            .and_then(|mut t| t.pop())
             .expect("a name under the root")
     };
     let mut rng = StdRng::seed_from_u64(seed);

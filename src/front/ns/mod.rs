@@ -105,23 +105,11 @@ fn split(path: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
 }
 
 impl Client {
-    /// `(dirfd, path)` as a parent directory under the root and a final name; None when it is
-    /// not ours (the caller then runs the call natively). `under(parent)`: whether the
-    /// parent's path (relative to `dirfd`) lies under the root by its text alone
-    /// (`open::given_under`); if not, the kernel is asked where it resolved.
-    pub fn target(
-        &self,
-        dirfd: i32,
-        path: &[u8],
-        under: impl FnOnce(&[u8]) -> bool,
-    ) -> Option<Target> {
-        let (parent, name) = split(path)?;
-        let dir = Rc::new(self.dir_at(dirfd, &parent, under(&parent))?);
-        Some(Target { dir, name })
-    }
-
-    /// `target` of each `(dirfd, path)` of one call (None if any is not ours); paths whose
-    /// parent is named alike share one `Dir`. `under(dirfd, parent)` as in `target`.
+    /// Each `(dirfd, path)` of one call as a parent directory under the root and a final
+    /// name; None when any is not ours (the caller then runs the call natively). Paths whose
+    /// parent is named alike share one `Dir`. `under(dirfd, parent)`: whether the parent's
+    /// path lies under the root by its text alone (`open::given_under`); if not, the kernel
+    /// is asked where it resolved.
     pub fn targets(
         &self,
         paths: &[(i32, Vec<u8>)],
