@@ -18,17 +18,23 @@ const LINKS: Kinds = Kinds {
     links: true,
     fallocate: false,
     dirs: false,
+    syncfs_ignored: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
 /// (PMSTACK_WHOLE_PATH_RUNS and PMSTACK_SEED also steer these runs).
 fn run_many(mode: Mode) {
+    run_many_over(mode, Kinds::CAMPAIGN);
+}
+
+fn run_many_over(mode: Mode, kinds: Kinds) {
     let env = |k: &str| std::env::var(k).ok().and_then(|s| s.parse::<u64>().ok());
     let runs = env("PMSTACK_WHOLE_PATH_RUNS").unwrap_or(400);
     let seed0 = env("PMSTACK_SEED").unwrap_or_else(rand::random);
     let cov = crate::sim::expect_contract(0..runs, |r| {
-        crate::sim::run_history(seed0.wrapping_add(r), 50, mode, crate::sim::Kinds::CAMPAIGN)
+        crate::sim::run_history(seed0.wrapping_add(r), 50, mode, kinds)
     });
+    assert_eq!(cov.syncfs_ignored, runs * kinds.syncfs_ignored as u64);
     // The runs exercised what they claim to.
     assert_eq!(cov.crash_images, runs);
     if runs >= 100 {
@@ -36,6 +42,7 @@ fn run_many(mode: Mode) {
             cov.forgets > 0
                 && cov.recoveries_interrupted > 0
                 && cov.write_backs > 0
+                && (cov.objects_synced > 0 || !kinds.syncfs_ignored)
                 && cov.namespace_rewinds > 0
                 && cov.mkdirs > 0
                 && cov.rmdirs > 0
@@ -53,6 +60,22 @@ fn whole_path_crash_images_recover_to_the_contract() {
 #[test]
 fn adaptive_mode_crash_images_recover_to_the_contract() {
     run_many(Mode::Adaptive);
+}
+
+/// Over a lower whose syncfs does not reach the file system (FUSE and network lowers): a power
+/// cut keeps each file as of its own last sync, the names as of a directory's sync, and a
+/// write-back expires only what it made durable object by object. Each mode in turn.
+#[test]
+fn crash_images_over_a_lower_that_ignores_syncfs_recover_to_the_contract() {
+    for mode in [Mode::Sync, Mode::Strict, Mode::Adaptive] {
+        run_many_over(
+            mode,
+            Kinds {
+                syncfs_ignored: true,
+                ..Kinds::CAMPAIGN
+            },
+        );
+    }
 }
 
 /// adaptive mode switches a file written in small pieces and synced often to eager logging,
@@ -315,6 +338,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 links: true,
                 fallocate: true,
                 dirs: false,
+                syncfs_ignored: false,
             },
         )
     });
@@ -338,6 +362,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 links: true,
                 fallocate: true,
                 dirs: false,
+                syncfs_ignored: false,
             },
         )
     });

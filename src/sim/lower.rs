@@ -112,9 +112,13 @@ pub(super) fn power_cut(
             continue;
         }
         let p = root.join(first(names));
+        // A state older than the durable one is gone: the names may be rewound to before a
+        // file's last sync, its data not.
+        let synced_at = base.1.get(ino).copied();
         let choices: Vec<(&Vec<u8>, Option<usize>)> = std::iter::once(base)
             .chain(cands.iter().copied())
             .filter_map(|(t, at)| t.get(ino).map(|(_, d)| (d, at.get(ino).copied())))
+            .filter(|(_, at)| synced_at.is_none() || *at >= synced_at)
             .collect();
         let (len, size_at) = {
             let (d, at) = choices[rng.gen_range(0..choices.len())];
@@ -284,4 +288,86 @@ pub(super) struct InOpSyncs {
     /// Every fence of the operation follows a sync of the whole lower (the daemon's
     /// write-back, whose syncfs the probe does not see).
     pub(super) all: bool,
+}
+
+/// The syncs this thread asked of the lower (`lower::real::watch_syncs`) since the last
+/// `take`, watched until dropped: what a power cut of a lower that ignores syncfs keeps.
+pub(super) struct SyncsSeen(Arc<parking_lot::Mutex<Seen>>);
+
+#[derive(Default)]
+pub(super) struct Seen {
+    /// Regular files synced: inode, and its data when the sync returned.
+    pub(super) files: Vec<(u64, Vec<u8>)>,
+    /// Directories synced (each a journal commit).
+    pub(super) dirs: usize,
+}
+
+impl SyncsSeen {
+    pub(super) fn watch() -> SyncsSeen {
+        let seen = Arc::new(parking_lot::Mutex::new(Seen::default()));
+        let s = seen.clone();
+        crate::lower::real::watch_syncs(Some(Box::new(move |fd| {
+            let st = crate::lower::real::fstat(fd).expect("harness: fstat of a synced file");
+            let mut s = s.lock();
+            match st.st_mode & libc::S_IFMT {
+                libc::S_IFDIR => s.dirs += 1,
+                libc::S_IFREG => {
+                    let data = fs::read(format!("/proc/self/fd/{fd}"))
+                        .expect("harness: read of a synced file");
+                    s.files.push((st.st_ino, data));
+                }
+                _ => {}
+            }
+        })));
+        SyncsSeen(seen)
+    }
+
+    pub(super) fn take(&self) -> Seen {
+        std::mem::take(&mut *self.0.lock())
+    }
+}
+
+impl Drop for SyncsSeen {
+    fn drop(&mut self) {
+        crate::lower::real::watch_syncs(None);
+    }
+}
+
+impl Seen {
+    pub(super) fn len(&self) -> usize {
+        self.files.len() + self.dirs
+    }
+
+    /// Record in `durable` (a tree and its `Times`) the data of the files synced in operation
+    /// `j`, whose lower was `now` after it: as of `j + 1` where the operation changed the file
+    /// no more after the sync, else as of `j` (the data may hold part of the operation's
+    /// change, which a later time would take as older than it is).
+    pub(super) fn made_durable(&self, durable: &mut (Tree, Times), now: &Tree, j: usize) {
+        for (ino, data) in &self.files {
+            let (names, at) = match now.get(ino) {
+                Some((names, d)) => (names.clone(), if d == data { j + 1 } else { j }),
+                None => (
+                    durable.0.get(ino).map_or_else(
+                        || [format!("(inode {ino}, unnamed)")].into(),
+                        |e| e.0.clone(),
+                    ),
+                    j,
+                ),
+            };
+            durable.0.insert(*ino, (names, data.clone()));
+            durable.1.insert(*ino, at);
+        }
+    }
+}
+
+/// Record in `durable` the files of `now` (the lower after operation `j`) that it does not
+/// hold yet as durable with no data: made in operation `j`, they are empty as of `j + 1`, or
+/// as of `j` if the operation wrote to them too.
+pub(super) fn new_files_empty(durable: &mut (Tree, Times), now: &Tree, j: usize) {
+    for (ino, (names, d)) in now {
+        if !is_dir(first(names)) && !durable.0.contains_key(ino) {
+            durable.0.insert(*ino, (names.clone(), Vec::new()));
+            durable.1.insert(*ino, if d.is_empty() { j + 1 } else { j });
+        }
+    }
 }

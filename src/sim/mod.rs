@@ -95,6 +95,10 @@ pub struct Coverage {
     pub daemon_deaths: u64,
     pub unserved_ops: u64,
     pub real_syncs: u64,
+    /// Histories over a lower that ignores syncfs (`Kinds::syncfs_ignored`), and the objects
+    /// their write-backs made durable with their own fsync.
+    pub syncfs_ignored: u64,
+    pub objects_synced: u64,
 }
 
 impl Coverage {
@@ -125,6 +129,8 @@ impl Coverage {
         self.daemon_deaths += o.daemon_deaths;
         self.unserved_ops += o.unserved_ops;
         self.real_syncs += o.real_syncs;
+        self.syncfs_ignored += o.syncfs_ignored;
+        self.objects_synced += o.objects_synced;
     }
 }
 
@@ -153,12 +159,14 @@ impl Drop for ScratchDir {
 
 /// A core in `mode` over the lower directory `lower` and a fresh crash-simulating PM region
 /// of `pages` pages with `areas` append areas (write-back only when asked: a one-hour
-/// flush interval). For crash tests.
-pub fn core_on_sim_pm(
+/// flush interval). With `syncfs_ignored`, the core takes the lower for one whose syncfs does
+/// not reach the file system (`RealLower::ignoring_syncfs`). For crash tests.
+pub fn core_on_sim_lower(
     lower: &Path,
     pages: usize,
     areas: u32,
     mode: Mode,
+    syncfs_ignored: bool,
 ) -> (Arc<SimPmem>, Arc<Core>) {
     let sim = Arc::new(SimPmem::new(pages * 4096));
     let log = Arc::new(Log::format(sim.clone(), [3; 16], areas).unwrap());
@@ -169,8 +177,22 @@ pub fn core_on_sim_pm(
         flush_interval: std::time::Duration::from_secs(3600),
         ..Options::default()
     };
-    let core = Core::new(RealLower::open(lower).unwrap(), opts, Some(log)).unwrap();
+    let mut real = RealLower::open(lower).unwrap();
+    if syncfs_ignored {
+        real = real.ignoring_syncfs();
+    }
+    let core = Core::new(real, opts, Some(log)).unwrap();
     (sim, core)
+}
+
+/// `core_on_sim_pm` over a lower that honours syncfs.
+pub fn core_on_sim_pm(
+    lower: &Path,
+    pages: usize,
+    areas: u32,
+    mode: Mode,
+) -> (Arc<SimPmem>, Arc<Core>) {
+    core_on_sim_lower(lower, pages, areas, mode, false)
 }
 
 /// Operations a history may do besides creates, writes, fsyncs, truncates, renames,
@@ -186,6 +208,11 @@ pub struct Kinds {
     /// Directories: mkdir, rmdir, renames of directories, files made and renamed in them and
     /// between them, directory fsyncs of them.
     pub dirs: bool,
+    /// The lower ignores syncfs, as FUSE and network lowers do (through the mount's core):
+    /// a power cut keeps a file's data only as of its own last fsync or fdatasync, and the
+    /// lower's names only as of a sync of a directory (a journal commit) or an earlier state;
+    /// a write-back makes durable only what it syncs object by object.
+    pub syncfs_ignored: bool,
 }
 
 impl Kinds {
@@ -194,6 +221,7 @@ impl Kinds {
         links: true,
         fallocate: true,
         dirs: true,
+        syncfs_ignored: false,
     };
 
     /// The simulate example's flags that select these kinds.
@@ -207,6 +235,9 @@ impl Kinds {
         }
         if !self.dirs {
             f += " --no-dirs";
+        }
+        if self.syncfs_ignored {
+            f += " --lower syncfs-ignored";
         }
         f
     }

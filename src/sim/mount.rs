@@ -13,7 +13,9 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     let dir = ScratchDir::new();
     let lower_path = dir.0.join("lower");
     fs::create_dir(&lower_path).unwrap();
-    let (sim, core) = core_on_sim_pm(&lower_path, 2048, 4, mode);
+    let (sim, core) = core_on_sim_lower(&lower_path, 2048, 4, mode, kinds.syncfs_ignored);
+    cov.syncfs_ignored += kinds.syncfs_ignored as u64;
+    let synced = SyncsSeen::watch();
     let mut r = Run {
         core,
         sim: sim.clone(),
@@ -31,8 +33,11 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     let mut model = Model::default();
     let mut models = vec![model.clone()];
     let mut trees = vec![read_tree(&lower_path)];
-    let mut base_at: Vec<usize> = vec![0]; // index of the durable base tree, per op count
-    let mut base = 0usize;
+    // What the lower holds durably, per inode: its data as of its last sync (an fsync, or a
+    // write-back's syncfs where the lower honours it), with the operation count as of which
+    // that was its data. Per operation count.
+    let mut durable = (trees[0].clone(), times(&trees[0], 0));
+    let mut bases = vec![durable.clone()];
     // Index of the tree whose names the lower's journal has committed, per op count: the
     // last write-back (syncfs), or the last fsync the core fell back to (PM full).
     let mut ns_at: Vec<usize> = vec![0];
@@ -46,6 +51,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         cov.ops += 1;
         let names = model.names();
         let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
+        let mut wrote_back = false;
         let fallbacks = r
             .core
             .stats
@@ -121,9 +127,10 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 crash_op_syncs = j == c;
                 cov.write_backs += 1;
                 r.core.write_back().unwrap();
-                // Everything in the lower is durable now: the new base.
+                // Everything in the lower is durable now (what the write-back synced object by
+                // object, on a lower that ignores syncfs: the check finds what it missed).
                 model.sync_everything();
-                base = trees.len();
+                wrote_back = true;
             }
             11 if names.len() >= 2 => {
                 // RENAME_EXCHANGE of two existing names
@@ -216,33 +223,66 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             eprintln!("op {j}: {}", model.trace());
         }
         let now = read_tree(&lower_path);
-        let ns = if r
-            .core
-            .stats
-            .real_syncs
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > fallbacks
-        {
-            trees.len() // a real fsync after the operation commits the journal
+        let seen = synced.take();
+        if std::env::var("PMSTACK_TRACE").is_ok() {
+            eprintln!(
+                "op {j}: wrote back {wrote_back}, synced files {:?}, dirs {}",
+                seen.files
+                    .iter()
+                    .map(|(i, d)| (i, d.len()))
+                    .collect::<Vec<_>>(),
+                seen.dirs
+            );
+        }
+        let syncfs = wrote_back && !kinds.syncfs_ignored;
+        if syncfs {
+            durable = (now.clone(), times(&now, j + 1));
         } else {
-            base.max(ns_at[j])
-        };
+            if wrote_back {
+                cov.objects_synced += seen.len() as u64;
+            }
+            seen.made_durable(&mut durable, &now, j);
+        }
+        if kinds.syncfs_ignored {
+            // A file made since is durable empty, until a sync of it.
+            new_files_empty(&mut durable, &now, j);
+        }
+        // A real fsync after the operation commits the journal: a fallback's, or one of a
+        // directory (a file's alone need not, where the lower ignores syncfs).
+        let commits = syncfs
+            || seen.dirs > 0
+            || r.core
+                .stats
+                .real_syncs
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > fallbacks;
+        let ns = if commits { trees.len() } else { ns_at[j] };
         models.push(model.clone());
         trees.push(now);
-        base_at.push(base);
+        bases.push(durable.clone());
         ns_at.push(ns);
     }
+    drop(synced);
     drop(r);
     cov.crashes_in_write_back += crash_op_syncs as u64;
-    let after = base_at.get(c + 1).copied().unwrap_or(base);
-    let in_op = if crash_op_syncs { c } else { base_at[c] };
+    // The fences of a write-back come after its syncs: a crash at one finds the lower durable
+    // as after them (with syncfs, as of the operation's start: nothing of the lower changes).
+    let in_op = match (crash_op_syncs, kinds.syncfs_ignored) {
+        (true, false) => (trees[c].clone(), times(&trees[c], c)),
+        (true, true) => bases[c + 1].clone(),
+        (false, _) => bases[c].clone(),
+    };
     let crash = Crash {
         seed,
         c,
-        base_in_op: (&trees[in_op], times(&trees[in_op], in_op)),
-        base_after: (&trees[after], times(&trees[after], after)),
-        // A write-back's fences come after its syncfs.
-        ns_in_op: if crash_op_syncs { c } else { ns_at[c] },
+        base_in_op: (&in_op.0, in_op.1),
+        base_after: (&bases[c + 1].0, bases[c + 1].1.clone()),
+        // A write-back's fences come after its syncs.
+        ns_in_op: if crash_op_syncs && ns_at[c + 1] == c + 1 {
+            c
+        } else {
+            ns_at[c]
+        },
         ns_after: ns_at.get(c + 1).copied().unwrap_or(ns_at[c]),
         names_change_after_fences: false,
         stash,

@@ -105,7 +105,28 @@ pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
             libc::fsync(fd)
         }
     })?;
+    SYNC_WATCH.with(|w| {
+        if let Some(f) = w.borrow_mut().as_mut() {
+            f(fd)
+        }
+    });
     Ok(())
+}
+
+/// What `watch_syncs` installs.
+pub type SyncWatch = Box<dyn FnMut(RawFd)>;
+
+thread_local! {
+    static SYNC_WATCH: std::cell::RefCell<Option<SyncWatch>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// For the crash simulator (`crate::sim`), which decides itself what a power cut keeps of a
+/// lower: from now on, each fsync or fdatasync this thread makes through `fsync` calls `f`
+/// with the descriptor once it succeeded (still open, so the simulator can read what was made
+/// durable). `None` stops it. Nothing else installs one.
+pub fn watch_syncs(f: Option<SyncWatch>) {
+    SYNC_WATCH.with(|w| *w.borrow_mut() = f);
 }
 
 pub fn ftruncate(fd: RawFd, size: u64) -> io::Result<()> {

@@ -86,6 +86,8 @@ pub struct RealLower {
     root: OwnedFd,
     /// An ordinary (not O_PATH) descriptor of the root: open_by_handle_at needs one.
     mount_fd: OwnedFd,
+    /// Behave as a lower whose syncfs does not reach the file system (`ignoring_syncfs`).
+    syncfs_ignored: bool,
 }
 
 impl RealLower {
@@ -109,7 +111,20 @@ impl RealLower {
         })?;
         // SAFETY: fresh fd we own.
         let mount_fd = unsafe { OwnedFd::from_raw_fd(mfd) };
-        Ok(RealLower { root, mount_fd })
+        Ok(RealLower {
+            root,
+            mount_fd,
+            syncfs_ignored: false,
+        })
+    }
+
+    /// This lower as one whose `syncfs(2)` does not reach the file system, as on FUSE and
+    /// network lowers: `syncfs_reliable` says so and `syncfs` does nothing. For the crash
+    /// simulator, which models such a lower over a local directory (it sees the syncs that
+    /// do reach it through `watch_syncs`).
+    pub fn ignoring_syncfs(mut self) -> Self {
+        self.syncfs_ignored = true;
+        self
     }
 
     pub fn root_fd(&self) -> RawFd {
@@ -409,6 +424,9 @@ impl RealLower {
     }
 
     pub fn syncfs(&self) -> io::Result<()> {
+        if self.syncfs_ignored {
+            return Ok(());
+        }
         // SAFETY: live fd (syncfs needs an ordinary descriptor, not O_PATH).
         cvt(unsafe { libc::syncfs(self.mount_fd.as_raw_fd()) })?;
         Ok(())
@@ -419,6 +437,9 @@ impl RealLower {
     /// network clients differ; only local file systems known to honour it are trusted. For
     /// the others, write-back makes each object durable with its own fsync.
     pub fn syncfs_reliable(&self) -> bool {
+        if self.syncfs_ignored {
+            return false;
+        }
         const TRUSTED: [i64; 8] = [
             0xEF53,      // ext2/3/4
             0x5846_5342, // XFS
