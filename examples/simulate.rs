@@ -55,6 +55,10 @@ struct Args {
     /// or `both` (alternating).
     #[arg(long, default_value = "both")]
     lower: String,
+    /// Run every operation of the mount's histories on one thread (the histories of seeds
+    /// found before each operation had a thread of its own)
+    #[arg(long)]
+    no_threads: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -94,6 +98,7 @@ fn main() {
         fallocate: !a.no_fallocate,
         dirs: !a.no_dirs,
         syncfs_ignored: false,
+        threads: !a.no_threads,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -171,8 +176,8 @@ fn main() {
             cov.daemon_deaths, cov.unserved_ops, cov.real_syncs
         );
         println!(
-            "  mount over a lower that ignores syncfs: histories {}, objects its write-backs synced one by one {}",
-            cov.syncfs_ignored, cov.objects_synced
+            "  mount over a lower that ignores syncfs: histories {}, objects its write-backs synced one by one {}; crash images with live records in more than one append area {}",
+            cov.syncfs_ignored, cov.objects_synced, cov.multi_area_logs
         );
         println!("  contract violations: {}", failures.len());
     }

@@ -19,6 +19,7 @@ const LINKS: Kinds = Kinds {
     fallocate: false,
     dirs: false,
     syncfs_ignored: false,
+    threads: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -43,6 +44,7 @@ fn run_many_over(mode: Mode, kinds: Kinds) {
                 && cov.recoveries_interrupted > 0
                 && cov.write_backs > 0
                 && (cov.objects_synced > 0 || !kinds.syncfs_ignored)
+                && cov.multi_area_logs > 0
                 && cov.namespace_rewinds > 0
                 && cov.mkdirs > 0
                 && cov.rmdirs > 0
@@ -339,6 +341,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 fallocate: true,
                 dirs: false,
                 syncfs_ignored: false,
+                threads: false,
             },
         )
     });
@@ -363,6 +366,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 fallocate: true,
                 dirs: false,
                 syncfs_ignored: false,
+                threads: false,
             },
         )
     });

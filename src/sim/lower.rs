@@ -304,8 +304,19 @@ pub(super) struct Seen {
 
 impl SyncsSeen {
     pub(super) fn watch() -> SyncsSeen {
-        let seen = Arc::new(parking_lot::Mutex::new(Seen::default()));
-        let s = seen.clone();
+        let seen = SyncsSeen(Arc::new(parking_lot::Mutex::new(Seen::default())));
+        seen.install();
+        seen
+    }
+
+    /// Watch this thread too, until the guard is dropped.
+    pub(super) fn here(&self) -> impl Drop + '_ {
+        self.install();
+        Unwatch
+    }
+
+    fn install(&self) {
+        let s = self.0.clone();
         crate::lower::real::watch_syncs(Some(Box::new(move |fd| {
             let st = crate::lower::real::fstat(fd).expect("harness: fstat of a synced file");
             let mut s = s.lock();
@@ -319,7 +330,6 @@ impl SyncsSeen {
                 _ => {}
             }
         })));
-        SyncsSeen(seen)
     }
 
     pub(super) fn take(&self) -> Seen {
@@ -328,6 +338,15 @@ impl SyncsSeen {
 }
 
 impl Drop for SyncsSeen {
+    fn drop(&mut self) {
+        crate::lower::real::watch_syncs(None);
+    }
+}
+
+/// Stops the watch of a thread.
+struct Unwatch;
+
+impl Drop for Unwatch {
     fn drop(&mut self) {
         crate::lower::real::watch_syncs(None);
     }

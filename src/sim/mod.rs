@@ -99,6 +99,9 @@ pub struct Coverage {
     /// their write-backs made durable with their own fsync.
     pub syncfs_ignored: u64,
     pub objects_synced: u64,
+    /// Crash images whose live log records were in more than one append area (recovery
+    /// merged them by LSN).
+    pub multi_area_logs: u64,
 }
 
 impl Coverage {
@@ -131,6 +134,7 @@ impl Coverage {
         self.real_syncs += o.real_syncs;
         self.syncfs_ignored += o.syncfs_ignored;
         self.objects_synced += o.objects_synced;
+        self.multi_area_logs += o.multi_area_logs;
     }
 }
 
@@ -213,6 +217,10 @@ pub struct Kinds {
     /// lower's names only as of a sync of a directory (a journal commit) or an earlier state;
     /// a write-back makes durable only what it syncs object by object.
     pub syncfs_ignored: bool,
+    /// Each operation runs on a thread of its own (one at a time): the log gives each thread
+    /// an append area, so one object's records spread over the areas, as under concurrent
+    /// writers, and recovery must merge them in order (the mount's histories).
+    pub threads: bool,
 }
 
 impl Kinds {
@@ -222,6 +230,7 @@ impl Kinds {
         fallocate: true,
         dirs: true,
         syncfs_ignored: false,
+        threads: true,
     };
 
     /// The simulate example's flags that select these kinds.
@@ -238,6 +247,9 @@ impl Kinds {
         }
         if self.syncfs_ignored {
             f += " --lower syncfs-ignored";
+        }
+        if !self.threads {
+            f += " --no-threads";
         }
         f
     }
@@ -520,6 +532,13 @@ fn recover_and_check(
         .cloned()
         .collect::<Vec<_>>();
     let plan = s2.plan(&**log2.pm()).unwrap();
+    let areas: std::collections::BTreeSet<u32> = s2
+        .entries
+        .iter()
+        .filter(|e| e.lsn >= s2.checkpoint)
+        .map(|e| e.area)
+        .collect();
+    cov.multi_area_logs += (areas.len() > 1) as u64;
     // Every other run, a crash during recovery: the replay ran (maybe partly) but the log was
     // not emptied. Recovery then runs again from the same log and must give the same answer.
     if seed % 3 == 0 {

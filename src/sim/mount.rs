@@ -57,7 +57,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             .stats
             .real_syncs
             .load(std::sync::atomic::Ordering::Relaxed);
-        match rng.gen_range(0..if kinds.dirs { 19 } else { 17 }) {
+        let step = || match rng.gen_range(0..if kinds.dirs { 19 } else { 17 }) {
             0 | 1 => {
                 let name = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&name) {
@@ -218,7 +218,10 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 None => {}
             },
             _ => {}
-        }
+        };
+        // Each operation on a thread of its own: the log hands each thread an append area of
+        // its own, so one object's records spread over the areas as under concurrent writers.
+        on_thread(kinds.threads, &synced, step);
         if std::env::var("PMSTACK_TRACE").is_ok() {
             eprintln!("op {j}: {}", model.trace());
         }
@@ -316,4 +319,22 @@ fn at(core: &Core, path: &str) -> (u64, std::ffi::OsString) {
             .ino;
     }
     (dir, last.into())
+}
+
+/// Run `step` here, or with `threads` on a new thread (watched by `synced` too) and wait for
+/// it: one operation at a time either way, so the same seed gives the same run. A panic of the
+/// step goes on here.
+fn on_thread<F: FnOnce() + Send>(threads: bool, synced: &SyncsSeen, step: F) {
+    if !threads {
+        return step();
+    }
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let _w = synced.here();
+            step()
+        });
+        if let Err(p) = h.join() {
+            std::panic::resume_unwind(p)
+        }
+    });
 }
