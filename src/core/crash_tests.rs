@@ -371,3 +371,26 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
         )
     });
 }
+
+/// Seeds that found recovery over a FUSE lower mounted again (every handle stale, objects
+/// found by inode number) that passes a local file system's inode numbers through (bindfs):
+/// an object an interrupted recovery had re-created and bound got the inode number of an
+/// object the lower lost, and the next recovery's search by inode number took it for that
+/// one (data replayed into the wrong file, a name removed). They fail (most runs: whether
+/// the file system hands the number out again is its own choice) without the search done
+/// before recovery creates anything and without leaving out objects another record's handle
+/// opens (`replay_with`, `Replayer::find_by_ino`).
+#[test]
+fn a_remounted_fuse_lower_that_reuses_inode_numbers_gets_each_object_back() {
+    crate::sim::expect_contract([418, 2182, 4198], |s| {
+        crate::sim::run_history(
+            s,
+            50,
+            Mode::Strict,
+            Kinds {
+                syncfs_ignored: true,
+                ..Kinds::CAMPAIGN
+            },
+        )
+    });
+}

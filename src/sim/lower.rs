@@ -179,8 +179,10 @@ impl Stash {
     /// Give the lower the names it had in `t`, each naming the inode it named then; then drop
     /// the links of the inodes it does not name. Every directory of `t` must be in the lower
     /// now (`restorable`): a directory moves back to where `t` had it, and one `t` does not
-    /// have (made since) goes.
-    pub(super) fn rewind_names(&self, lower: &Path, t: &Tree) {
+    /// have (made since) goes. With `numbers_kept` (a lower that never hands out an inode
+    /// number again, as GlusterFS and JuiceFS), the inodes the lower lost stay alive outside
+    /// it until `release`, so that no object recovery makes gets one of their numbers.
+    pub(super) fn rewind_names(&self, lower: &Path, t: &Tree, numbers_kept: bool) {
         let now = self.0.with_extension("now"); // the inodes named now, for the moment
         let dirs = self.0.with_extension("dirs"); // the directories, for the moment
         fs::create_dir(&now).unwrap();
@@ -212,7 +214,11 @@ impl Stash {
             );
             fs::rename(d, lower.join(name)).unwrap();
         }
-        fs::remove_dir_all(&dirs).unwrap();
+        if numbers_kept {
+            fs::rename(&dirs, self.0.join("lost-dirs")).unwrap();
+        } else {
+            fs::remove_dir_all(&dirs).unwrap();
+        }
         for (name, ino) in names_of(t) {
             if is_dir(name) {
                 continue;
@@ -224,6 +230,17 @@ impl Stash {
                 now.join(ino.to_string())
             };
             fs::hard_link(from, lower.join(name)).unwrap();
+        }
+        if numbers_kept {
+            for e in fs::read_dir(&now).unwrap().flatten() {
+                let ino: u64 = e.file_name().to_string_lossy().parse().unwrap();
+                let kept = self.0.join(e.file_name());
+                if !t.contains_key(&ino) && !kept.exists() {
+                    fs::rename(e.path(), kept).unwrap();
+                }
+            }
+            fs::remove_dir_all(&now).unwrap();
+            return;
         }
         fs::remove_dir_all(&now).unwrap();
         for e in fs::read_dir(&self.0).unwrap().flatten() {

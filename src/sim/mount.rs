@@ -291,6 +291,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         stash,
         at_fences,
         in_op_syncs: None,
+        fuse_lower: kinds.syncfs_ignored,
     };
     recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
 }

@@ -425,6 +425,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         stash,
         at_fences,
         in_op_syncs: Some(InOpSyncs { before, file, all }),
+        fuse_lower: false,
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
 }

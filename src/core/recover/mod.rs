@@ -185,6 +185,28 @@ pub fn replay_with(
         file_ops_done: 0,
         total: (plan.namespace.len() + plan.files.values().map(Vec::len).sum::<usize>()) as u64,
     };
+    // Where objects may have to be found by inode number (handles that do not survive a
+    // remount of the lower's client, or may not be opened), find every object of the log
+    // before recovery creates anything: an object it re-creates may get the inode number of
+    // one the lower lost (a FUSE lower that passes a local file system's numbers through),
+    // and a search after that would take the new object for the lost one.
+    if !r.handles_persistent
+        || plan
+            .binds
+            .get(&ROOT_FID)
+            .is_some_and(|h| lower.open_handle(h).is_err())
+    {
+        // Those whose handles open first: the objects they claim (those an interrupted
+        // recovery re-created and bound, say) are no other's by inode number.
+        let (by_handle, stale): (Vec<u64>, Vec<u64>) = plan
+            .binds
+            .keys()
+            .partition(|&fid| lower.open_handle(&plan.binds[fid]).is_ok());
+        for fid in by_handle.into_iter().chain(stale) {
+            // An unusable binding shows again where a record needs it.
+            let _ = r.try_resolve(fid);
+        }
+    }
     r.namespace();
     // Directory changes durable by each directory's own fsync: syncfs alone is not enough
     // on lowers that ignore it (FUSE clients of network file systems).

@@ -82,9 +82,16 @@ impl Replayer<'_> {
                 .filter(|(&fid, _)| fid != ROOT_FID)
                 .filter_map(|(_, h)| real::split_identity(h).0)
                 .collect();
-            let (found, errors) = real::search_by_ino(self.lower, &wanted);
+            let (mut found, errors) = real::search_by_ino(self.lower, &wanted);
             if !errors.is_empty() {
                 self.sum.errors.extend(errors);
+            }
+            // An object another record's handle opened is that record's (an object an
+            // interrupted recovery re-created may have the inode number of a lost one).
+            for fd in self.nodes.values() {
+                if let Ok(st) = real::fstat(fd.as_raw_fd()) {
+                    found.remove(&st.st_ino);
+                }
             }
             self.by_ino = Some(found);
         }

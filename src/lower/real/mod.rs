@@ -88,7 +88,12 @@ pub struct RealLower {
     mount_fd: OwnedFd,
     /// Behave as a lower whose syncfs does not reach the file system (`ignoring_syncfs`).
     syncfs_ignored: bool,
+    /// Behave as a FUSE client mounted again (`remounted`).
+    remounted: bool,
 }
+
+/// The bit of a handle's type that marks the handles of a `remounted` lower.
+const REMOUNT_BIT: u32 = 1 << 30;
 
 impl RealLower {
     pub fn open(path: &Path) -> io::Result<Self> {
@@ -115,7 +120,18 @@ impl RealLower {
             root,
             mount_fd,
             syncfs_ignored: false,
+            remounted: false,
         })
+    }
+
+    /// This lower as a FUSE or network client mounted again since the handles in hand were
+    /// taken (what happens after any node crash): every handle taken before is stale
+    /// (ESTALE), the objects keep their inode numbers, `handles_persistent` is false, and
+    /// the handles it gives are other bytes than before for the same object. For the crash
+    /// simulator, which recovers over such a lower.
+    pub fn remounted(mut self) -> Self {
+        self.remounted = true;
+        self
     }
 
     /// This lower as one whose `syncfs(2)` does not reach the file system, as on FUSE and
@@ -459,7 +475,13 @@ impl RealLower {
 
     /// The persistent identity of an object (see `handle_of`); `ino` is its inode number.
     pub fn handle(&self, node: RawFd, ino: u64) -> io::Result<Vec<u8>> {
-        handle_of(node, ino)
+        let mut h = handle_of(node, ino)?;
+        if self.remounted {
+            let n = h.len() - split_identity(&h).1.len();
+            let t = u32::from_ne_bytes(h[n..n + 4].try_into().expect("a handle's type"));
+            h[n..n + 4].copy_from_slice(&(t | REMOUNT_BIT).to_ne_bytes());
+        }
+        Ok(h)
     }
 
     /// Whether a file handle that no longer opens means the object was deleted. True on local
@@ -469,7 +491,7 @@ impl RealLower {
     /// another object; recovery finds such objects again by inode number (`open_handle`
     /// checks it, `core::recover` searches the tree for it).
     pub fn handles_persistent(&self) -> bool {
-        local_fs(&self.mount_fd)
+        !self.remounted && local_fs(&self.mount_fd)
     }
 
     /// Whether the object at `fd` has a name under LOWER, as far as the kernel's path of the
@@ -518,6 +540,13 @@ impl RealLower {
         let mut buf = vec![0u8; 8 + n];
         buf[0..4].copy_from_slice(&(n as u32).to_ne_bytes());
         buf[4..8].copy_from_slice(&raw[0..4]);
+        if self.remounted {
+            let t = u32::from_ne_bytes(raw[0..4].try_into().expect("4 bytes"));
+            if t & REMOUNT_BIT == 0 {
+                return Err(errno(libc::ESTALE));
+            }
+            buf[4..8].copy_from_slice(&(t & !REMOUNT_BIT).to_ne_bytes());
+        }
         buf[8..].copy_from_slice(&raw[4..]);
         // SAFETY: buf is a well-formed struct file_handle.
         let fd = cvt(unsafe {
