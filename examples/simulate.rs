@@ -59,6 +59,10 @@ struct Args {
     /// found before each operation had a thread of its own)
     #[arg(long)]
     no_threads: bool,
+    /// Keep every rmdir of the mount's histories (the histories of seeds found before a
+    /// power cut could take one back)
+    #[arg(long)]
+    no_lost_rmdirs: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -99,6 +103,7 @@ fn main() {
         dirs: !a.no_dirs,
         syncfs_ignored: false,
         threads: !a.no_threads,
+        lost_rmdirs: !a.no_lost_rmdirs,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -164,8 +169,8 @@ fn main() {
             cov.histories, cov.ops, cov.crash_images, cov.fences_captured
         );
         println!(
-            "  crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations), recoveries killed and redone {}, replays run twice {}; crashes kept from taking back a directory's removal (a real directory cannot come back with its inode) {}",
-            cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.recoveries_interrupted, cov.double_replays, cov.dir_removals_kept
+            "  crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations; rmdirs {}), recoveries killed and redone {}, replays run twice {}; crashes kept from taking back a directory's removal (a directory renamed over cannot come back with its inode) {}",
+            cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.rmdirs_taken_back, cov.recoveries_interrupted, cov.double_replays, cov.dir_removals_kept
         );
         println!(
             "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, fallocate {}, FORGET+lookup {}, mkdir {}, rmdir {}, rename of a directory {}; objects re-created by recovery {}",

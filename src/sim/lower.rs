@@ -48,11 +48,17 @@ fn read_into(root: &Path, prefix: &str, t: &mut Tree) {
 }
 
 /// Whether a power cut can leave the names of `t`: each of its directories is, as the same
-/// directory, in every state in `later` (the lower's states since `t`, up to now). A real
-/// directory cannot be brought back with its inode once removed, and a reused inode number
-/// is another directory; so the simulated power cuts never take back a directory's removal.
-pub(super) fn restorable<'a>(t: &Tree, later: impl IntoIterator<Item = &'a Tree>) -> bool {
-    let d = dirs_of(t);
+/// directory, in every state in `later` (the lower's states since `t`, up to now), or `kept`
+/// (removed by an rmdir that moved it aside, `Stash::removed`). A real directory cannot be
+/// brought back with its inode once removed, and a reused inode number is another directory;
+/// so the simulated power cuts never take back the removal of a directory that was not kept
+/// (a rename over an empty one, or an rmdir in histories without `Kinds::lost_rmdirs`).
+pub(super) fn restorable<'a>(
+    t: &Tree,
+    later: impl IntoIterator<Item = &'a Tree>,
+    kept: &std::collections::BTreeSet<u64>,
+) -> bool {
+    let d: std::collections::BTreeSet<u64> = dirs_of(t).difference(kept).copied().collect();
     later.into_iter().all(|l| d.is_subset(&dirs_of(l)))
 }
 
@@ -160,7 +166,24 @@ impl Stash {
     pub(super) fn new(dir: &Path) -> Stash {
         let p = dir.join("stash");
         fs::create_dir(&p).unwrap();
-        Stash(p)
+        let s = Stash(p);
+        fs::create_dir(s.removed()).unwrap();
+        s
+    }
+
+    /// Where the directories the history removed wait (`SyncsSeen`), named by inode number:
+    /// a power cut that takes back the removal brings one back with its inode.
+    pub(super) fn removed(&self) -> std::path::PathBuf {
+        self.0.with_extension("removed")
+    }
+
+    /// The inode numbers of the directories waiting in `removed`.
+    pub(super) fn removed_dirs(&self) -> std::collections::BTreeSet<u64> {
+        fs::read_dir(self.removed())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().parse().unwrap())
+            .collect()
     }
 
     /// Before an operation that may remove `name` from the lower's root (an unlink, a rename
@@ -182,11 +205,16 @@ impl Stash {
     /// have (made since) goes. With `numbers_kept` (a lower that never hands out an inode
     /// number again, as GlusterFS and JuiceFS), the inodes the lower lost stay alive outside
     /// it until `release`, so that no object recovery makes gets one of their numbers.
-    pub(super) fn rewind_names(&self, lower: &Path, t: &Tree, numbers_kept: bool) {
+    /// Returns how many removed directories came back.
+    pub(super) fn rewind_names(&self, lower: &Path, t: &Tree, numbers_kept: bool) -> u64 {
         let now = self.0.with_extension("now"); // the inodes named now, for the moment
         let dirs = self.0.with_extension("dirs"); // the directories, for the moment
         fs::create_dir(&now).unwrap();
-        fs::create_dir(&dirs).unwrap();
+        // The removed directories first: with those the lower still has.
+        let removed = self.removed_dirs();
+        fs::rename(self.removed(), &dirs).unwrap();
+        fs::create_dir(self.removed()).unwrap();
+        let taken_back = dirs_of(t).intersection(&removed).count() as u64;
         let mut held: Vec<(String, u64)> = Vec::new();
         for (ino, (names, _)) in read_tree(lower) {
             if is_dir(first(&names)) {
@@ -240,7 +268,7 @@ impl Stash {
                 }
             }
             fs::remove_dir_all(&now).unwrap();
-            return;
+            return taken_back;
         }
         fs::remove_dir_all(&now).unwrap();
         for e in fs::read_dir(&self.0).unwrap().flatten() {
@@ -249,10 +277,12 @@ impl Stash {
                 fs::remove_file(e.path()).unwrap();
             }
         }
+        taken_back
     }
 
     pub(super) fn release(self) {
         fs::remove_dir_all(&self.0).unwrap();
+        fs::remove_dir_all(self.removed()).unwrap();
     }
 }
 
@@ -308,8 +338,10 @@ pub(super) struct InOpSyncs {
 }
 
 /// The syncs this thread asked of the lower (`lower::real::watch_syncs`) since the last
-/// `take`, watched until dropped: what a power cut of a lower that ignores syncfs keeps.
-pub(super) struct SyncsSeen(Arc<parking_lot::Mutex<Seen>>);
+/// `take`, watched until dropped: what a power cut of a lower that ignores syncfs keeps. With
+/// a place for removed directories (`Stash::removed`), also the thread's removals of
+/// directories, which move them there (`lower::real::take_rmdirs`).
+pub(super) struct SyncsSeen(Arc<parking_lot::Mutex<Seen>>, Option<std::path::PathBuf>);
 
 #[derive(Default)]
 pub(super) struct Seen {
@@ -320,8 +352,8 @@ pub(super) struct Seen {
 }
 
 impl SyncsSeen {
-    pub(super) fn watch() -> SyncsSeen {
-        let seen = SyncsSeen(Arc::new(parking_lot::Mutex::new(Seen::default())));
+    pub(super) fn watch(removed: Option<std::path::PathBuf>) -> SyncsSeen {
+        let seen = SyncsSeen(Arc::new(parking_lot::Mutex::new(Seen::default())), removed);
         seen.install();
         seen
     }
@@ -347,6 +379,11 @@ impl SyncsSeen {
                 _ => {}
             }
         })));
+        if let Some(to) = self.1.clone() {
+            crate::lower::real::take_rmdirs(Some(Box::new(move |dir, name| {
+                rmdir_into(dir, name, &to)
+            })));
+        }
     }
 
     pub(super) fn take(&self) -> Seen {
@@ -357,7 +394,23 @@ impl SyncsSeen {
 impl Drop for SyncsSeen {
     fn drop(&mut self) {
         crate::lower::real::watch_syncs(None);
+        crate::lower::real::take_rmdirs(None);
     }
+}
+
+/// rmdir of `name` in `dir` as the file system answers it (not a directory, not empty), but
+/// the directory moves to `to`, named by its inode number, instead of going.
+fn rmdir_into(dir: i32, name: &OsStr, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let p = Path::new(&format!("/proc/self/fd/{dir}")).join(name);
+    let md = fs::symlink_metadata(&p)?;
+    if !md.is_dir() {
+        return Err(crate::lower::errno(libc::ENOTDIR));
+    }
+    if fs::read_dir(&p)?.next().is_some() {
+        return Err(crate::lower::errno(libc::ENOTEMPTY));
+    }
+    fs::rename(&p, to.join(md.ino().to_string()))
 }
 
 /// Stops the watch of a thread.
@@ -366,6 +419,7 @@ struct Unwatch;
 impl Drop for Unwatch {
     fn drop(&mut self) {
         crate::lower::real::watch_syncs(None);
+        crate::lower::real::take_rmdirs(None);
     }
 }
 

@@ -102,6 +102,8 @@ pub struct Coverage {
     /// Crash images whose live log records were in more than one append area (recovery
     /// merged them by LSN).
     pub multi_area_logs: u64,
+    /// Power cuts that took back an rmdir (the directory came back with its inode).
+    pub rmdirs_taken_back: u64,
 }
 
 impl Coverage {
@@ -135,6 +137,7 @@ impl Coverage {
         self.syncfs_ignored += o.syncfs_ignored;
         self.objects_synced += o.objects_synced;
         self.multi_area_logs += o.multi_area_logs;
+        self.rmdirs_taken_back += o.rmdirs_taken_back;
     }
 }
 
@@ -223,6 +226,9 @@ pub struct Kinds {
     /// an append area, so one object's records spread over the areas, as under concurrent
     /// writers, and recovery must merge them in order (the mount's histories).
     pub threads: bool,
+    /// An rmdir moves the directory out of the lower instead (through the mount's core), so
+    /// that a power cut can take the removal back, the directory returning with its inode.
+    pub lost_rmdirs: bool,
 }
 
 impl Kinds {
@@ -233,6 +239,7 @@ impl Kinds {
         dirs: true,
         syncfs_ignored: false,
         threads: true,
+        lost_rmdirs: true,
     };
 
     /// The simulate example's flags that select these kinds.
@@ -252,6 +259,9 @@ impl Kinds {
         }
         if !self.threads {
             f += " --no-threads";
+        }
+        if !self.lost_rmdirs {
+            f += " --no-lost-rmdirs";
         }
         f
     }
@@ -387,7 +397,8 @@ fn recover_and_check(
     // be simulated (`restorable`): such a crash is taken at another fence, or after the
     // operation.
     let captured = images.len();
-    images.retain(|i| restorable(&x.at_fences.get(i.note).0, [&trees[c + 1]]));
+    let kept = x.stash.removed_dirs();
+    images.retain(|i| restorable(&x.at_fences.get(i.note).0, [&trees[c + 1]], &kept));
     let mut narrowed = images.len() < captured;
     let (img, k, at_fence) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
@@ -422,7 +433,7 @@ fn recover_and_check(
     };
     let ns_min = if k == c { x.ns_in_op } else { x.ns_after }.min(ns_max);
     let restorable_from =
-        |p: usize| restorable(tree(p), trees[p..].iter().chain(at_fence.as_ref()));
+        |p: usize| restorable(tree(p), trees[p..].iter().chain(at_fence.as_ref()), &kept);
     let p = if (ns_min..=ns_max).all(restorable_from) {
         if rng.gen_bool(0.5) {
             ns_max
@@ -445,8 +456,9 @@ fn recover_and_check(
     cov.dir_removals_kept += narrowed as u64;
     // A FUSE lower that hands out no inode number twice (GlusterFS, JuiceFS), or one that passes
     // a local file system's numbers through (bindfs): every other history of each.
-    x.stash
-        .rewind_names(lower_path, tree(p), x.fuse_lower && (seed / 3) % 2 == 0);
+    cov.rmdirs_taken_back +=
+        x.stash
+            .rewind_names(lower_path, tree(p), x.fuse_lower && (seed / 3) % 2 == 0);
     let lost = (p..k.min(ns_max))
         .filter(|&j| names_of(tree(j)) != names_of(tree(j + 1)))
         .count() as u64;

@@ -15,7 +15,8 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     fs::create_dir(&lower_path).unwrap();
     let (sim, core) = core_on_sim_lower(&lower_path, 2048, 4, mode, kinds.syncfs_ignored);
     cov.syncfs_ignored += kinds.syncfs_ignored as u64;
-    let synced = SyncsSeen::watch();
+    let stash = Stash::new(&dir.0);
+    let synced = SyncsSeen::watch(kinds.lost_rmdirs.then(|| stash.removed()));
     let mut r = Run {
         core,
         sim: sim.clone(),
@@ -27,7 +28,6 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     // Whether op c is a write-back: its fences all come after its syncfs, so a crash at one of
     // them finds the lower durable as of op c's start.
     let mut crash_op_syncs = false;
-    let stash = Stash::new(&dir.0);
     let at_fences = FenceTrees::default();
 
     let mut model = Model::default();

@@ -116,9 +116,27 @@ pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
 /// What `watch_syncs` installs.
 pub type SyncWatch = Box<dyn FnMut(RawFd)>;
 
+/// What `take_rmdirs` installs: removes the directory `name` of the directory `dir` itself.
+pub type RmdirHook = Box<dyn FnMut(RawFd, &std::ffi::OsStr) -> io::Result<()>>;
+
 thread_local! {
     static SYNC_WATCH: std::cell::RefCell<Option<SyncWatch>> =
         const { std::cell::RefCell::new(None) };
+    static RMDIR_HOOK: std::cell::RefCell<Option<RmdirHook>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// For the crash simulator: from now on, the removals of directories this thread makes
+/// through `RealLower::unlink` are `f`'s to make (the simulator moves the directory out of the
+/// lower instead, so that a power cut can bring it back with its inode, as a lost rmdir does).
+/// `None` stops it. Nothing else installs one.
+pub fn take_rmdirs(f: Option<RmdirHook>) {
+    RMDIR_HOOK.with(|h| *h.borrow_mut() = f);
+}
+
+/// The removal of directory `name` in `dir`, if `take_rmdirs` took it on this thread.
+pub(super) fn rmdir_taken(dir: RawFd, name: &std::ffi::OsStr) -> Option<io::Result<()>> {
+    RMDIR_HOOK.with(|h| h.borrow_mut().as_mut().map(|f| f(dir, name)))
 }
 
 /// For the crash simulator (`crate::sim`), which decides itself what a power cut keeps of a

@@ -247,6 +247,11 @@ impl RealLower {
 
     pub fn unlink(&self, dir: RawFd, name: &OsStr, is_dir: bool) -> io::Result<()> {
         check_name(name.as_bytes())?;
+        if is_dir {
+            if let Some(r) = fd::rmdir_taken(dir, name) {
+                return r;
+            }
+        }
         let c = cstr(name.as_bytes())?;
         let fl = if is_dir { libc::AT_REMOVEDIR } else { 0 };
         // SAFETY: valid pointers.
