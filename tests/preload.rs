@@ -144,9 +144,9 @@ impl Drop for Serve {
         let _ = fs::remove_file(&self.pm);
         // A killed daemon leaves its table in /dev/shm (a clean stop removes it); every
         // daemon leaves its last stats for the operator.
-        let (_, table, stats) = pmstack::front::paths(&self.dir);
+        let (_, table, _) = pmstack::front::paths(&self.dir);
         let _ = fs::remove_file(table);
-        let _ = fs::remove_file(stats);
+        common::remove_runtime_files(&self.dir, None);
     }
 }
 

@@ -156,6 +156,40 @@ impl Drop for Mount {
         // SAFETY: valid C string.
         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
         let _ = fs::remove_file(&self.pm);
+        remove_runtime_files(&self.lower, Some(&self.mnt));
+    }
+}
+
+/// Remove what pmstack keeps in /run/pmstack for a mount at `mnt` (its state, last stats and
+/// log) or a `pmstack serve` of `lower` (its socket and last stats) once they are gone, and
+/// the lower's lock file if nobody holds it: a daemon killed by a test leaves them, and tests
+/// make a new directory each time.
+pub fn remove_runtime_files(lower: &Path, mnt: Option<&Path>) {
+    let run = Path::new("/run/pmstack");
+    if let Some(mp) = mnt.and_then(|m| fs::canonicalize(m).ok()) {
+        let id = pmstack::lower::id_of(&mp);
+        for ext in ["json", "stats", "log"] {
+            let _ = fs::remove_file(run.join(format!("{id}.{ext}")));
+        }
+    }
+    // As given where it is gone already (a temporary directory dropped first).
+    let lower = fs::canonicalize(lower).unwrap_or_else(|_| lower.to_path_buf());
+    let (sock, _, stats) = pmstack::front::paths(&lower);
+    let _ = fs::remove_file(sock);
+    let _ = fs::remove_file(stats);
+    let id = fs::read_to_string(lower.join(pmstack::lower::MARKER))
+        .ok()
+        .and_then(|t| pmstack::lower::parse_marker(&t));
+    if let Some(id) = id {
+        let lock = run.join(format!("lower-{}.lock", uuid::Uuid::from_bytes(id)));
+        if let Ok(f) = fs::File::open(&lock) {
+            use std::os::fd::AsRawFd;
+            // SAFETY: plain flock on an owned descriptor. Removed only while held here: a
+            // live owner's lock stays.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                let _ = fs::remove_file(&lock);
+            }
+        }
     }
 }
 
@@ -450,8 +484,7 @@ impl Served {
 impl Drop for Served {
     fn drop(&mut self) {
         self.kill9();
-        // The daemon's last stats, which it leaves for the operator.
-        let _ = fs::remove_file(pmstack::front::paths(&self.1).2);
+        remove_runtime_files(&self.1, None);
     }
 }
 
