@@ -821,6 +821,7 @@ fn serve_stops_cleanly_after_its_stderr_is_gone() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     assert!(st.success(), "serve exited with {st}");
+    common::remove_runtime_files(&lower, None);
     // The region was left clean: nothing to recover.
     let (ok, out) = run(&["check", "--pm", pm.to_str().unwrap()]);
     assert!(ok, "{out}");

@@ -86,9 +86,9 @@ fn fsx_runs_clean_through_the_mount_in_every_mode_and_under_pmstack_run() {
     // pmstack run
     let root = fs::canonicalize(d.path()).unwrap().join("served");
     fs::create_dir(&root).unwrap();
-    let serve = common::start_serve(&root, &d.path().join("served.pm"), &[]);
+    let serve = common::Served::start(&root, &d.path().join("served.pm"), &[]);
     exercise(&bin, &cfg, &root.join("f"), seed, ops, Some(&root));
-    common::stop_serve(serve);
+    serve.stop();
 }
 
 /// O_DIRECT reads and writes (aligned, as O_DIRECT requires) work through the mount in every

@@ -143,8 +143,8 @@ fn pjdfstest_results_equal_the_plain_lower_in_every_mode_and_under_pmstack_run()
     // pmstack run over a served directory.
     let root = fs::canonicalize(base_dir.path()).unwrap().join("served");
     fs::create_dir(&root).unwrap();
-    let serve = common::start_serve(&root, &base_dir.path().join("served.pm"), &[]);
+    let serve = common::Served::start(&root, &base_dir.path().join("served.pm"), &[]);
     let got = suite(&bin, &cfg, &root, Some(&root));
-    common::stop_serve(serve);
+    serve.stop();
     compare("pmstack run", &base, &got);
 }
