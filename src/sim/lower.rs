@@ -393,8 +393,7 @@ impl SyncsSeen {
 
 impl Drop for SyncsSeen {
     fn drop(&mut self) {
-        crate::lower::real::watch_syncs(None);
-        crate::lower::real::take_rmdirs(None);
+        drop(Unwatch);
     }
 }
 

@@ -198,11 +198,16 @@ pub fn replay_with(
     {
         // Those whose handles open first: the objects they claim (those an interrupted
         // recovery re-created and bound, say) are no other's by inode number.
-        let (by_handle, stale): (Vec<u64>, Vec<u64>) = plan
-            .binds
-            .keys()
-            .partition(|&fid| lower.open_handle(&plan.binds[fid]).is_ok());
-        for fid in by_handle.into_iter().chain(stale) {
+        let mut stale = Vec::new();
+        for (&fid, h) in plan.binds.iter().filter(|(&fid, _)| fid != ROOT_FID) {
+            match r.open_bound(h) {
+                Ok(fd) => {
+                    r.nodes.insert(fid, fd);
+                }
+                Err(_) => stale.push(fid),
+            }
+        }
+        for fid in stale {
             // An unusable binding shows again where a record needs it.
             let _ = r.try_resolve(fid);
         }

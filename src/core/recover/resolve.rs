@@ -19,28 +19,7 @@ impl Replayer<'_> {
             let Some(h) = plan.binds.get(&fid) else {
                 return Ok(None);
             };
-            // A transient failure (seen: ENOMEM from open_by_handle_at under concurrent
-            // unlinks) is retried; a stale handle means the object is gone.
-            let mut r = self.lower.open_handle(h);
-            for _ in 0..3 {
-                match &r {
-                    Err(e) if !matches!(e.raw_os_error(), Some(libc::ESTALE | libc::EPERM)) => {
-                        std::thread::sleep(std::time::Duration::from_millis(5));
-                        r = self.lower.open_handle(h);
-                    }
-                    _ => break,
-                }
-            }
-            // Where handles are not persistent, what one opened must also have a name under
-            // LOWER; otherwise the object is searched for by its inode number.
-            if !self.handles_persistent {
-                if let Ok(fd) = &r {
-                    if !self.lower.named_beneath(fd.as_raw_fd()) {
-                        r = Err(std::io::Error::from_raw_os_error(libc::ESTALE));
-                    }
-                }
-            }
-            match r {
+            match self.open_bound(h) {
                 Ok(fd) => {
                     self.nodes.insert(fid, fd);
                 }
@@ -62,6 +41,31 @@ impl Replayer<'_> {
             }
         }
         Ok(self.nodes.get(&fid).map(|f| f.as_raw_fd()))
+    }
+
+    /// The object a binding's handle `h` opens. A transient failure (seen: ENOMEM from
+    /// open_by_handle_at under concurrent unlinks) is retried; ESTALE where the handle opens
+    /// nothing, or (handles not persistent) an object with no name under LOWER, which is then
+    /// searched for by its inode number.
+    pub(super) fn open_bound(&self, h: &[u8]) -> std::io::Result<OwnedFd> {
+        let mut r = self.lower.open_handle(h);
+        for _ in 0..3 {
+            match &r {
+                Err(e) if !matches!(e.raw_os_error(), Some(libc::ESTALE | libc::EPERM)) => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    r = self.lower.open_handle(h);
+                }
+                _ => break,
+            }
+        }
+        if !self.handles_persistent {
+            if let Ok(fd) = &r {
+                if !self.lower.named_beneath(fd.as_raw_fd()) {
+                    r = Err(std::io::Error::from_raw_os_error(libc::ESTALE));
+                }
+            }
+        }
+        r
     }
 
     /// The object of identity `h` found in LOWER by its inode number, for lowers whose handles
