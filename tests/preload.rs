@@ -604,7 +604,10 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
 
 /// Python: wait until the daemon vetted `n` files (looked for writers outside `pmstack run`
 /// that opened them earlier): the first sync after that is real, later ones are absorbed.
-const WAIT_VETTED: &str = "def wait_vetted(n):\n    import json, time\n    while True:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                if json.load(f).get('marks_vetted', 0) >= n:\n                    return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n";
+/// Python helpers for the watch: `wait_vetted(n)` waits until the daemon vetted `n` marked
+/// objects; `expect_syncs()` syncs the root directory, so that the files the process opens
+/// for writing from then on are marked for the watch at once (`Client::sync_expected`).
+const WAIT_VETTED: &str = "def expect_syncs():\n    fd = os.open(d, os.O_RDONLY)\n    os.fsync(fd)\n    os.close(fd)\ndef wait_vetted(n):\n    import json, time\n    while True:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                if json.load(f).get('marks_vetted', 0) >= n:\n                    return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n";
 
 /// Each case the library cannot follow: (name, prelude makes the file's entries live, code
 /// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs,
@@ -663,6 +666,9 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
         let d = tempfile::tempdir_in("/var/tmp").unwrap();
         let pm = d.path().join("region.pm");
         let root = fs::canonicalize(d.path()).unwrap();
+        // `f` exists before: it is watched from the open (after `expect_syncs`), so its first
+        // sync is real, not absorbed as that of a file watched from its birth.
+        fs::write(root.join("f"), b"").unwrap();
         let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
         let prelude = if *live {
             "os.pwrite(fd, OLD, 0)\nos.fsync(fd)\nos.pwrite(fd, OLD[:10], 0)\nos.fsync(fd)\n"
@@ -671,7 +677,7 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
         };
         let script = format!(
             "import os, sys, time\n{WAIT_VETTED}d = sys.argv[1]\nOLD = b'o' * 8192\nNEW = b'n' * 8192\n\
-             fd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\n\
+             expect_syncs()\nfd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\n\
              wait_vetted(1)\nos.fsync(fd)\n{prelude}{code}\nprint('synced', flush=True)\ntime.sleep(30)\n"
         );
         let mut k = s
@@ -920,12 +926,13 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
         "{}",
         String::from_utf8_lossy(&st.stderr)
     );
+    fs::write(root.join("f"), b"").unwrap(); // watched from the open, not its birth
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     // Holder 0 opens f, makes its first (real) sync, then waits; holders 1..7 take the rest
     // of the areas.
     let holder = format!(
         "import os, sys\n{WAIT_VETTED}d, k = sys.argv[1], sys.argv[2]\n\
-         fd = os.open(os.path.join(d, 'f' if k == '0' else 'h' + k), os.O_RDWR | os.O_CREAT, 0o644)\n\
+         expect_syncs()\nfd = os.open(os.path.join(d, 'f' if k == '0' else 'h' + k), os.O_RDWR | os.O_CREAT, 0o644)\n\
          wait_vetted(1)\nos.pwrite(fd, b'o' * 100, 0)\nos.fsync(fd)\nprint('ready', flush=True)\n\
          sys.stdin.readline()\nos.fsync(fd)\nprint('synced', flush=True)\nsys.stdin.readline()\n"
     );
@@ -1034,6 +1041,8 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
     let pm = root.join("region.pm");
+    // `f` exists before: it is watched from the open (after `expect_syncs`), not its birth.
+    fs::write(root.join("f"), b"").unwrap();
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let plain = || Command::new("env");
     let counts = |s: &Serve, pid: u64| -> (u64, u64) {
@@ -1060,7 +1069,7 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     // over bytes 100..200; a process outside `pmstack run` then overwrites them and syncs
     // natively.
     let mut a = Py::spawn(s.run(), &root);
-    a.exec("fd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\nwait_vetted(1)");
+    a.exec("expect_syncs()\nfd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\nwait_vetted(1)");
     a.exec(
         "os.pwrite(fd, b'o' * 8192, 0)\nos.fsync(fd)\nos.pwrite(fd, b'a' * 100, 100)\nos.fsync(fd)",
     );
@@ -1098,7 +1107,7 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     let mut f = Py::spawn(plain(), &root);
     f.exec("g = os.open(os.path.join(d, 'g'), os.O_RDWR | os.O_CREAT, 0o644)");
     let mut a = Py::spawn(s2.run(), &root);
-    a.exec("fd = os.open(os.path.join(d, 'g'), os.O_RDWR)\nwait_vetted(1)\nos.fsync(fd)");
+    a.exec("expect_syncs()\nfd = os.open(os.path.join(d, 'g'), os.O_RDWR)\nwait_vetted(1)\nos.fsync(fd)");
     assert!(
         s2.stats()["foreign_writers"].as_u64() >= Some(1),
         "{}",
@@ -2090,8 +2099,10 @@ fn only_files_that_absorption_depends_on_are_watched() {
     // 1. No write-back during this part: what is live stays live.
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut a = Py::spawn(s.run(), &root);
+    // `g` first: once the process synced a file, the files it creates are marked at birth
+    // (`f`, `h`; `files_are_watched_from_birth_only_where_syncs_are_expected`).
     a.exec(
-        "for n in ('f', 'g'):\n    fd = os.open(os.path.join(d, n), os.O_RDWR | os.O_CREAT, 0o644)\n    \
+        "for n in ('g', 'f'):\n    fd = os.open(os.path.join(d, n), os.O_RDWR | os.O_CREAT, 0o644)\n    \
          os.write(fd, b'x' * 4096)\n    if n == 'g':\n        os.fsync(fd)\n    os.close(fd)\n\
          h = os.open(os.path.join(d, 'h'), os.O_RDWR | os.O_CREAT, 0o644)",
     );
@@ -2120,12 +2131,12 @@ fn only_files_that_absorption_depends_on_are_watched() {
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "200"]);
     let mut a = Py::spawn(s.run(), &root);
     // A new daemon does not know the directory's state: the first creation writes
-    // everything back, the second is logged.
+    // everything back, the next are logged. `k` is born after the sync of `s`: marked.
     a.exec(
         "open(os.path.join(d, 'p'), 'w').close()\n\
-         fd = os.open(os.path.join(d, 'k'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(fd, b'z' * 4096)\n\
          s = os.open(os.path.join(d, 's'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(s, b's' * 4096)\n\
-         os.fsync(s)\nos.close(s)",
+         os.fsync(s)\nos.close(s)\n\
+         fd = os.open(os.path.join(d, 'k'), os.O_RDWR | os.O_CREAT, 0o644)\nos.write(fd, b'z' * 4096)",
     );
     drop(a); // killed: `k` is still held by a process that no longer exists
              // A snapshot taken after the sync of `s`: its LSN counter is past the sync's entries.
@@ -2158,6 +2169,99 @@ fn only_files_that_absorption_depends_on_are_watched() {
     let _ = fs::remove_file(&pm);
 }
 
+/// Files are marked for the watch only where their syncs are expected
+/// (`Client::sync_expected`): files a program writes and never syncs cost no mark, so none of
+/// their opens and closes pays for one. The first file synced in a directory is synced for
+/// real (it was not watched from its birth, so the daemon must vet it first); from then on
+/// files born in that directory, also by another process, are watched from their birth and
+/// absorbed from their first sync, and so are the files the syncing process creates
+/// anywhere. In a directory where nothing was synced, a new process's first sync is real.
+#[test]
+fn files_are_watched_from_birth_only_where_syncs_are_expected() {
+    use pmstack::front::table::*;
+    let Some((_d, root, pm, mut s)) = served_tmp("predict", &["--flush-interval-ms", "3600000"])
+    else {
+        return;
+    };
+    let tab = Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let marks = || {
+        tab.w(H_NEW_MARKS)
+            .load(std::sync::atomic::Ordering::Acquire)
+    };
+    // (absorbed, real) syncs of a process.
+    let syncs = |pid: u64| {
+        let c = proc_counters(&tab, pid);
+        (c[P_ABSORBED_FSYNC], c[P_FALLBACKS])
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    // The first creation after the daemon started writes everything back; the rest are
+    // logged.
+    a.exec(concat!(
+        "for sub in ('hot', 'other', 'cold'):\n",
+        "    os.mkdir(os.path.join(d, sub))\n",
+        "for i in range(20):\n",
+        "    p = os.path.join(d, 'hot', 'u%d' % i)\n",
+        "    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)\n",
+        "    os.write(fd, b'u' * 5000)\n",
+        "    os.close(fd)\n",
+        "    fd = os.open(p, os.O_WRONLY | os.O_APPEND)\n",
+        "    os.write(fd, b'v')\n",
+        "    os.close(fd)",
+    ));
+    assert_eq!(marks(), 0, "files nobody syncs were marked");
+    a.exec(concat!(
+        "fd = os.open(os.path.join(d, 'hot', 'x'), os.O_WRONLY | os.O_CREAT, 0o644)\n",
+        "os.write(fd, b'x' * 5000)\n",
+        "os.fsync(fd)\n",
+        "os.close(fd)",
+    ));
+    assert_eq!(syncs(a.pid()), (0, 1), "x: not watched from its birth");
+    assert_eq!(marks(), 1, "x is marked at its first sync");
+    // Another process, in the directory where a file born there was synced.
+    let mut b = Py::spawn(s.run(), &root);
+    b.exec(concat!(
+        "fd = os.open(os.path.join(d, 'hot', 'y'), os.O_WRONLY | os.O_CREAT, 0o644)\n",
+        "os.write(fd, b'y' * 5000)\n",
+        "os.fsync(fd)\n",
+        "os.close(fd)",
+    ));
+    assert_eq!(syncs(b.pid()), (1, 0), "y: watched from its birth");
+    // The process that synced, in a directory where nothing was synced.
+    a.exec(concat!(
+        "fd = os.open(os.path.join(d, 'other', 'w'), os.O_WRONLY | os.O_CREAT, 0o644)\n",
+        "os.write(fd, b'w' * 5000)\n",
+        "os.fsync(fd)\n",
+        "os.close(fd)",
+    ));
+    assert_eq!(syncs(a.pid()), (1, 1), "w: watched from its birth");
+    // A new process there: its first sync is real.
+    let mut c = Py::spawn(s.run(), &root);
+    c.exec(concat!(
+        "fd = os.open(os.path.join(d, 'cold', 'z'), os.O_WRONLY | os.O_CREAT, 0o644)\n",
+        "os.write(fd, b'z' * 5000)\n",
+        "os.fsync(fd)\n",
+        "os.close(fd)",
+    ));
+    assert_eq!(syncs(c.pid()), (0, 1), "z: not watched from its birth");
+    drop((a, b, c));
+    s.kill9();
+    // What recovery replays (the absorbed syncs of y and w) is what the files hold.
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    for (n, b, len) in [
+        ("hot/u3", b'u', 5001),
+        ("hot/x", b'x', 5000),
+        ("hot/y", b'y', 5000),
+        ("other/w", b'w', 5000),
+        ("cold/z", b'z', 5000),
+    ] {
+        let got = fs::read(root.join(n)).unwrap();
+        assert_eq!(got.len(), len, "{n}");
+        assert!(got[..5000].iter().all(|&c| c == b), "{n}");
+    }
+    let _ = fs::remove_file(&pm);
+}
+
 /// A chown that changes nothing (SQLite running as root gives each new journal the owner it
 /// already has) leaves the file's syncs absorbed; one that changes the owner makes the next
 /// sync real (the new owner must be as durable as the lower's fsync would make it).
@@ -2172,9 +2276,10 @@ fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut a = Py::spawn(s.run(), &root);
     // The first creation after the daemon started writes everything back (the directory's
-    // state is unknown to it); `j` is born in a known directory.
+    // state is unknown to it); `j` is born in a known directory, after a sync of `p` (so
+    // its syncs are expected: it is watched from its birth).
     a.exec(
-        "open(os.path.join(d, 'p'), 'w').close()\n\
+        "fp = os.open(os.path.join(d, 'p'), os.O_RDWR | os.O_CREAT, 0o644)\nos.fsync(fp)\nos.close(fp)\n\
          fd = os.open(os.path.join(d, 'j'), os.O_RDWR | os.O_CREAT, 0o644)\n\
          st = os.fstat(fd)\nos.fchown(fd, st.st_uid, st.st_gid)\n\
          os.write(fd, b'x' * 100)\nos.fsync(fd)\n\
@@ -2185,13 +2290,13 @@ fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
         p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0)
     };
     let v = s.wait_stats("both syncs are counted", |v| {
-        proc_stats(v, pid).is_some_and(|p| synced(&p) >= 2)
+        proc_stats(v, pid).is_some_and(|p| synced(&p) >= 3)
     });
     let p = proc_stats(&v, pid).unwrap();
     assert_eq!(
         (p["absorbed_fsync"].as_u64(), p["real_syncs"].as_u64()),
-        (Some(1), Some(1)),
-        "the no-op chown's sync absorbed, the owner change's real: {p}"
+        (Some(1), Some(2)),
+        "p's sync real, the no-op chown's absorbed, the owner change's real: {p}"
     );
     drop(a);
     s.stop();

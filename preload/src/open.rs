@@ -34,7 +34,7 @@ pub(crate) unsafe fn do_open(
         // A creation under the root is logged (and the new file's syncs absorbed from the
         // first).
         match ns_targets(&[(dirfd, path)]) {
-            Some((c, ts)) => match c.create(&ts[0], f, mode) {
+            Some((c, ts)) => match c.create(&ts[0], f, mode, sync) {
                 Ok((fd, b)) => {
                     born = b.map(|b| (c, b));
                     fd

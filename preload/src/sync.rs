@@ -27,10 +27,21 @@ fn sync(fd: c_int, n: libc::c_long) -> c_int {
     kernel!(n, fd) as c_int
 }
 
-/// A sync of a directory under the root: absorbed when all its changes were logged.
+/// A sync of a directory under the root: absorbed when all its changes were logged. It
+/// attaches a process that has not yet (it may have opened the directory read-only, which
+/// does not): the sync tells that the process syncs (`Client::sync_expected`).
 fn dir_sync(fd: c_int) -> Option<c_int> {
     let _g = Inside::enter()?;
-    let c = client_if_needed()?;
+    let c = match client_if_needed() {
+        Some(c) => c,
+        None => {
+            let st = pmstack::front::sys::fstat(fd).ok()?;
+            if st.st_mode & libc::S_IFMT != libc::S_IFDIR || !crate::places::dir_under(fd, &st) {
+                return None;
+            }
+            client()?
+        }
+    };
     c.fsync_dir(fd, |st| crate::places::dir_under(fd, st))
         .map(unit_ret)
 }

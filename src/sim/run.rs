@@ -169,6 +169,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                             &target(&name),
                             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
                             0o644,
+                            osync,
                         )
                         .unwrap();
                     // As the library does.

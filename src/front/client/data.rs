@@ -19,7 +19,7 @@ impl Client {
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
         if sync {
-            slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
+            self.note_sync(&slot, t, fd);
         }
         let mut p = t.ino.p.lock();
         let serving = self.serving();
@@ -71,14 +71,6 @@ impl Client {
         if n == 0 {
             return Ok(0);
         }
-        // SAFETY: the kernel just accepted these `n` bytes for this write.
-        let buf = unsafe { src.accepted(n) };
-        let start = match off {
-            // Appended (also by a pwrite): the end of the file, still under the slot lock.
-            _ if t.append.load(Ordering::Relaxed) => sys::fstat(fd)?.st_size as u64 - n as u64,
-            Some(o) => o,
-            None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
-        };
         if !serving {
             // Not absorbing any more: O_SYNC writes become the real thing.
             if sync {
@@ -98,6 +90,16 @@ impl Client {
             }
             return Ok(n);
         }
+        // Where the bytes landed (asked only now: a file whose syncs stay real, one nobody
+        // syncs among them, needs no dirty ranges).
+        // SAFETY: the kernel just accepted these `n` bytes for this write.
+        let buf = unsafe { src.accepted(n) };
+        let start = match off {
+            // Appended (also by a pwrite): the end of the file, still under the slot lock.
+            _ if t.append.load(Ordering::Relaxed) => sys::fstat(fd)?.st_size as u64 - n as u64,
+            Some(o) => o,
+            None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
+        };
         p.dirty.add(start, &buf[..n]);
         // A write-back whose checkpoint passes the mark taken next counts these bytes durable
         // (the next sync logs nothing of them): where syncfs is not trusted, the object is
@@ -116,7 +118,7 @@ impl Client {
     pub fn fsync(&self, t: &Tracked, fd: i32) -> io::Result<()> {
         let slot = self.table.slot(t.ino.slot);
         let _g = slot.lock();
-        slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
+        self.note_sync(&slot, t, fd);
         let mut p = t.ino.p.lock();
         let cp = self.log.checkpoint_lsn();
         if !self.serving() || !self.absorbable(slot.flags()) || slot.others_lazy(self.pid, cp) {

@@ -24,6 +24,41 @@ impl Client {
         }
     }
 
+    /// Whether the syncs of a file this process opens for writing are expected: it asked
+    /// for O_SYNC/O_DSYNC, or it synced something under the root before. Only then is the
+    /// file marked for the daemon's watch at the open; otherwise at its first sync
+    /// (`note_sync`), which is then real, as is the next one (`real_sync`: the daemon must
+    /// have vetted the object first). A mark and its removal cost the open and close of every
+    /// file a program writes and never syncs (an untar, a build, a file server) two system
+    /// calls and the kernel's deferred freeing of the mark; where nothing is synced, nothing
+    /// is absorbed that the mark would serve. (A file created in a directory where created
+    /// files were synced is expected too: `create`.)
+    pub(crate) fn sync_expected(&self, sync: bool) -> bool {
+        !self.watching || sync || self.synced.load(Ordering::Relaxed)
+    }
+
+    /// An attached sync of the tracked object `t` (through `fd`) is about to happen: later
+    /// files this process opens, and files created in the directory this one was born in,
+    /// are expected to be synced; this one is marked for the watch if it is not yet. Caller
+    /// holds the slot lock.
+    pub(super) fn note_sync(&self, slot: &Slot<'_>, t: &Tracked, fd: i32) {
+        self.synced.store(true, Ordering::Relaxed);
+        slot.w(S_FLAGS).fetch_or(F_SYNCED, Ordering::AcqRel);
+        if let Some((ds, dgen)) = t.ino.birth_dir {
+            self.syncs_in(ds, dgen);
+        }
+        self.mark_for_watch(slot, fd);
+    }
+
+    /// Files created in the directory of slot `ds` (generation `dgen`) get synced.
+    pub(in crate::front) fn syncs_in(&self, ds: usize, dgen: u64) {
+        self.synced.store(true, Ordering::Relaxed);
+        let d = self.table.slot(ds);
+        if d.flags() & F_SYNCS_HERE == 0 && d.w(S_GEN).load(Ordering::Acquire) == dgen {
+            d.w(S_FLAGS).fetch_or(F_SYNCS_HERE, Ordering::AcqRel);
+        }
+    }
+
     /// Stop watching the object of `fd` if nothing needs the watch any more
     /// (`Slot::unwatchable`; every holder record counts). Every open of a watched object
     /// waits for the daemon; an unwatched one costs nothing. The object loses what the watch
@@ -238,4 +273,48 @@ impl Client {
         p.dirty.clear();
         Ok(())
     }
+}
+
+/// A file `create` just made under the root, as it found it.
+pub struct Born {
+    pub(in crate::front) st: libc::stat,
+    pub(in crate::front) handle: Vec<u8>,
+    pub(in crate::front) gen: u64,
+    /// The flags of the open that created it.
+    pub(in crate::front) flags: i32,
+    /// Its directory (slot, generation).
+    pub(in crate::front) dir: (usize, u64),
+    /// Its syncs are expected (`Client::sync_expected`, or its directory's `F_SYNCS_HERE`):
+    /// it was marked for the watch at birth.
+    pub(in crate::front) expected: bool,
+}
+
+/// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller
+/// holds the slot lock and checked that nothing needs the watch. If the mark cannot be
+/// removed, the slot stays watched.
+pub(in crate::front) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) {
+    if crate::front::watch::unmark(group, fd).is_err() {
+        return;
+    }
+    slot.w(S_FLAGS).fetch_and(
+        !(F_MARKED | F_VETTED | F_BASELINE | F_SYNCED),
+        Ordering::AcqRel,
+    );
+    slot.w(S_FLAGS).fetch_or(F_UNWATCHED, Ordering::AcqRel);
+    table.w(H_UNMARKS).fetch_add(1, Ordering::Relaxed);
+}
+
+/// Mark the object of `fd` in `table` as written by someone the library cannot follow (a
+/// process that could not attach): every sync of it stays real.
+pub fn mark_unseen(table: &Table, fd: i32) {
+    let Ok(st) = sys::fstat(fd) else { return };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return;
+    }
+    let Some((_, gen)) = object_gen(fd, st.st_ino) else {
+        return;
+    };
+    claim(table, &st, gen, |slot| {
+        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel)
+    });
 }

@@ -36,6 +36,9 @@ use crate::pmem::Pmem;
 mod data;
 mod logging;
 
+pub(in crate::front) use logging::unwatch;
+pub use logging::{mark_unseen, Born};
+
 /// A daemon whose heartbeat is older than this is taken for dead.
 pub const DAEMON_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -53,6 +56,9 @@ pub struct Inode {
     pub slot: usize,
     gen: u64,
     handle: Vec<u8>,
+    /// The directory (slot, generation) this process created the file in, if it did: a sync
+    /// of the file tells that files born there get synced (`F_SYNCS_HERE`).
+    birth_dir: Option<(usize, u64)>,
     p: Mutex<Private>,
 }
 
@@ -98,6 +104,9 @@ pub struct Client {
     root_bind_lsn: std::sync::atomic::AtomicU64,
     /// io_uring or another path the library cannot see was set up: every sync is real.
     pub blind: std::sync::atomic::AtomicBool,
+    /// This process synced something under the root: the files it opens for writing are
+    /// expected to be synced too (`sync_expected`).
+    synced: std::sync::atomic::AtomicBool,
 }
 
 /// What the daemon tells an attaching process.
@@ -193,6 +202,7 @@ impl Client {
             root_handle,
             root_bind_lsn: 0.into(),
             blind: false.into(),
+            synced: false.into(),
         })
     }
 
@@ -351,24 +361,30 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd, st.st_ino)?;
-        self.track_object(fd, sync, &st, handle, gen, flags)
+        let watch = self.sync_expected(sync);
+        self.track_object(fd, sync, &st, (handle, gen, None), flags, watch)
     }
 
     /// `track` of a file `create` just made (`Born`: what it already knows of it, so the
     /// creation costs no more system calls than it must).
     pub fn track_born(&self, fd: i32, sync: bool, b: Born) -> Option<Arc<Tracked>> {
-        self.track_object(fd, sync, &b.st, b.handle, b.gen, Some(b.flags))
+        let id = (b.handle, b.gen, Some(b.dir));
+        self.track_object(fd, sync, &b.st, id, Some(b.flags), b.expected)
     }
 
+    /// Track `fd` (of the object `id`: handle, generation, the directory this process created
+    /// it in). `watch`: its syncs are expected, so it is marked for the daemon's watch now
+    /// (otherwise at its first sync, `sync_expected`).
     fn track_object(
         &self,
         fd: i32,
         sync: bool,
         st: &libc::stat,
-        handle: Vec<u8>,
-        gen: u64,
+        id: (Vec<u8>, u64, Option<(usize, u64)>),
         flags: Option<i32>,
+        watch: bool,
     ) -> Option<Arc<Tracked>> {
+        let (handle, gen, birth_dir) = id;
         // The descriptor's status flags, asked once when the caller does not know them
         // (unknown: taken as write-only, not appending).
         let flags = flags.unwrap_or_else(|| {
@@ -379,7 +395,9 @@ impl Client {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
             slot.hold(self.rec);
-            self.mark_for_watch(slot, fd);
+            if watch || slot.flags() & F_SYNCED != 0 {
+                self.mark_for_watch(slot, fd);
+            }
         })?;
         let ino = {
             let mut m = self.inodes.lock();
@@ -390,6 +408,7 @@ impl Client {
                         slot: idx,
                         gen,
                         handle,
+                        birth_dir,
                         p: Mutex::new(Private {
                             // A sync reads dirty bytes back through the program's descriptor
                             // where it can; a write-only one would need a new descriptor (an
@@ -545,15 +564,6 @@ pub(super) fn claim<R>(
     Some((idx, f(&slot)))
 }
 
-/// A file `create` just made under the root, as it found it.
-pub struct Born {
-    pub(super) st: libc::stat,
-    pub(super) handle: Vec<u8>,
-    pub(super) gen: u64,
-    /// The flags of the open that created it.
-    pub(super) flags: i32,
-}
-
 /// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).
 fn write_only(fd: i32) -> bool {
     sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| f as i32 & libc::O_ACCMODE == libc::O_WRONLY)
@@ -562,33 +572,3 @@ fn write_only(fd: i32) -> bool {
 /// Pages of unsynced writes through a write-only descriptor a process keeps a copy of per
 /// object (64 KiB): a sync after more reads the rest back through a descriptor of its own.
 const WRITE_ONLY_COPY_PAGES: usize = 16;
-
-/// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller
-/// holds the slot lock and checked that nothing needs the watch. If the mark cannot be
-/// removed, the slot stays watched.
-pub(super) fn unwatch(table: &Table, slot: &Slot<'_>, group: i32, fd: i32) {
-    if super::watch::unmark(group, fd).is_err() {
-        return;
-    }
-    slot.w(S_FLAGS).fetch_and(
-        !(F_MARKED | F_VETTED | F_BASELINE | F_SYNCED),
-        Ordering::AcqRel,
-    );
-    slot.w(S_FLAGS).fetch_or(F_UNWATCHED, Ordering::AcqRel);
-    table.w(H_UNMARKS).fetch_add(1, Ordering::Relaxed);
-}
-
-/// Mark the object of `fd` in `table` as written by someone the library cannot follow (a
-/// process that could not attach): every sync of it stays real.
-pub fn mark_unseen(table: &Table, fd: i32) {
-    let Ok(st) = sys::fstat(fd) else { return };
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-        return;
-    }
-    let Some((_, gen)) = object_gen(fd, st.st_ino) else {
-        return;
-    };
-    claim(table, &st, gen, |slot| {
-        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel)
-    });
-}

@@ -44,6 +44,8 @@ enum Intent {
 pub struct Dir {
     fd: OwnedFd,
     slot: usize,
+    /// Its slot's generation.
+    gen: u64,
     handle: Vec<u8>,
     root: bool,
 }
@@ -156,6 +158,7 @@ impl Client {
         Some(Dir {
             fd,
             slot: idx,
+            gen,
             handle,
             root: st.st_ino == self.root_ino,
         })

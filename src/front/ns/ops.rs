@@ -216,11 +216,13 @@ impl Client {
         )
     }
 
-    /// An `O_CREAT` open of `t` (flags as the real open gets them): tried with `O_EXCL` first,
-    /// so a creation is known and logged; the descriptor. A file this process created is
-    /// marked for the daemon's watch at once (`docs/preload.md`, "Writers outside `pmstack
-    /// run`"): every write to it is seen from its birth, so its syncs are absorbed from the
-    /// first.
+    /// An `O_CREAT` open of `t` (flags as the real open gets them; `sync`: the program asked
+    /// for O_SYNC/O_DSYNC): tried with `O_EXCL` first, so a creation is known and logged; the
+    /// descriptor. A file this process created is marked for the daemon's watch at once if
+    /// its syncs are expected (`sync_expected`, or files born in its directory were synced:
+    /// `F_SYNCS_HERE`; `docs/preload.md`, "Writers outside `pmstack run`"): every write to it
+    /// is seen from its birth, so its syncs are absorbed from the first. Otherwise its first
+    /// two syncs are real, as for a file that existed before.
     /// With the descriptor, what the creation learnt of the new file, for `track_born` (None
     /// if it opened an existing one, or the creation was not logged).
     pub fn create(
@@ -228,8 +230,11 @@ impl Client {
         t: &Target,
         flags: i32,
         mode: u32,
+        sync: bool,
     ) -> io::Result<(i32, Option<crate::front::client::Born>)> {
         let c = t.cname();
+        let expected =
+            self.sync_expected(sync) || self.table.slot(t.dir.slot).flags() & F_SYNCS_HERE != 0;
         let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
         let born_marked = std::cell::Cell::new(false);
         let born = std::cell::Cell::new(None);
@@ -239,7 +244,8 @@ impl Client {
                 for _ in 0..8 {
                     match open(flags | libc::O_EXCL) {
                         Ok(fd) => {
-                            if let Some(g) = self.group.as_ref().filter(|_| self.watching) {
+                            let watch = self.watching && expected;
+                            if let Some(g) = self.group.as_ref().filter(|_| watch) {
                                 born_marked
                                     .set(crate::front::watch::mark(g.as_raw_fd(), fd).is_ok());
                             }
@@ -283,14 +289,18 @@ impl Client {
                     })
                 })?;
                 let slot = self.table.slot(o.slot);
-                let mut f = F_BASELINE;
-                if !self.watching {
-                    f |= F_VETTED;
+                let f = if !self.watching {
+                    F_BASELINE | F_VETTED
                 } else if born_marked.get() {
                     // Marked right after its birth: a writer would have had to open the
                     // new name within microseconds to go unseen (`docs/preload.md`).
-                    f |= F_MARKED | F_VETTED;
-                }
+                    F_BASELINE | F_MARKED | F_VETTED
+                } else {
+                    // Not marked: a writer may open it unseen. Like a file that existed
+                    // before, it needs vetting, and a real sync after that, before its syncs
+                    // are absorbed (its writes until vetted are not tracked).
+                    0
+                };
                 slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
                 if f & F_MARKED != 0 {
                     // Counted like every mark (`marks` in the stats); vetting skips it.
@@ -301,6 +311,8 @@ impl Client {
                     handle: o.handle,
                     gen: o.gen,
                     flags,
+                    dir: (t.dir.slot, t.dir.gen),
+                    expected,
                 }));
                 Ok(true)
             },
@@ -327,6 +339,7 @@ impl Client {
         }
         let (_, gen) = object_gen(fd, st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
+        self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
         let _ns = self.table.ns_lock();
         let c0 = ctime(fd);

@@ -159,6 +159,10 @@ pub const F_UNWATCHED: u64 = 128;
 /// marked: it keeps its mark when nobody holds it (its next syncs are likely, and the watch
 /// is what lets them be absorbed). Files nobody syncs are the ones unmarked.
 pub const F_SYNCED: u64 = 256;
+/// Directories: a file an attached process created in it was synced, or the directory was
+/// (`Client::syncs_in`): files created in it are marked for the watch at birth, so that their
+/// syncs are absorbed from the first.
+pub const F_SYNCS_HERE: u64 = 512;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
