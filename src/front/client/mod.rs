@@ -440,12 +440,15 @@ impl Client {
         Some(t)
     }
 
-    /// Set flags on the slot of an object if it is tracked (found by identity).
+    /// Set flags on the slot of an object if it has one (found by identity). An object with
+    /// no slot needs none: nothing is logged of it, and the first sync of it once tracked is
+    /// real anyway (no baseline). So a chmod or utimes by path of every file an untar makes
+    /// fills no slots.
     pub fn flag_object(&self, st: &libc::stat, f: u64) {
         if st.st_dev != self.root_dev || st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return;
         }
-        if let Some(idx) = self.table.find_or_insert(st.st_dev, st.st_ino) {
+        if let Some(idx) = self.table.find(st.st_dev, st.st_ino) {
             self.table
                 .slot(idx)
                 .w(S_FLAGS)
