@@ -108,9 +108,14 @@ pub unsafe extern "C" fn fchown(fd: c_int, uid: libc::uid_t, gid: libc::gid_t) -
     // Owner, group and mode of a tracked file before: a chown that changes none of them
     // leaves nothing for the next sync to make durable but the change time (SQLite running
     // as root gives each new journal the database's owner, which it already has; the
-    // journal's syncs stay absorbed).
+    // journal's syncs stay absorbed). Only asked when the next sync could be absorbed at all
+    // (an untar chowns every file it makes: two fstats each, for nothing).
     let mut before = None;
-    keep_errno(|| before = lookup(fd).and_then(|_| sys::fstat(fd).ok()));
+    keep_errno(|| {
+        before = lookup(fd)
+            .filter(|(_, c, t)| c.may_absorb(t))
+            .and_then(|_| sys::fstat(fd).ok())
+    });
     let r = kernel!(libc::SYS_fchown, fd, uid, gid);
     if let (0, Some(b)) = (r, before) {
         let mut same = false;

@@ -82,6 +82,12 @@ impl Client {
             && (!self.watching || f & F_VETTED != 0)
     }
 
+    /// The next sync of the tracked object could be absorbed (as far as its flags tell now):
+    /// otherwise it is real, and whatever changes before it needs no flag.
+    pub fn may_absorb(&self, t: &Tracked) -> bool {
+        self.absorbable(self.table.slot(t.ino.slot).flags())
+    }
+
     /// Syncs of the object may be absorbed as far as its flags tell.
     pub(super) fn absorbable(&self, f: u64) -> bool {
         self.loggable(f) && f & F_FALLBACK == 0 && f & F_BASELINE != 0
