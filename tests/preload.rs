@@ -1886,11 +1886,32 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     // Clean: logged, nothing written back.
     a.exec("os.rename(os.path.join(d, 'b'), os.path.join(d, 'c'))\nos.fsync(dfd)");
     expect(pid, (3, 4, 2), "a change in a clean directory");
+    // So far no namespace record was live at a write-back: each synced only the directory
+    // (nothing older could be replayed over the change outside the log). Now the renames'
+    // records are live (no write-back for an hour): the next one writes everything back.
+    let dir_wbs = || proc_stats(&s.stats(), pid).unwrap()["ns_dir_write_backs"].as_u64();
+    assert_eq!(
+        dir_wbs(),
+        Some(3),
+        "write-backs that synced only directories"
+    );
+    f.exec("open(os.path.join(d, 'z'), 'w').close()");
+    a.exec("os.rename(os.path.join(d, 'c'), os.path.join(d, 'e'))\nos.fsync(dfd)");
+    expect(
+        pid,
+        (4, 5, 3),
+        "change after a change outside the log, records live",
+    );
+    assert_eq!(
+        dir_wbs(),
+        Some(3),
+        "a write-back with records live is the whole lower's"
+    );
     drop(a);
     drop(f);
     drop(s);
     let _ = fs::remove_file(&pm);
-    assert!(root.join("c").exists() && root.join("y").exists() && !root.join("b").exists());
+    assert!(root.join("e").exists() && root.join("y").exists() && !root.join("c").exists());
 }
 
 #[test]

@@ -30,7 +30,9 @@ use super::{
 use crate::engine::Log;
 use crate::front::client::{Client, Tracked};
 use crate::front::serve::{Daemon, ServeOpts};
-use crate::front::table::{Table, H_HEARTBEAT, P_FALLBACKS, P_NS_SYNCS, P_UNSERVED};
+use crate::front::table::{
+    Table, H_HEARTBEAT, P_FALLBACKS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
+};
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
 
@@ -40,12 +42,18 @@ struct Open {
     t: Arc<Tracked>,
 }
 
-/// The process's counters in the table: (real syncs, namespace write-backs, unserved).
-fn counters(t: &Table) -> (u64, u64, u64) {
+/// The process's counters in the table: (real syncs, namespace write-backs, unserved, those
+/// write-backs that synced only directories).
+fn counters(t: &Table) -> (u64, u64, u64, u64) {
     let w = t
         .counters_of(crate::front::table::my_pid())
         .expect("the simulated program is attached");
-    (w[P_FALLBACKS], w[P_NS_SYNCS], w[P_UNSERVED])
+    (
+        w[P_FALLBACKS],
+        w[P_NS_SYNCS],
+        w[P_UNSERVED],
+        w[P_NS_DIR_SYNCS],
+    )
 }
 
 fn ino_of(fd: i32) -> u64 {
@@ -132,13 +140,19 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         if j == crash_op {
             // The program's real syncs so far, read at each captured fence.
             let table = Table::open(&table_path).unwrap();
+            // Write-backs that synced only directories are left out: inside the operation,
+            // nothing is taken as made durable by them (a power cut may lose more).
             sim.on_capture(at_fences.hook(&lower, move || {
-                let (f, ns, _) = counters(&table);
-                (f, ns)
+                let (f, ns, _, ns_dir) = counters(&table);
+                (f, ns.saturating_sub(ns_dir))
             }));
             sim.capture_at_fences(1.0, 1, seed);
-            let (f, ns, _) = counters(&d.table);
-            in_op = Some((durable.clone(), durable_at.clone(), (f, ns)));
+            let (f, ns, _, ns_dir) = counters(&d.table);
+            in_op = Some((
+                durable.clone(),
+                durable_at.clone(),
+                (f, ns.saturating_sub(ns_dir)),
+            ));
         }
         sim.set_tag(j as u64);
         cov.ops += 1;
@@ -356,7 +370,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         if kind == 10 && alive {
             ns_durable = after_op;
         }
-        if after.1 > before.1 {
+        if after.1 > before.1 && after.3 - before.3 == after.1 - before.1 {
+            // Namespace write-backs that synced only directories: the names (the journal),
+            // not the files' data.
+            let unserved_ns = ns_op && !alive;
+            ns_durable = ns_durable.max(if unserved_ns { before_op } else { after_op });
+        } else if after.1 > before.1 {
             // A namespace write-back (syncfs): before the operation when it ran on the lower
             // alone, after it otherwise.
             let unserved_ns = ns_op && !alive;

@@ -241,7 +241,8 @@ impl Client {
 
     /// Make every namespace change so far durable in the lower file system (syncfs through
     /// the first of `dirs`, the directories of the operation at hand) and expire every older
-    /// namespace record. Caller holds the namespace lock.
+    /// namespace record; where no namespace record is live, only the operation's directories
+    /// (and those above them) are synced. Caller holds the namespace lock.
     fn write_back_namespace(&self, dirs: &[i32]) -> io::Result<()> {
         self.log.next_lsn();
         let upto = self.log.lsn_now();
@@ -259,6 +260,24 @@ impl Client {
             self.count(P_NS_SYNCS, 1);
             return Ok(());
         }
+        if !self.ns_live() {
+            // No namespace record is live: none can be replayed over the unlogged changes,
+            // and none names an object whose creation the lower lacks. What the records to
+            // come may name must be durable: the entries of the operation's directories, and
+            // each directory's own name up to the root (it may have been made, or moved,
+            // unlogged). fsync of those directories, not syncfs: that would also write back
+            // every dirty page of the file system (seconds, after a large unsynced write).
+            for (i, &d) in dirs.iter().enumerate() {
+                if !dirs[..i].contains(&d) {
+                    self.sync_up_to_root(d)?;
+                }
+            }
+            // (This count first: a reader never sees more directory-only write-backs than
+            // write-backs.)
+            self.count(P_NS_DIR_SYNCS, 1);
+            self.count(P_NS_SYNCS, 1);
+            return Ok(());
+        }
         sys::syncfs(dirs[0])?;
         // Counted when it happened (the crash simulator reads the count at each fence).
         self.count(P_NS_SYNCS, 1);
@@ -267,6 +286,31 @@ impl Client {
         } else {
             // Not even the reserve has room: wait (bounded) for the daemon's write-back.
             self.wait_for_write_back(upto)?;
+        }
+        Ok(())
+    }
+
+    /// fsync the directory `fd` and each directory above it up to the root (at most 4096
+    /// levels; a directory outside the root's file system ends the walk).
+    fn sync_up_to_root(&self, fd: i32) -> io::Result<()> {
+        sys::fsync(fd, false)?;
+        let mut cur: Option<OwnedFd> = None;
+        for _ in 0..4096 {
+            let at = cur.as_ref().map_or(fd, |c| c.as_raw_fd());
+            let st = sys::fstat(at)?;
+            if st.st_dev != self.root_dev || st.st_ino == self.root_ino {
+                return Ok(());
+            }
+            let up = sys::openat(
+                at,
+                c"..".as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+                0,
+            )?;
+            // SAFETY: a fresh descriptor we own.
+            let up = unsafe { OwnedFd::from_raw_fd(up) };
+            sys::fsync(up.as_raw_fd(), false)?;
+            cur = Some(up);
         }
         Ok(())
     }

@@ -477,6 +477,7 @@ impl Daemon {
                 "ns_ops": c[P_NS_OPS],
                 "absorbed_dir_fsync": c[P_DIR_FSYNC],
                 "ns_write_backs": c[P_NS_SYNCS],
+                "ns_dir_write_backs": c[P_NS_DIR_SYNCS],
                 "unserved": c[P_UNSERVED],
             })
         };

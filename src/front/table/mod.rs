@@ -94,8 +94,11 @@ pub const P_NS_SYNCS: usize = 10;
 /// Operations that found the daemon not serving (stopped, restarting, or its heartbeat
 /// older than `client::DAEMON_TIMEOUT`) and so ran on the lower file system alone.
 pub const P_UNSERVED: usize = 11;
+/// Of the namespace write-backs (`P_NS_SYNCS`), those that synced only directories (no
+/// namespace record was live: `Client::write_back_namespace`).
+pub const P_NS_DIR_SYNCS: usize = 12;
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
-pub const COUNTERS: [usize; 9] = [
+pub const COUNTERS: [usize; 10] = [
     P_ABSORBED_FSYNC,
     P_ABSORBED_OSYNC,
     P_BYTES_LOGGED,
@@ -105,6 +108,7 @@ pub const COUNTERS: [usize; 9] = [
     P_DIR_FSYNC,
     P_NS_SYNCS,
     P_UNSERVED,
+    P_NS_DIR_SYNCS,
 ];
 const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
 
