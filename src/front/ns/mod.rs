@@ -260,18 +260,14 @@ impl Client {
             self.count(P_NS_SYNCS, 1);
             return Ok(());
         }
-        if !self.ns_live() {
+        if !self.ns_live() && self.sync_dirs_up(dirs).is_ok() {
             // No namespace record is live: none can be replayed over the unlogged changes,
             // and none names an object whose creation the lower lacks. What the records to
             // come may name must be durable: the entries of the operation's directories, and
             // each directory's own name up to the root (it may have been made, or moved,
             // unlogged). fsync of those directories, not syncfs: that would also write back
             // every dirty page of the file system (seconds, after a large unsynced write).
-            for (i, &d) in dirs.iter().enumerate() {
-                if !dirs[..i].contains(&d) {
-                    self.sync_up_to_root(d)?;
-                }
-            }
+            // (A directory above that this process may not open: syncfs, below.)
             // (This count first: a reader never sees more directory-only write-backs than
             // write-backs.)
             self.count(P_NS_DIR_SYNCS, 1);
@@ -286,6 +282,16 @@ impl Client {
         } else {
             // Not even the reserve has room: wait (bounded) for the daemon's write-back.
             self.wait_for_write_back(upto)?;
+        }
+        Ok(())
+    }
+
+    /// `sync_up_to_root` of each of `dirs` (once each).
+    fn sync_dirs_up(&self, dirs: &[i32]) -> io::Result<()> {
+        for (i, &d) in dirs.iter().enumerate() {
+            if !dirs[..i].contains(&d) {
+                self.sync_up_to_root(d)?;
+            }
         }
         Ok(())
     }
