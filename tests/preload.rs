@@ -347,7 +347,7 @@ fn crash_round(base_dir: &Path, seed: u64) {
         &["--flush-interval-ms", "3600000", "--pm-size", "4G"],
     );
     let acks = Arc::new(Mutex::new(Acks::default()));
-    let (mut kids, readers): (Vec<Child>, Vec<_>) = tags
+    let (kids, readers): (Vec<Child>, Vec<_>) = tags
         .iter()
         .map(|t| {
             spawn_load(
@@ -360,6 +360,9 @@ fn crash_round(base_dir: &Path, seed: u64) {
             )
         })
         .unzip();
+    // Killed and reaped however the round ends (a failed assertion left them waiting on
+    // their stdin forever).
+    let mut kids = common::Reaped(kids);
     let t0 = Instant::now();
     while acks.lock().unwrap().ready < tags.len() {
         assert!(
@@ -379,7 +382,7 @@ fn crash_round(base_dir: &Path, seed: u64) {
         (w[P_FALLBACKS], w[P_UNSERVED])
     };
     let before: Vec<_> = kids.iter().map(|k| real(k.id() as u64)).collect();
-    for k in &mut kids {
+    for k in kids.0.iter_mut() {
         writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
     }
     // The kernel drops its inode and dentry caches while the load runs.
@@ -414,7 +417,7 @@ fn crash_round(base_dir: &Path, seed: u64) {
         std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
     }
     s.freeze();
-    for k in &mut kids {
+    for k in kids.0.iter_mut() {
         let _ = k.kill();
         let _ = k.wait();
     }
@@ -1257,6 +1260,7 @@ fn ns_crash_round(base: &Path, seed: u64) {
         kids.push(k);
         all_acks.push(acks);
     }
+    let mut kids = common::Reaped(kids);
     let t0 = Instant::now();
     while !all_acks.iter().all(|a| a.lock().unwrap().ready) {
         assert!(
@@ -1291,7 +1295,7 @@ fn ns_crash_round(base: &Path, seed: u64) {
         )
     };
     let before: Vec<_> = kids.iter().map(|k| counters(k.id() as u64)).collect();
-    for k in &mut kids {
+    for k in kids.0.iter_mut() {
         writeln!(k.stdin.as_mut().unwrap(), "go").unwrap();
     }
     // Kill at a random point of the load, counted in acknowledged operations (not in time:
@@ -1310,7 +1314,7 @@ fn ns_crash_round(base: &Path, seed: u64) {
         std::thread::sleep(Duration::from_millis(rng.gen_range(0..200)));
     }
     s.freeze();
-    for k in &mut kids {
+    for k in kids.0.iter_mut() {
         let _ = k.kill();
         let _ = k.wait();
     }

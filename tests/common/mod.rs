@@ -507,3 +507,23 @@ pub fn run_python(root: &Path, script: &str, args: &[&std::ffi::OsStr]) {
         .unwrap();
     assert!(st.success(), "the program under pmstack run failed: {st}");
 }
+
+/// Child processes killed and reaped when dropped, however the test ends (a failed assertion
+/// must not leave them running).
+pub struct Reaped(pub Vec<std::process::Child>);
+
+impl std::ops::Deref for Reaped {
+    type Target = Vec<std::process::Child>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        for k in &mut self.0 {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
