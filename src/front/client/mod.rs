@@ -237,13 +237,13 @@ impl Client {
     }
 
     pub fn untrack(&self, fd: i32) {
-        let gone = {
-            let mut m = self.fds.write();
-            if m.is_empty() {
-                return;
-            }
-            m.remove(&fd)
-        };
+        // Most closes are of descriptors nobody tracks (reads, sockets): asked under the
+        // shared lock, so threads closing files at once do not take turns. (The descriptor
+        // cannot become tracked in between: it is open until this close returns.)
+        if !self.fds.read().contains_key(&fd) {
+            return;
+        }
+        let gone = self.fds.write().remove(&fd);
         if let Some(t) = gone {
             self.release(t, fd);
         }
