@@ -251,16 +251,12 @@ impl Client {
             // may lack (an unlogged change found in them, this operation): fsynced here.
             // Every object the log names is fsynced by the daemon (it opens them by handle),
             // whose write-back then expires everything below `upto`.
-            for (i, &d) in dirs.iter().enumerate() {
-                if !dirs[..i].contains(&d) {
-                    sys::fsync(d, false)?;
-                }
-            }
+            each_once(dirs, |d| sys::fsync(d, false))?;
             self.wait_for_write_back(upto)?;
             self.count(P_NS_SYNCS, 1);
             return Ok(());
         }
-        if !self.ns_live() && self.sync_dirs_up(dirs).is_ok() {
+        if !self.ns_live() && each_once(dirs, |d| self.sync_up_to_root(d)).is_ok() {
             // No namespace record is live: none can be replayed over the unlogged changes,
             // and none names an object whose creation the lower lacks. What the records to
             // come may name must be durable: the entries of the operation's directories, and
@@ -282,16 +278,6 @@ impl Client {
         } else {
             // Not even the reserve has room: wait (bounded) for the daemon's write-back.
             self.wait_for_write_back(upto)?;
-        }
-        Ok(())
-    }
-
-    /// `sync_up_to_root` of each of `dirs` (once each).
-    fn sync_dirs_up(&self, dirs: &[i32]) -> io::Result<()> {
-        for (i, &d) in dirs.iter().enumerate() {
-            if !dirs[..i].contains(&d) {
-                self.sync_up_to_root(d)?;
-            }
         }
         Ok(())
     }
@@ -510,6 +496,16 @@ fn distinct<'a>(dirs: &[&'a Dir]) -> Vec<&'a Dir> {
         }
     }
     out
+}
+
+/// `f` of each descriptor of `fds` once (the first error ends it).
+fn each_once(fds: &[i32], mut f: impl FnMut(i32) -> io::Result<()>) -> io::Result<()> {
+    for (i, &d) in fds.iter().enumerate() {
+        if !fds[..i].contains(&d) {
+            f(d)?;
+        }
+    }
+    Ok(())
 }
 
 /// The descriptors of an operation's directories.
