@@ -4,7 +4,7 @@
 
 use std::cell::Cell;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pmstack::front::client::{Client, Tracked};
@@ -44,11 +44,59 @@ pub(crate) static CLIENT: AtomicPtr<Client> = AtomicPtr::new(std::ptr::null_mut(
 pub(crate) static ATTACHING: AtomicBool = AtomicBool::new(false);
 /// Attaching failed in this generation (no daemon): stay native.
 pub(crate) static FAILED_GEN: AtomicU64 = AtomicU64::new(0);
+/// Calls that close or replace descriptors (`closing`) running natively in a process that
+/// is not attached: an attach waits for them to end before it reads the descriptor table.
+static CLOSING: AtomicUsize = AtomicUsize::new(0);
+
+/// Run a call that closes or replaces descriptors (close, close_range, dup2, fclose, …):
+/// `f(Some(client))` when this process is attached (`f` keeps the client's descriptor map in
+/// step), else `f(None)` (natively). An attach scans the process's descriptors and tracks
+/// what it finds, while other threads' calls run natively; a descriptor it tracked that one
+/// of them then closed would keep its entry, and the next file opened under that number
+/// would be taken for the first (its writes logged under another file's identity, replayed
+/// into that file after a crash). So a closing call either ends before an attach reads the
+/// table, or waits for the attach to end and updates the map; it never attaches itself (it
+/// holds up the attach while it runs). Caller is not `Inside`.
+pub(crate) fn closing<R>(f: impl FnOnce(Option<&'static Client>) -> R) -> R {
+    let Some(_g) = Inside::enter() else {
+        return f(None);
+    };
+    let gen = FORKS.load(Ordering::Acquire) + 1;
+    loop {
+        if let Some(c) = attached(gen) {
+            return f(Some(c));
+        }
+        CLOSING.fetch_add(1, Ordering::SeqCst);
+        if !ATTACHING.load(Ordering::SeqCst) {
+            // No attach reads the table until this call ends. One may have ended since the
+            // check above: then its map is kept in step.
+            let r = f(attached(gen));
+            CLOSING.fetch_sub(1, Ordering::SeqCst);
+            return r;
+        }
+        CLOSING.fetch_sub(1, Ordering::SeqCst);
+        let mut i = 0;
+        while ATTACHING.load(Ordering::SeqCst) {
+            pause(&mut i);
+        }
+    }
+}
+
+/// One round of waiting for another thread: a yield, then (after a hundred) 100 µs asleep.
+fn pause(i: &mut u32) {
+    *i += 1;
+    if *i < 100 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+}
 
 extern "C" fn after_fork_child() {
     pmstack::front::table::forget_pid();
     // Another thread of the parent may have been attaching: that thread does not exist here.
     ATTACHING.store(false, Ordering::SeqCst);
+    CLOSING.store(0, Ordering::SeqCst);
     FORKS.fetch_add(1, Ordering::SeqCst);
 }
 
@@ -141,8 +189,14 @@ pub(crate) fn client() -> Option<&'static Client> {
         return None;
     }
     let sock = std::env::var_os("PMSTACK_SOCKET")?;
-    if ATTACHING.swap(true, Ordering::AcqRel) {
+    if ATTACHING.swap(true, Ordering::SeqCst) {
         return None; // another thread is attaching: this call stays native
+    }
+    // Closing calls already under way end first (`closing`): the descriptors read below stay
+    // what they are until the client is published. (They never wait for an attach.)
+    let mut i = 0;
+    while CLOSING.load(Ordering::SeqCst) != 0 {
+        pause(&mut i);
     }
     // After a fork: what the parent tracked (its client is the old pointer).
     // SAFETY: as above.
@@ -197,7 +251,7 @@ pub(crate) fn client() -> Option<&'static Client> {
             None
         }
     };
-    ATTACHING.store(false, Ordering::Release);
+    ATTACHING.store(false, Ordering::SeqCst);
     out
 }
 

@@ -7,53 +7,45 @@ use crate::attach::*;
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
-    if let Some(_g) = Inside::enter() {
-        if let Some(c) = client_if_needed() {
+    closing(|c| {
+        if let Some(c) = c {
             c.untrack(fd);
         }
-    }
-    kernel!(libc::SYS_close, fd) as c_int
-}
-
-pub(crate) fn untrack_range(first: c_uint, last: c_uint) {
-    if let Some(_g) = Inside::enter() {
-        if let Some(c) = client_if_needed() {
-            c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32);
-        }
-    }
+        kernel!(libc::SYS_close, fd) as c_int
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
-    if flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0 {
-        untrack_range(first, last);
-    }
-    kernel!(libc::SYS_close_range, first, last, flags) as c_int
+    closing(|c| {
+        if let Some(c) = c.filter(|_| flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0) {
+            c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32);
+        }
+        kernel!(libc::SYS_close_range, first, last, flags) as c_int
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn closefrom(first: c_int) {
-    untrack_range(first as c_uint, c_uint::MAX);
-    kernel!(libc::SYS_close_range, first, c_uint::MAX);
+    forward!(close_range(first as c_uint, c_uint::MAX, 0));
 }
 
-pub(crate) fn dup_track(old: c_int, new: i64) {
+/// `new` (the result of a call that made it a copy of `old`) is tracked as `old` is.
+pub(crate) fn dup_track(c: Option<&pmstack::front::client::Client>, old: c_int, new: i64) {
     if new < 0 {
         return;
     }
-    keep_errno(|| {
-        if let Some(_g) = Inside::enter() {
-            if let Some(c) = client_if_needed() {
-                c.dup(old, new as i32);
-            }
-        }
-    })
+    if let Some(c) = c {
+        keep_errno(|| c.dup(old, new as i32));
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn dup(old: c_int) -> c_int {
     let r = kernel!(libc::SYS_dup, old);
-    dup_track(old, r);
+    if let Some(_g) = Inside::enter() {
+        dup_track(client_if_needed(), old, r);
+    }
     r as c_int
 }
 
@@ -63,23 +55,30 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
         let r = kernel!(libc::SYS_fcntl, old, libc::F_GETFD);
         return if r < 0 { -1 } else { new };
     }
-    let r = kernel!(libc::SYS_dup3, old, new);
-    dup_track(old, r);
-    r as c_int
+    // It closes what `new` was: a closing call.
+    closing(|c| {
+        let r = kernel!(libc::SYS_dup3, old, new);
+        dup_track(c, old, r);
+        r as c_int
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
-    let r = kernel!(libc::SYS_dup3, old, new, flags);
-    dup_track(old, r);
-    r as c_int
+    closing(|c| {
+        let r = kernel!(libc::SYS_dup3, old, new, flags);
+        dup_track(c, old, r);
+        r as c_int
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
     let r = kernel!(libc::SYS_fcntl, fd, cmd, arg);
     if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
-        dup_track(fd, r);
+        if let Some(_g) = Inside::enter() {
+            dup_track(client_if_needed(), fd, r);
+        }
     }
     if cmd == libc::F_SETFL && r >= 0 {
         // O_APPEND may change: where the descriptor's writes land.

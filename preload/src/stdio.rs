@@ -75,16 +75,16 @@ pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut FILE {
     fp
 }
 
-pub(crate) unsafe fn untrack_stream(fp: *mut FILE) {
-    if fp.is_null() {
-        return;
-    }
-    if let Some(_g) = Inside::enter() {
-        if let Some(c) = client_if_needed() {
+/// Close (or reopen, in `close`) the stream `fp`, its descriptor untracked first: a closing
+/// call (`attach::closing`).
+pub(crate) unsafe fn closing_stream<R>(fp: *mut FILE, close: impl FnOnce() -> R) -> R {
+    closing(|c| {
+        if let Some(c) = c.filter(|_| !fp.is_null()) {
             // SAFETY: a valid stream.
             c.untrack(unsafe { libc::fileno(fp) });
         }
-    }
+        close()
+    })
 }
 
 #[no_mangle]
@@ -97,8 +97,7 @@ pub unsafe extern "C" fn freopen(
         set_errno(libc::ENOSYS);
         return std::ptr::null_mut();
     };
-    forward!(untrack_stream(fp));
-    let r = forward!(f(path, mode, fp));
+    let r = forward!(closing_stream(fp, || f(path, mode, fp)));
     forward!(stream_opened(r, mode));
     r
 }
@@ -118,6 +117,5 @@ pub unsafe extern "C" fn fclose(fp: *mut FILE) -> c_int {
         set_errno(libc::ENOSYS);
         return libc::EOF;
     };
-    forward!(untrack_stream(fp));
-    forward!(f(fp))
+    forward!(closing_stream(fp, || f(fp)))
 }
