@@ -1918,6 +1918,94 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     assert!(root.join("e").exists() && root.join("y").exists() && !root.join("c").exists());
 }
 
+/// A directory's first logged change after changes outside the log syncs only the
+/// directories from it up to the root where no live namespace record names any of them
+/// (none can be replayed over what that makes durable), even while records naming other
+/// directories are live; where one names any of them, it is the whole lower's write-back.
+#[test]
+fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    for sub in ["a", "b"] {
+        fs::create_dir(root.join(sub)).unwrap();
+    }
+    let pm = shm_region("nsnamed");
+    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    // (write-backs, of them directory-only, logged operations)
+    let expect = |want: (u64, u64, u64), what: &str| {
+        let counts = || -> (u64, u64, u64) {
+            let p = proc_stats(&s.stats(), pid).unwrap_or_default();
+            let g = |k: &str| p[k].as_u64().unwrap_or(0);
+            (g("ns_write_backs"), g("ns_dir_write_backs"), g("ns_ops"))
+        };
+        let t0 = Instant::now();
+        while counts() != want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{what}: (write-backs, directory-only, logged) {:?}, want {want:?}",
+                counts()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut f = Py::spawn(Command::new("env"), &root);
+    let create = |p: &mut Py, path: &str| {
+        p.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
+    };
+    // a/ was made outside the log: its first change writes back (and is durable by that, not
+    // logged); no record is live. The next one is logged: a record naming a/ is live.
+    create(&mut a, "a/f1");
+    expect((1, 1, 0), "first change in a/");
+    create(&mut a, "a/f2");
+    expect((1, 1, 1), "a change in a clean a/");
+    // b/ changes outside the log; the write-back before the change in b/ syncs b/ and the
+    // root, which no live record names.
+    create(&mut f, "b/x");
+    create(&mut a, "b/f3");
+    expect((2, 2, 1), "first change in b/, a record naming a/ live");
+    // a/ changes outside the log: a live record names it (its creation of f2 would be
+    // replayed over what the write-back makes durable): the whole lower's write-back, which
+    // expires every record so far.
+    create(&mut f, "a/y");
+    create(&mut a, "a/f4");
+    expect(
+        (3, 2, 1),
+        "change in a/ after one outside, a record naming a/ live",
+    );
+    // The root's first logged change (it changed outside the log when a/ and b/ were made),
+    // then a logged one: a record naming the root is live.
+    create(&mut a, "g1");
+    create(&mut a, "g2");
+    expect((4, 3, 2), "first changes in the root");
+    // A directory made outside the log under the root: the walk up from it meets the root,
+    // which a live record names, so the whole lower's write-back.
+    f.exec("os.mkdir(os.path.join(d, 'n'))");
+    create(&mut f, "n/z");
+    create(&mut a, "n/h");
+    expect(
+        (5, 3, 2),
+        "first change in n/, a record naming the root live",
+    );
+    // After a crash every name is there.
+    drop(a);
+    drop(f);
+    let mut s = s;
+    s.kill9();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    let _ = fs::remove_file(&pm);
+    for p in [
+        "a/f1", "a/f2", "a/y", "a/f4", "b/f3", "g1", "g2", "n/z", "n/h",
+    ] {
+        assert!(root.join(p).exists(), "{p} lost");
+    }
+}
+
 #[test]
 fn a_mount_and_serve_of_one_lower_directory_refuse_each_other() {
     if !common::can_mount() {

@@ -218,8 +218,22 @@ impl Client {
 
     /// Some namespace record is not expired yet.
     fn ns_live(&self) -> bool {
-        let last = self.table.w(H_NS_LAST_LSN).load(Ordering::Acquire);
-        last > self.table.w(H_NS_WB_LSN).load(Ordering::Acquire) && last > self.log.checkpoint_lsn()
+        self.table.w(H_NS_LAST_LSN).load(Ordering::Acquire) > self.ns_expired()
+    }
+
+    /// Namespace records up to this LSN are expired (a namespace write-back, a checkpoint).
+    fn ns_expired(&self) -> u64 {
+        let wb = self.table.w(H_NS_WB_LSN).load(Ordering::Acquire);
+        wb.max(self.log.checkpoint_lsn())
+    }
+
+    /// Whether a live namespace record names the directory `st` as a parent: replay may
+    /// change its entries. (A slot of an older object under the same inode number may say
+    /// so too: the caller then does more than it must, never less.)
+    fn named_live(&self, st: &libc::stat) -> bool {
+        self.table.find(st.st_dev, st.st_ino).is_some_and(|i| {
+            self.table.slot(i).w(S_DIR_NS_LSN).load(Ordering::Acquire) > self.ns_expired()
+        })
     }
 
     /// Whether every change of `d` since it was last made durable was logged.
@@ -241,8 +255,8 @@ impl Client {
 
     /// Make every namespace change so far durable in the lower file system (syncfs through
     /// the first of `dirs`, the directories of the operation at hand) and expire every older
-    /// namespace record; where no namespace record is live, only the operation's directories
-    /// (and those above them) are synced. Caller holds the namespace lock.
+    /// namespace record; where no live namespace record names the operation's directories
+    /// or those above them, only they are synced. Caller holds the namespace lock.
     fn write_back_namespace(&self, dirs: &[i32]) -> io::Result<()> {
         self.log.next_lsn();
         let upto = self.log.lsn_now();
@@ -256,16 +270,22 @@ impl Client {
             self.count(P_NS_SYNCS, 1);
             return Ok(());
         }
-        if !self.ns_live() && each_once(dirs, |d| self.sync_up_to_root(d)).is_ok() {
-            // No namespace record is live: none can be replayed over the unlogged changes,
-            // and none names an object whose creation the lower lacks. What the records to
-            // come may name must be durable: the entries of the operation's directories, and
-            // each directory's own name up to the root (it may have been made, or moved,
+        let live = self.ns_live();
+        if each_once(dirs, |d| self.sync_up_to_root(d, live)).is_ok() {
+            // No live namespace record names any of the directories synced here (none is
+            // live at all, or none names these): none can be replayed over the unlogged
+            // changes they make durable. (Unlogged changes elsewhere stay as unlogged as
+            // they were: their directories write back at their own next logged change.)
+            // Every live record was logged where its directories were clean or written
+            // back, so none names an object whose creation the lower lacks. What the records
+            // to come may name must be durable: the entries of the operation's directories,
+            // and each directory's own name up to the root (it may have been made, or moved,
             // unlogged). fsync of those directories, not syncfs: that would also write back
-            // every dirty page of the file system (seconds, after a large unsynced write).
-            // (A directory above that this process may not open: syncfs, below.)
-            // (This count first: a reader never sees more directory-only write-backs than
-            // write-backs.)
+            // every dirty page of the file system (seconds, after a large unsynced write; a
+            // server's first change in each directory it had not touched since the daemon
+            // started). (A directory above that this process may not open, or one a live
+            // record names: syncfs, below.) (This count first: a reader never sees more
+            // directory-only write-backs than write-backs.)
             self.count(P_NS_DIR_SYNCS, 1);
             self.count(P_NS_SYNCS, 1);
             return Ok(());
@@ -283,15 +303,22 @@ impl Client {
     }
 
     /// fsync the directory `fd` and each directory above it up to the root (at most 4096
-    /// levels; a directory outside the root's file system ends the walk).
-    fn sync_up_to_root(&self, fd: i32) -> io::Result<()> {
-        sys::fsync(fd, false)?;
-        let mut cur: Option<OwnedFd> = None;
+    /// levels; a directory outside the root's file system ends the walk). `live`: some
+    /// namespace record is live; then EBUSY, before anything is synced, if one names any of
+    /// these directories (`named_live`).
+    fn sync_up_to_root(&self, fd: i32, live: bool) -> io::Result<()> {
+        let mut above: Vec<OwnedFd> = Vec::new();
         for _ in 0..4096 {
-            let at = cur.as_ref().map_or(fd, |c| c.as_raw_fd());
+            let at = above.last().map_or(fd, |c| c.as_raw_fd());
             let st = sys::fstat(at)?;
-            if st.st_dev != self.root_dev || st.st_ino == self.root_ino {
-                return Ok(());
+            if st.st_dev != self.root_dev {
+                break;
+            }
+            if live && self.named_live(&st) {
+                return Err(io::Error::from_raw_os_error(libc::EBUSY));
+            }
+            if st.st_ino == self.root_ino {
+                break;
             }
             let up = sys::openat(
                 at,
@@ -300,9 +327,11 @@ impl Client {
                 0,
             )?;
             // SAFETY: a fresh descriptor we own.
-            let up = unsafe { OwnedFd::from_raw_fd(up) };
+            above.push(unsafe { OwnedFd::from_raw_fd(up) });
+        }
+        sys::fsync(fd, false)?;
+        for up in &above {
             sys::fsync(up.as_raw_fd(), false)?;
-            cur = Some(up);
         }
         Ok(())
     }
@@ -362,7 +391,13 @@ impl Client {
             Ok(lsn)
         })();
         a.commit();
-        if r.is_ok() {
+        if let Ok(lsn) = r {
+            for d in dirs {
+                self.table
+                    .slot(d.slot)
+                    .w(S_DIR_NS_LSN)
+                    .fetch_max(lsn, Ordering::AcqRel);
+            }
             self.table
                 .w(H_NS_LAST_LSN)
                 .fetch_max(self.log.lsn_now(), Ordering::AcqRel);

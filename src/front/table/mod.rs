@@ -139,6 +139,9 @@ const _: () = assert!(S_HOLDERS + 2 <= SLOT_WORDS && MAX_PROCS <= 128);
 /// Directories have no lazy writers: their first lazy word holds the ctime (ns) recorded when
 /// the directory was last known to have only logged changes (`ns`); 0: unknown.
 pub const S_DIR_CTIME: usize = S_LAZY;
+/// A directory's second lazy word: the LSN of the latest namespace record naming it as a
+/// parent (while that record is live, replay may change its entries).
+pub const S_DIR_NS_LSN: usize = S_LAZY + 1;
 
 /// Flags.
 /// Every write to the object since a durable point is known (created here, or really synced).
