@@ -15,7 +15,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -2186,6 +2186,52 @@ fn a_descriptor_closed_while_the_process_attaches_is_not_taken_for_another_file(
             );
         }
     }
+}
+
+/// An attach waits for closing calls under way in other threads, but not forever: one that
+/// waits for the attaching thread itself (an fclose flushing into a pipe that thread drains)
+/// would hang the program. The attach is tried again later instead.
+#[test]
+fn an_attach_does_not_wait_forever_for_a_close_that_waits_for_it() {
+    if !common::can_mount() || !have("cc") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let exe = compile_c("attach_fclose", d.path());
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    let pm = d.path().join("region.pm");
+    let s = Serve::start(&root, &pm, &[]);
+    let mut c = s.run();
+    c.arg(&exe).arg(&root).stdout(Stdio::piped());
+    let mut k = common::Reaped(vec![c.spawn().unwrap()]);
+    let t0 = Instant::now();
+    while k.0[0].try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the program hangs: its attach waits for a close that waits for it"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut out = String::new();
+    k.0[0]
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert_eq!(out.trim(), format!("done {}", 1 << 19));
+    assert!(root.join("first").exists() && root.join("second").exists());
+    // The process did attach, and its second creation went through the library: the
+    // first ran natively (the attach was given up), so the directory wrote back.
+    let st = s.wait_stats("the program attached", |v| {
+        v["attaches"].as_u64() >= Some(1) && v["attached_processes"].as_u64() == Some(0)
+    });
+    let t = &st["totals"];
+    assert!(
+        t["ns_ops"].as_u64().unwrap_or(0) + t["ns_write_backs"].as_u64().unwrap_or(0) >= 1,
+        "{st}"
+    );
 }
 
 /// B8: writes made inside the C library (POSIX AIO) through a descriptor opened O_DSYNC are

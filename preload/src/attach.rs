@@ -193,9 +193,16 @@ pub(crate) fn client() -> Option<&'static Client> {
         return None; // another thread is attaching: this call stays native
     }
     // Closing calls already under way end first (`closing`): the descriptors read below stay
-    // what they are until the client is published. (They never wait for an attach.)
+    // what they are until the client is published. They never wait for an attach, but one
+    // may block (an fclose flushing into a pipe that this very thread is to drain): after
+    // 100 ms this attempt is given up, this call stays native and a later one attaches.
+    let t0 = std::time::Instant::now();
     let mut i = 0;
     while CLOSING.load(Ordering::SeqCst) != 0 {
+        if t0.elapsed() > std::time::Duration::from_millis(100) {
+            ATTACHING.store(false, Ordering::SeqCst);
+            return None;
+        }
         pause(&mut i);
     }
     // After a fork: what the parent tracked (its client is the old pointer).
