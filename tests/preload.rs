@@ -2101,6 +2101,21 @@ fn closing_files_releases_what_the_library_kept_for_them() {
     let _ = fs::remove_file(&pm);
 }
 
+/// For a test of the C program `tests/preload/NAME.c`: a temporary directory holding the
+/// program, compiled, an empty `root` (canonical) and the path of a region; None where the
+/// machine cannot run it (outside CI).
+fn c_program(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf, PathBuf)> {
+    if !common::can_mount() || !have("cc") {
+        return None;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let exe = compile_c(name, d.path());
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    let pm = d.path().join("region.pm");
+    Some((d, exe, root, pm))
+}
+
 /// Compile the C program `tests/preload/NAME.c` into `dir` (with `-pthread -ldl`).
 fn compile_c(name: &str, dir: &Path) -> PathBuf {
     let exe = dir.join(name);
@@ -2123,16 +2138,11 @@ fn compile_c(name: &str, dir: &Path) -> PathBuf {
 /// file's identity: after a crash, recovery wrote them into it.)
 #[test]
 fn a_descriptor_closed_while_the_process_attaches_is_not_taken_for_another_file() {
-    if !common::can_mount() || !have("cc") {
+    let Some((d, exe, root, pm)) = c_program("attach_race") else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let exe = compile_c("attach_race", d.path());
-    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    };
     let other = d.path().join("other");
-    fs::create_dir(&root).unwrap();
     fs::create_dir(&other).unwrap();
-    let pm = d.path().join("region.pm");
     const N: usize = 200;
     const ROUNDS: usize = 4;
     // Each round races anew (fresh files, a fresh process) and ends in a crash with the
@@ -2193,14 +2203,9 @@ fn a_descriptor_closed_while_the_process_attaches_is_not_taken_for_another_file(
 /// would hang the program. The attach is tried again later instead.
 #[test]
 fn an_attach_does_not_wait_forever_for_a_close_that_waits_for_it() {
-    if !common::can_mount() || !have("cc") {
+    let Some((_d, exe, root, pm)) = c_program("attach_fclose") else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let exe = compile_c("attach_fclose", d.path());
-    let root = fs::canonicalize(d.path()).unwrap().join("root");
-    fs::create_dir(&root).unwrap();
-    let pm = d.path().join("region.pm");
+    };
     let s = Serve::start(&root, &pm, &[]);
     let mut c = s.run();
     c.arg(&exe).arg(&root).stdout(Stdio::piped());
@@ -2238,14 +2243,9 @@ fn an_attach_does_not_wait_forever_for_a_close_that_waits_for_it() {
 /// durable when acknowledged, and replay never rolls them back.
 #[test]
 fn posix_aio_writes_keep_o_dsync_under_pmstack_run() {
-    if !common::can_mount() || !have("cc") {
+    let Some((_d, exe, root, pm)) = c_program("aio_dsync") else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let exe = compile_c("aio_dsync", d.path());
-    let root = fs::canonicalize(d.path()).unwrap().join("root");
-    fs::create_dir(&root).unwrap();
-    let pm = d.path().join("region.pm");
+    };
     // Natively first: the program's own check must hold on the plain lower.
     let out = Command::new("timeout")
         .args(["-s", "KILL", "20"])
@@ -2403,6 +2403,37 @@ fn only_files_that_absorption_depends_on_are_watched() {
     s.stop();
     assert_eq!(fs::read(root.join("k")).unwrap(), vec![b'z'; 4096]);
     assert_eq!(fs::read(root.join("s")).unwrap(), vec![b's'; 4096]);
+    let _ = fs::remove_file(&pm);
+}
+
+/// A dup2 over a tracked descriptor releases what that descriptor referred to, as a close
+/// does: the file it held is no longer held by the process, and its watch goes when nothing
+/// else needs it. (The replaced entry was dropped without that: the file stayed held, and
+/// watched, until the process exited.)
+#[test]
+fn a_dup2_over_a_tracked_descriptor_releases_its_file() {
+    let Some((_d, root, pm, s)) = served_tmp("dup2rel", &[]) else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    // The process syncs first: the files it creates are watched from birth.
+    a.exec(&format!(
+        "{WAIT_VETTED}expect_syncs()\n\
+         f = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\n\
+         g = os.open(os.path.join(d, 'g'), os.O_RDWR | os.O_CREAT, 0o644)"
+    ));
+    let v = s.wait_stats("f and g are marked", |v| v["marks"].as_u64() >= Some(2));
+    assert_eq!(v["unmarks"].as_u64(), Some(0), "{v}");
+    a.exec("os.dup2(g, f)");
+    // f: nobody holds it, nothing of it is live: unmarked.
+    let v = s.wait_stats("f is unmarked", |v| v["unmarks"].as_u64() >= Some(1));
+    assert_eq!(v["marks"].as_u64(), Some(2), "{v}");
+    a.exec("os.close(f)\nos.close(g)");
+    s.wait_stats("g is unmarked at its last close", |v| {
+        v["unmarks"].as_u64() >= Some(2)
+    });
+    drop(a);
+    drop(s);
     let _ = fs::remove_file(&pm);
 }
 

@@ -311,16 +311,18 @@ impl Client {
         }
     }
 
-    /// `new` now refers to what `old` does (dup family).
+    /// `new` now refers to what `old` does (dup family); what `new` referred to before
+    /// (dup2 and dup3 close it) is released as a close would.
     pub fn dup(&self, old: i32, new: i32) {
-        let mut m = self.fds.write();
-        match m.get(&old).cloned() {
-            Some(t) => {
-                m.insert(new, t);
+        let gone = {
+            let mut m = self.fds.write();
+            match m.get(&old).cloned() {
+                Some(t) => m.insert(new, t),
+                None => m.remove(&new),
             }
-            None => {
-                m.remove(&new);
-            }
+        };
+        if let Some(t) = gone {
+            self.release(t, new);
         }
     }
 
