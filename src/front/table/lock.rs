@@ -91,6 +91,7 @@ impl<'a> PidLock<'a> {
         let mut mine = me;
         let mut spins = 0u32;
         let mut spin_until: Option<std::time::Instant> = None;
+        let mut waits = 0u32;
         loop {
             let cur = w.load(Ordering::Relaxed);
             if cur == 0 {
@@ -115,7 +116,9 @@ impl<'a> PidLock<'a> {
                 }
             }
             let owner = cur & !WAITERS;
-            if spins % 8 == 0
+            // Whether the owner still exists: asked after a few sleeps, then every 8 (it reads
+            // /proc: not on every handover).
+            if waits % 8 == 4
                 && owner != me
                 && !alive(owner)
                 && w.compare_exchange(
@@ -136,6 +139,7 @@ impl<'a> PidLock<'a> {
             }
             mine = me | WAITERS;
             crate::front::sys::futex_wait(w, cur | WAITERS, std::time::Duration::from_millis(5));
+            waits += 1;
         }
     }
 }
