@@ -1780,16 +1780,22 @@ print("ok")
 /// (namespace write-backs, absorbed directory fsyncs, logged namespace operations) of
 /// attached process `pid`, once its stats show `want` (they are written every 500 ms).
 fn expect_ns_counts(s: &Serve, pid: u64, want: (u64, u64, u64), what: &str) {
+    let keys = ["ns_write_backs", "absorbed_dir_fsync", "ns_ops"];
+    expect_counts(s, pid, keys, want, what);
+}
+
+/// The counters `keys` of attached process `pid`, once its stats show `want`.
+fn expect_counts(s: &Serve, pid: u64, keys: [&str; 3], want: (u64, u64, u64), what: &str) {
     let counts = || -> (u64, u64, u64) {
         let p = proc_stats(&s.stats(), pid).unwrap_or_default();
         let g = |k: &str| p[k].as_u64().unwrap_or(0);
-        (g("ns_write_backs"), g("absorbed_dir_fsync"), g("ns_ops"))
+        (g(keys[0]), g(keys[1]), g(keys[2]))
     };
     let t0 = Instant::now();
     while counts() != want {
         assert!(
             t0.elapsed() < Duration::from_secs(10),
-            "{what}: (write-backs, absorbed dir fsyncs, logged) {:?}, want {want:?}",
+            "{what}: {keys:?} {:?}, want {want:?}",
             counts()
         );
         std::thread::sleep(Duration::from_millis(50));
@@ -1937,22 +1943,8 @@ fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
     let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     // (write-backs, of them directory-only, logged operations)
-    let expect = |want: (u64, u64, u64), what: &str| {
-        let counts = || -> (u64, u64, u64) {
-            let p = proc_stats(&s.stats(), pid).unwrap_or_default();
-            let g = |k: &str| p[k].as_u64().unwrap_or(0);
-            (g("ns_write_backs"), g("ns_dir_write_backs"), g("ns_ops"))
-        };
-        let t0 = Instant::now();
-        while counts() != want {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "{what}: (write-backs, directory-only, logged) {:?}, want {want:?}",
-                counts()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let keys = ["ns_write_backs", "ns_dir_write_backs", "ns_ops"];
+    let expect = |want: (u64, u64, u64), what: &str| expect_counts(&s, pid, keys, want, what);
     let mut f = Py::spawn(Command::new("env"), &root);
     let create = |p: &mut Py, path: &str| {
         p.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
