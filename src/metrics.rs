@@ -110,7 +110,7 @@ pub const METRICS: &[Metric] = &[
     m("drain_ms", Gauge, Millis, Mount, "at unmount: time the final write-back took"),
     m("bytes_logged", Counter, Bytes, Serve, "bytes of data logged"),
     m("ns_write_backs", Counter, Count, Serve, "directory syncs made by writing the namespace back (a change the log did not see)"),
-    m("ns_dir_write_backs", Counter, Count, Serve, "namespace write-backs that synced only the directories concerned (no namespace record was live), not the whole file system"),
+    m("ns_dir_write_backs", Counter, Count, Serve, "namespace write-backs that synced only the directories concerned (no live namespace record named them), not the whole file system"),
     m("unserved", Counter, Count, Serve, "operations of attached processes that found the daemon not serving and ran on the lower file system alone"),
     m("attaches", Counter, Count, Serve, "processes that attached"),
     m("attaches_refused", Counter, Count, Serve, "attach requests refused (another user, no free append area)"),
