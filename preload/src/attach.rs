@@ -56,11 +56,13 @@ static CLOSING: AtomicUsize = AtomicUsize::new(0);
 /// would be taken for the first (its writes logged under another file's identity, replayed
 /// into that file after a crash). So a closing call either ends before an attach reads the
 /// table, or waits for the attach to end and updates the map; it never attaches itself (it
-/// holds up the attach while it runs). Caller is not `Inside`.
+/// holds up the attach while it runs). `f` runs outside the re-entry guard, so that a signal
+/// handler interrupting its system call (a write to a tracked file) is served as usual: the
+/// library's own work in it goes through `inside`. Within the library's own calls, `f(None)`.
 pub(crate) fn closing<R>(f: impl FnOnce(Option<&'static Client>) -> R) -> R {
-    let Some(_g) = Inside::enter() else {
+    if INSIDE.try_with(|c| c.get()).unwrap_or(true) {
         return f(None);
-    };
+    }
     let gen = FORKS.load(Ordering::Acquire) + 1;
     loop {
         if let Some(c) = attached(gen) {
@@ -80,6 +82,11 @@ pub(crate) fn closing<R>(f: impl FnOnce(Option<&'static Client>) -> R) -> R {
             pause(&mut i);
         }
     }
+}
+
+/// `f` under the re-entry guard (None: already inside the library).
+pub(crate) fn inside<T>(f: impl FnOnce() -> T) -> Option<T> {
+    Inside::enter().map(|_g| f())
 }
 
 /// One round of waiting for another thread: a yield, then (after a hundred) 100 µs asleep.

@@ -9,7 +9,7 @@ use crate::attach::*;
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     closing(|c| {
         if let Some(c) = c {
-            c.untrack(fd);
+            inside(|| c.untrack(fd));
         }
         kernel!(libc::SYS_close, fd) as c_int
     })
@@ -19,7 +19,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
     closing(|c| {
         if let Some(c) = c.filter(|_| flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0) {
-            c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32);
+            inside(|| c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32));
         }
         kernel!(libc::SYS_close_range, first, last, flags) as c_int
     })
@@ -30,7 +30,8 @@ pub unsafe extern "C" fn closefrom(first: c_int) {
     forward!(close_range(first as c_uint, c_uint::MAX, 0));
 }
 
-/// `new` (the result of a call that made it a copy of `old`) is tracked as `old` is.
+/// `new` (the result of a call that made it a copy of `old`) is tracked as `old` is. Caller
+/// is `Inside`.
 pub(crate) fn dup_track(c: Option<&pmstack::front::client::Client>, old: c_int, new: i64) {
     if new < 0 {
         return;
@@ -58,7 +59,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     // It closes what `new` was: a closing call.
     closing(|c| {
         let r = kernel!(libc::SYS_dup3, old, new);
-        dup_track(c, old, r);
+        inside(|| dup_track(c, old, r));
         r as c_int
     })
 }
@@ -67,7 +68,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     closing(|c| {
         let r = kernel!(libc::SYS_dup3, old, new, flags);
-        dup_track(c, old, r);
+        inside(|| dup_track(c, old, r));
         r as c_int
     })
 }

@@ -81,7 +81,7 @@ pub(crate) unsafe fn closing_stream<R>(fp: *mut FILE, close: impl FnOnce() -> R)
     closing(|c| {
         if let Some(c) = c.filter(|_| !fp.is_null()) {
             // SAFETY: a valid stream.
-            c.untrack(unsafe { libc::fileno(fp) });
+            inside(|| c.untrack(unsafe { libc::fileno(fp) }));
         }
         close()
     })
