@@ -2231,6 +2231,88 @@ fn an_attach_does_not_wait_forever_for_a_close_that_waits_for_it() {
     );
 }
 
+/// Writes through a descriptor number that another thread keeps making a copy of another
+/// file (dup2: a program swapping in its reopened log file) are logged under the file they
+/// land in. (They were not: a write found what the number tracked, the swap went through,
+/// and the bytes landed in the other file while the log held them under the first one's
+/// identity; recovery wrote them into a file that never had them.)
+#[test]
+fn writes_racing_a_dup2_over_their_descriptor_are_logged_for_the_file_they_land_in() {
+    let Some((_d, exe, root, pm)) = c_program("dup2_race") else {
+        return;
+    };
+    const N: usize = 3000;
+    const ROUNDS: usize = 2;
+    // Each record in exactly one file of its pair, the other holding a hole there.
+    let check = |dir: &Path, when: &str| {
+        for (pair, names) in [["a", "b"], ["c", "d"]].iter().enumerate() {
+            let files: Vec<Vec<u8>> = names
+                .iter()
+                .map(|n| fs::read(dir.join(n)).unwrap())
+                .collect();
+            let at = |f: &Vec<u8>, i: usize| -> Vec<u8> {
+                f.get(64 * i..(64 * i + 64).min(f.len()))
+                    .unwrap_or(&[])
+                    .to_vec()
+            };
+            for i in 0..N {
+                let rec = format!("pair {pair} record {i}");
+                let holds: Vec<bool> = files
+                    .iter()
+                    .map(|f| at(f, i).starts_with(rec.as_bytes()))
+                    .collect();
+                assert!(
+                    holds.iter().filter(|&&h| h).count() == 1,
+                    "{when}: record {i} of pair {pair} is in {:?} of {names:?}",
+                    holds
+                );
+                let other = at(&files[holds.iter().position(|&h| !h).unwrap()], i);
+                assert!(
+                    other.iter().all(|&b| b == 0),
+                    "{when}: {} holds {:?} where record {i} of pair {pair} went to the other file",
+                    names[holds.iter().position(|&h| !h).unwrap()],
+                    String::from_utf8_lossy(&other)
+                );
+            }
+        }
+    };
+    let mut killed = Vec::new();
+    for round in 0..ROUNDS {
+        let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+        let dir = root.join(format!("round{round}"));
+        fs::create_dir(&dir).unwrap();
+        let mut k = common::Reaped(vec![s
+            .run()
+            .arg(&exe)
+            .arg(&dir)
+            .arg(N.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()]);
+        let out = k.0[0].stdout.take().unwrap();
+        let first = BufReader::new(out).lines().next();
+        assert!(
+            matches!(&first, Some(Ok(l)) if l == "done"),
+            "round {round}: {first:?}"
+        );
+        check(&dir, "before the crash");
+        // A crash with the records live: the next daemon recovers them.
+        s.freeze();
+        drop(k);
+        s.kill9();
+        killed.push(s);
+    }
+    let mut s = Serve::start(&root, &pm, &[]);
+    s.stop();
+    for round in 0..ROUNDS {
+        check(
+            &root.join(format!("round{round}")),
+            &format!("round {round} after recovery"),
+        );
+    }
+}
+
 /// B8: writes made inside the C library (POSIX AIO) through a descriptor opened O_DSYNC are
 /// durable when acknowledged, and replay never rolls them back.
 #[test]

@@ -270,9 +270,23 @@ pub(crate) fn client() -> Option<&'static Client> {
 }
 
 /// The client and the tracked entry of `fd`, with the re-entry guard held.
-pub(crate) fn lookup(fd: c_int) -> Option<(Inside, &'static Client, Arc<Tracked>)> {
+pub(crate) fn lookup(fd: c_int) -> Option<(Op, &'static Client, Arc<Tracked>)> {
     let g = Inside::enter()?;
     let c = client_if_needed()?;
-    let t = c.tracked(fd)?;
-    Some((g, c, t))
+    let (held, t) = c.tracked_held(fd)?;
+    Some((
+        Op {
+            _held: held,
+            _inside: g,
+        },
+        c,
+        t,
+    ))
+}
+
+/// An operation through a tracked descriptor under way: inside the library, the
+/// descriptor's number held against closing calls (`Client::tracked_held`).
+pub(crate) struct Op {
+    _held: pmstack::front::client::Held<'static>,
+    _inside: Inside,
 }

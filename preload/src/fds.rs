@@ -8,6 +8,7 @@ use crate::attach::*;
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     closing(|c| {
+        let _x = c.and_then(|c| inside(|| c.hold_for_closing(fd, fd)).flatten());
         if let Some(c) = c {
             inside(|| c.untrack(fd));
         }
@@ -18,8 +19,14 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
     closing(|c| {
-        if let Some(c) = c.filter(|_| flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0) {
-            inside(|| c.untrack_range(first as i32, last.min(i32::MAX as u32) as i32));
+        let (lo, hi) = (
+            first.min(i32::MAX as u32) as i32,
+            last.min(i32::MAX as u32) as i32,
+        );
+        let c = c.filter(|_| flags as u32 & libc::CLOSE_RANGE_CLOEXEC == 0);
+        let _x = c.and_then(|c| inside(|| c.hold_for_closing(lo, hi)).flatten());
+        if let Some(c) = c {
+            inside(|| c.untrack_range(lo, hi));
         }
         kernel!(libc::SYS_close_range, first, last, flags) as c_int
     })
@@ -58,6 +65,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     }
     // It closes what `new` was: a closing call.
     closing(|c| {
+        let _x = c.and_then(|c| inside(|| c.hold_for_closing(new, new)).flatten());
         let r = kernel!(libc::SYS_dup3, old, new);
         inside(|| dup_track(c, old, r));
         r as c_int
@@ -67,6 +75,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     closing(|c| {
+        let _x = c.and_then(|c| inside(|| c.hold_for_closing(new, new)).flatten());
         let r = kernel!(libc::SYS_dup3, old, new, flags);
         inside(|| dup_track(c, old, r));
         r as c_int

@@ -79,9 +79,12 @@ pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut FILE {
 /// call (`attach::closing`).
 pub(crate) unsafe fn closing_stream<R>(fp: *mut FILE, close: impl FnOnce() -> R) -> R {
     closing(|c| {
-        if let Some(c) = c.filter(|_| !fp.is_null()) {
-            // SAFETY: a valid stream.
-            inside(|| c.untrack(unsafe { libc::fileno(fp) }));
+        let c = c.filter(|_| !fp.is_null());
+        // SAFETY: a valid stream.
+        let fd = c.map_or(-1, |_| unsafe { libc::fileno(fp) });
+        let _x = c.and_then(|c| inside(|| c.hold_for_closing(fd, fd)).flatten());
+        if let Some(c) = c {
+            inside(|| c.untrack(fd));
         }
         close()
     })

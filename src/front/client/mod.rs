@@ -34,8 +34,10 @@ use crate::pmem::mapped::MappedRegion;
 use crate::pmem::Pmem;
 
 mod data;
+mod fdlock;
 mod logging;
 
+pub use fdlock::{Exclusive, Held};
 pub(in crate::front) use logging::unwatch;
 pub use logging::{mark_unseen, Born};
 
@@ -96,6 +98,9 @@ pub struct Client {
     /// The daemon watches for writers that are not attached: absorb only vetted objects.
     pub(super) watching: bool,
     fds: RwLock<HashMap<i32, Arc<Tracked>>>,
+    /// An operation through a tracked descriptor and a call that closes or replaces it do
+    /// not interleave (`fdlock`).
+    fd_locks: fdlock::FdLocks,
     inodes: Mutex<HashMap<usize, Arc<Inode>>>,
     last_gc_cp: std::sync::atomic::AtomicU64,
     /// The root's file handle and the LSN of this process's latest Bind of it: recovery
@@ -197,6 +202,7 @@ impl Client {
             group: None,
             watching,
             fds: RwLock::new(HashMap::new()),
+            fd_locks: Default::default(),
             inodes: Mutex::new(HashMap::new()),
             last_gc_cp: 0.into(),
             root_handle,
