@@ -2123,6 +2123,35 @@ fn compile_c(name: &str, dir: &Path) -> PathBuf {
     exe
 }
 
+/// `args` started under `pmstack run` of `s`, with its standard input a pipe (it waits for
+/// it to close), once it printed "done" (as its first line).
+fn started_until_done(s: &Serve, args: &[&std::ffi::OsStr], round: usize) -> common::Reaped {
+    let mut k = common::Reaped(vec![s
+        .run()
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()]);
+    let out = k.0[0].stdout.take().unwrap();
+    let first = BufReader::new(out).lines().next();
+    assert!(
+        matches!(&first, Some(Ok(l)) if l == "done"),
+        "round {round}: {first:?}"
+    );
+    k
+}
+
+/// A crash of `s` with its program's records live (the program `k` killed while the daemon
+/// is stopped, then the daemon): the next daemon recovers them. A dropped `Serve` removes
+/// the region: the killed ones are kept in `killed` to the end.
+fn crash_with_records_live(mut s: Serve, k: common::Reaped, killed: &mut Vec<Serve>) {
+    s.freeze();
+    drop(k);
+    s.kill9();
+    killed.push(s);
+}
+
 /// A descriptor that another thread closes while the process attaches, and then reuses for
 /// a file outside the root, is not taken for the file the attach found under that number.
 /// (It was: the attach's scan tracked the root file, the close ran natively beside it and
@@ -2143,27 +2172,22 @@ fn a_descriptor_closed_while_the_process_attaches_is_not_taken_for_another_file(
     // region: the killed ones are kept to the end.)
     let mut killed = Vec::new();
     for round in 0..ROUNDS {
-        let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+        let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
         let dir = root.join(format!("round{round}"));
         fs::create_dir(&dir).unwrap();
         for i in 0..N {
             fs::write(dir.join(format!("r{i}")), format!("ROOT-{round}-{i}")).unwrap();
         }
-        let mut k = common::Reaped(vec![s
-            .run()
-            .arg(&exe)
-            .arg(&dir)
-            .arg(&other)
-            .arg(N.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap()]);
-        let out = k.0[0].stdout.take().unwrap();
-        let first = BufReader::new(out).lines().next();
-        assert!(
-            matches!(&first, Some(Ok(l)) if l == "done"),
-            "round {round}: {first:?}"
+        let n = N.to_string();
+        let k = started_until_done(
+            &s,
+            &[
+                exe.as_os_str(),
+                dir.as_os_str(),
+                other.as_os_str(),
+                n.as_ref(),
+            ],
+            round,
         );
         for i in 0..N {
             assert_eq!(
@@ -2171,13 +2195,9 @@ fn a_descriptor_closed_while_the_process_attaches_is_not_taken_for_another_file(
                 b"OTHER-BYTES"
             );
         }
-        s.freeze();
-        drop(k);
-        s.kill9();
-        killed.push(s);
+        crash_with_records_live(s, k, &mut killed);
     }
-    let mut s = Serve::start(&root, &pm, &[]);
-    s.stop();
+    Serve::start(&root, &pm, &[]).stop();
     for round in 0..ROUNDS {
         for i in 0..N {
             let got = fs::read(root.join(format!("round{round}/r{i}"))).unwrap();
@@ -2278,33 +2298,15 @@ fn writes_racing_a_dup2_over_their_descriptor_are_logged_for_the_file_they_land_
     };
     let mut killed = Vec::new();
     for round in 0..ROUNDS {
-        let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+        let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
         let dir = root.join(format!("round{round}"));
         fs::create_dir(&dir).unwrap();
-        let mut k = common::Reaped(vec![s
-            .run()
-            .arg(&exe)
-            .arg(&dir)
-            .arg(N.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap()]);
-        let out = k.0[0].stdout.take().unwrap();
-        let first = BufReader::new(out).lines().next();
-        assert!(
-            matches!(&first, Some(Ok(l)) if l == "done"),
-            "round {round}: {first:?}"
-        );
+        let n = N.to_string();
+        let k = started_until_done(&s, &[exe.as_os_str(), dir.as_os_str(), n.as_ref()], round);
         check(&dir, "before the crash");
-        // A crash with the records live: the next daemon recovers them.
-        s.freeze();
-        drop(k);
-        s.kill9();
-        killed.push(s);
+        crash_with_records_live(s, k, &mut killed);
     }
-    let mut s = Serve::start(&root, &pm, &[]);
-    s.stop();
+    Serve::start(&root, &pm, &[]).stop();
     for round in 0..ROUNDS {
         check(
             &root.join(format!("round{round}")),
