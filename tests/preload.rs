@@ -2315,6 +2315,35 @@ fn writes_racing_a_dup2_over_their_descriptor_are_logged_for_the_file_they_land_
     }
 }
 
+/// A descriptor the library opened for itself (to read back what a write-only descriptor
+/// wrote), closed by the program and reused for another file, is neither read nor closed by
+/// the library as its own. (It was both: the next sync logged the other file's bytes under
+/// the first one's identity, written into it by recovery after a crash, and the close of the
+/// first file closed the program's descriptor of the other.)
+#[test]
+fn a_library_descriptor_the_program_closed_and_reused_is_not_taken_for_its_own() {
+    let Some((_d, exe, root, pm)) = c_program("rfd_closed") else {
+        return;
+    };
+    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let k = started_until_done(&s, &[exe.as_os_str(), root.as_os_str()], 0);
+    let check = |when: &str| {
+        let f = fs::read(root.join("f")).unwrap();
+        assert!(
+            f.len() == 256 << 10 && f.iter().all(|&b| b == b'C'),
+            "{when}: f holds other bytes than its last write's: {:?}",
+            String::from_utf8_lossy(&f[..64.min(f.len())])
+        );
+        let g = fs::read(root.join("g")).unwrap();
+        assert!(g.len() == 256 << 10 && g[0] == b'g' && g[1..].iter().all(|&b| b == b'G'));
+    };
+    check("before the crash");
+    let mut killed = Vec::new();
+    crash_with_records_live(s, k, &mut killed);
+    Serve::start(&root, &pm, &[]).stop();
+    check("after recovery");
+}
+
 /// B8: writes made inside the C library (POSIX AIO) through a descriptor opened O_DSYNC are
 /// durable when acknowledged, and replay never rolls them back.
 #[test]

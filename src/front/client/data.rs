@@ -137,6 +137,15 @@ impl Client {
                         let rfd = if !*fd_write_only.get_or_insert_with(|| write_only(fd)) {
                             fd
                         } else {
+                            if p.rfd
+                                .as_ref()
+                                .is_some_and(|r| !same_file(r.as_raw_fd(), fd))
+                            {
+                                // The number was closed behind the library's back (a program
+                                // closing a number it does not own) and may be another file's
+                                // now: not ours to read, nor to close.
+                                std::mem::forget(p.rfd.take());
+                            }
                             if p.rfd.is_none() {
                                 let path = format!("/proc/self/fd/{fd}\0");
                                 let Ok(r) = sys::openat(

@@ -295,7 +295,11 @@ impl Client {
             }
         }
         let mut p = t.ino.p.lock();
-        p.rfd = None;
+        if let Some(r) = p.rfd.take() {
+            if !same_file(r.as_raw_fd(), fd) {
+                std::mem::forget(r); // see `fsync`: not ours any more
+            }
+        }
         if p.dirty.is_empty() && m.get(&t.ino.slot).is_some_and(|i| Arc::ptr_eq(i, &t.ino)) {
             drop(p);
             m.remove(&t.ino.slot);
@@ -576,6 +580,11 @@ pub(super) fn claim<R>(
 }
 
 /// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).
+/// Whether descriptors `a` and `b` are open on one file.
+fn same_file(a: i32, b: i32) -> bool {
+    matches!((sys::fstat(a), sys::fstat(b)), (Ok(x), Ok(y)) if (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino))
+}
+
 fn write_only(fd: i32) -> bool {
     sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| f as i32 & libc::O_ACCMODE == libc::O_WRONLY)
 }
