@@ -2344,6 +2344,79 @@ fn a_library_descriptor_the_program_closed_and_reused_is_not_taken_for_its_own()
     check("after recovery");
 }
 
+/// A child that does not attach (started without the library) and writes through a
+/// descriptor it inherited opens nothing the daemon's watch sees, and the library sees none
+/// of its writes: the parent's next sync must be real, however the child was started (fork
+/// and execl, posix_spawnp, system, popen, vfork and execve). (It was absorbed, logging none
+/// of the child's bytes: a power cut then lost them although the sync had returned.)
+#[test]
+fn a_sync_after_a_child_wrote_through_an_inherited_descriptor_is_real() {
+    let Some((_d, exe, root, pm)) = c_program("spawn_inherit") else {
+        return;
+    };
+    let s = Serve::start(&root, &pm, &[]);
+    let f = root.join("f");
+    let mut k = common::Reaped(vec![s
+        .run()
+        .arg(&exe)
+        .arg(&f)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()]);
+    let mut input = k.0[0].stdin.take().unwrap();
+    let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
+    let first = out.next().unwrap().unwrap();
+    let pid: u64 = first.strip_prefix("pid ").unwrap().parse().unwrap();
+    let mut say = |cmd: &str| {
+        writeln!(input, "{cmd}").unwrap();
+        input.flush().unwrap();
+        assert_eq!(out.next().unwrap().unwrap(), "ok", "{cmd}");
+    };
+    // (real syncs, absorbed fsyncs) of the program, as they are now (the shared table's
+    // counters; the daemon's stats lag by up to half a second).
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let counts = || {
+        use pmstack::front::table::{P_ABSORBED_FSYNC, P_FALLBACKS};
+        let (_, r) = table.procs().into_iter().find(|(p, _)| *p == pid).unwrap();
+        (r[P_FALLBACKS], r[P_ABSORBED_FSYNC])
+    };
+    const HOW: [&str; 5] = ["fork", "spawn", "system", "popen", "vfork"];
+    for how in HOW {
+        // Until the file's syncs are absorbed (again: the daemon looks at its writers after
+        // each child, and the sync after that is real).
+        let t0 = Instant::now();
+        loop {
+            let before = counts();
+            say("sync");
+            if counts().1 == before.1 + 1 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "{how}: the file's syncs are never absorbed: {:?}",
+                counts()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let before = counts();
+        say(how);
+        say("sync");
+        let after = counts();
+        assert!(
+            after.1 == before.1 && after.0 > before.0,
+            "{how}: the sync after the child's write was absorbed ({before:?} -> {after:?})"
+        );
+    }
+    let text = fs::read_to_string(&f).unwrap();
+    for how in HOW {
+        assert!(
+            text.contains(&format!("FOREIGN {how}\n")),
+            "{how}: the child did not write: {text}"
+        );
+    }
+}
+
 /// B8: writes made inside the C library (POSIX AIO) through a descriptor opened O_DSYNC are
 /// durable when acknowledged, and replay never rolls them back.
 #[test]

@@ -135,7 +135,13 @@ pub(crate) fn fds_under_root() -> Vec<i32> {
 
 extern "C" fn init() {
     // SAFETY: registering a plain function.
-    unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+    unsafe {
+        libc::pthread_atfork(
+            Some(crate::spawn::before_fork),
+            Some(crate::spawn::after_fork_parent),
+            Some(after_fork_child),
+        )
+    };
 }
 
 #[used]

@@ -51,6 +51,7 @@ mod fds;
 mod namespace;
 mod open;
 mod places;
+mod spawn;
 mod stdio;
 mod sync;
 mod syscall;

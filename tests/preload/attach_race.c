@@ -17,6 +17,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "progs.h"
+
 static int n;
 static int *fds;
 static char *other;
@@ -87,11 +89,5 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
-    printf("done\n");
-    fflush(stdout);
-    // Alive (attached, its records not written back) until the test closes stdin.
-    char c;
-    while (read(0, &c, 1) > 0) {
-    }
-    return 0;
+    return done_then_wait();
 }

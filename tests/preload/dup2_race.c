@@ -19,15 +19,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "progs.h"
+
 static int n;
 static int file[4];   // a, b (O_DSYNC), c, d
 static int num[2];    // the numbers written through: a or b, c or d
 static atomic_int stop;
-
-static void die(const char *what) {
-    perror(what);
-    exit(1);
-}
 
 static void *swapper(void *arg) {
     (void)arg;
@@ -76,10 +73,5 @@ int main(int argc, char **argv) {
     }
     atomic_store(&stop, 1);
     pthread_join(t, NULL);
-    printf("done\n");
-    fflush(stdout);
-    char c;
-    while (read(0, &c, 1) > 0) {
-    }
-    return 0;
+    return done_then_wait();
 }

@@ -19,12 +19,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define SIZE (256 * 1024)
+#include "progs.h"
 
-static void die(const char *what) {
-    perror(what);
-    exit(1);
-}
+#define SIZE (256 * 1024)
 
 static void fill(int fd, char c) {
     static char buf[SIZE];
@@ -104,10 +101,5 @@ int main(int argc, char **argv) {
         printf("g's descriptor was closed behind the program's back: %s\n", strerror(errno));
         return 1;
     }
-    printf("done\n");
-    fflush(stdout);
-    char c;
-    while (read(0, &c, 1) > 0) {
-    }
-    return 0;
+    return done_then_wait();
 }

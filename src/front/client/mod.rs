@@ -36,6 +36,7 @@ use crate::pmem::Pmem;
 mod data;
 mod fdlock;
 mod logging;
+mod spawn;
 
 pub use fdlock::{Exclusive, Held};
 pub(in crate::front) use logging::unwatch;

@@ -182,7 +182,12 @@ impl Daemon {
             let vetted = self.table.slot(i).w(S_FLAGS).fetch_update(
                 Ordering::AcqRel,
                 Ordering::Acquire,
-                |f| (f & F_MARKED != 0 && f & F_UNWATCHED == 0).then_some(f | F_VETTED),
+                |f| {
+                    // Nor while an attached process starts a child that inherits the object
+                    // (the child may not exist yet): it asks again once it does.
+                    (f & F_MARKED != 0 && f & (F_UNWATCHED | F_SPAWNING) == 0)
+                        .then_some(f | F_VETTED)
+                },
             );
             if vetted.is_ok() {
                 self.stats.vetted.fetch_add(1, Ordering::Relaxed);

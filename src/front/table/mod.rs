@@ -170,6 +170,9 @@ pub const F_SYNCED: u64 = 256;
 /// (`Client::syncs_in`): files created in it are marked for the watch at birth, so that their
 /// syncs are absorbed from the first.
 pub const F_SYNCS_HERE: u64 = 512;
+/// An attached process is starting a child that inherits a descriptor of the object open
+/// for writing: the object is not vetted until the child exists (`client::spawn`).
+pub const F_SPAWNING: u64 = 1024;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;

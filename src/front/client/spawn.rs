@@ -1,0 +1,95 @@
+//! Programs started by an attached process (fork, posix_spawn, system, popen, vfork) inherit
+//! its descriptors. A child that does not attach (a program started without the library: a
+//! static binary, one whose environment lost `LD_PRELOAD`, a set-uid one) writes through an
+//! inherited descriptor without an open the daemon's watch would see, and without the library
+//! seeing the write: a sync of the object absorbed afterwards would log none of it, and a
+//! power cut would lose bytes written before a sync that returned. (Children that attach
+//! track inherited descriptors as O_SYNC: every write of theirs is logged.)
+//!
+//! So, for every object this process holds through a descriptor a child inherits (no
+//! FD_CLOEXEC) and can write (not read-only), and that the watch covers (marked):
+//! - before the child exists (`spawn_prepare`): the object's live entries are expired by a
+//!   real sync (replay must never apply them over what the child writes and perhaps syncs
+//!   itself), and it is no longer vetted, nor vetted again while `F_SPAWNING` is set: its
+//!   syncs are real, nothing about it is logged;
+//! - once the child exists (`spawn_done`): the daemon is asked to vet the object again. It
+//!   finds the child among the writers that are not attached while the child holds the
+//!   descriptor (the object is then foreign until the child is done), and its next sync is
+//!   real in any case (it covers what a child that has exited wrote).
+//!
+//! Objects the watch does not cover are never absorbed anyway (`absorbable` needs vetting).
+
+use std::cell::RefCell;
+
+use super::*;
+
+thread_local! {
+    /// The objects (slot, generation) `spawn_prepare` took on this thread, for `spawn_done`.
+    static PREPARED: RefCell<Vec<(usize, u64)>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Client {
+    /// Before this thread starts a child (see the module's comment). Paired with
+    /// `spawn_done` on the same thread, whether or not the child was started.
+    pub fn spawn_prepare(&self) {
+        if !self.watching {
+            return; // every writer is declared attached (`--all-writers-attached`)
+        }
+        let inherited: Vec<(i32, Arc<Tracked>)> = self
+            .fds
+            .read()
+            .iter()
+            .map(|(fd, t)| (*fd, t.clone()))
+            .collect();
+        let mut took = Vec::new();
+        for (fd, t) in inherited {
+            let inheritable =
+                sys::fcntl(fd, libc::F_GETFD, 0).is_ok_and(|f| f as i32 & libc::FD_CLOEXEC == 0);
+            if !inheritable || took.iter().any(|&(s, g)| (s, g) == (t.ino.slot, t.ino.gen)) {
+                continue;
+            }
+            let writable = sys::fcntl(fd, libc::F_GETFL, 0)
+                .is_ok_and(|f| f as i32 & libc::O_ACCMODE != libc::O_RDONLY);
+            if !writable {
+                continue;
+            }
+            let slot = self.table.slot(t.ino.slot);
+            let _g = slot.lock();
+            if slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen || slot.flags() & F_MARKED == 0 {
+                continue;
+            }
+            if self.live(&slot) {
+                let mut p = t.ino.p.lock();
+                // Not even a real sync: the child's writes may still be rolled back by replay
+                // (as if they had not been seen). Nothing better is left to do here.
+                let _ = self.real_sync(&slot, fd, &mut p);
+            }
+            slot.w(S_FLAGS)
+                .fetch_or(F_SPAWNING | F_FALLBACK, Ordering::AcqRel);
+            slot.w(S_FLAGS).fetch_and(!F_VETTED, Ordering::AcqRel);
+            took.push((t.ino.slot, t.ino.gen));
+        }
+        let _ = PREPARED.try_with(|p| p.borrow_mut().extend(took));
+    }
+
+    /// After `spawn_prepare`, once the child exists (or failed to start): the objects it
+    /// took are vetted again by the daemon, and their next syncs are real.
+    pub fn spawn_done(&self) {
+        let took = PREPARED
+            .try_with(|p| std::mem::take(&mut *p.borrow_mut()))
+            .unwrap_or_default();
+        for (idx, gen) in took {
+            let slot = self.table.slot(idx);
+            let _g = slot.lock();
+            if slot.w(S_GEN).load(Ordering::Acquire) != gen {
+                continue;
+            }
+            // A vetting that began before the child existed does not count (F_SPAWNING kept
+            // it from completing; cleared again in case).
+            slot.w(S_FLAGS)
+                .fetch_and(!(F_SPAWNING | F_VETTED), Ordering::AcqRel);
+            slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+            self.table.note_marked(idx, true);
+        }
+    }
+}
