@@ -25,9 +25,9 @@ fn with_client(f: impl FnOnce(&Client)) {
 /// `start()` (a call that starts a child) between the client's `spawn_prepare` and
 /// `spawn_done`.
 fn starting<R>(start: impl FnOnce() -> R) -> R {
-    with_client(|c| c.spawn_prepare());
+    before_fork();
     let r = start();
-    with_client(|c| c.spawn_done());
+    after_fork_parent();
     r
 }
 

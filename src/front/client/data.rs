@@ -137,15 +137,7 @@ impl Client {
                         let rfd = if !*fd_write_only.get_or_insert_with(|| write_only(fd)) {
                             fd
                         } else {
-                            if p.rfd
-                                .as_ref()
-                                .is_some_and(|r| !same_file(r.as_raw_fd(), fd))
-                            {
-                                // The number was closed behind the library's back (a program
-                                // closing a number it does not own) and may be another file's
-                                // now: not ours to read, nor to close.
-                                std::mem::forget(p.rfd.take());
-                            }
+                            p.forget_stale_rfd(fd);
                             if p.rfd.is_none() {
                                 let path = format!("/proc/self/fd/{fd}\0");
                                 let Ok(r) = sys::openat(
@@ -272,4 +264,24 @@ impl Client {
                 .collect()
         })
     }
+}
+
+impl Private {
+    /// Let `rfd` go without closing it if its number no longer refers to the file of `fd`:
+    /// the program closed or replaced a number it does not own (a double close, a dup2), and
+    /// the number may be another file's now, not ours to read nor to close.
+    pub(super) fn forget_stale_rfd(&mut self, fd: i32) {
+        if self
+            .rfd
+            .as_ref()
+            .is_some_and(|r| !same_file(r.as_raw_fd(), fd))
+        {
+            std::mem::forget(self.rfd.take());
+        }
+    }
+}
+
+/// Whether descriptors `a` and `b` are open on one file.
+fn same_file(a: i32, b: i32) -> bool {
+    matches!((sys::fstat(a), sys::fstat(b)), (Ok(x), Ok(y)) if (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino))
 }

@@ -279,6 +279,25 @@ impl Client {
         p.dirty.clear();
         Ok(())
     }
+
+    /// A write the library will not see is about to reach the object through `fd` (POSIX
+    /// AIO, a kernel copy): expire its live entries first with a real sync (replay must never
+    /// apply older entries over that write), and make its next sync real.
+    pub fn before_unseen_write(&self, t: &Tracked, fd: i32) {
+        let slot = self.table.slot(t.ino.slot);
+        let _g = slot.lock();
+        self.expire_before_unseen(&slot, t, fd);
+    }
+
+    /// `before_unseen_write`'s work, the caller holding the slot lock. A real sync that fails
+    /// leaves the entries live: nothing better is left to do here.
+    pub(super) fn expire_before_unseen(&self, slot: &Slot<'_>, t: &Tracked, fd: i32) {
+        if self.live(slot) {
+            let mut p = t.ino.p.lock();
+            let _ = self.real_sync(slot, fd, &mut p);
+        }
+        slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+    }
 }
 
 /// A file `create` just made under the root, as it found it.

@@ -296,11 +296,8 @@ impl Client {
             }
         }
         let mut p = t.ino.p.lock();
-        if let Some(r) = p.rfd.take() {
-            if !same_file(r.as_raw_fd(), fd) {
-                std::mem::forget(r); // see `fsync`: not ours any more
-            }
-        }
+        p.forget_stale_rfd(fd);
+        p.rfd = None;
         if p.dirty.is_empty() && m.get(&t.ino.slot).is_some_and(|i| Arc::ptr_eq(i, &t.ino)) {
             drop(p);
             m.remove(&t.ino.slot);
@@ -311,15 +308,18 @@ impl Client {
     /// process, and every sync of an object it tracks, is real.
     pub fn go_blind(&self) {
         self.blind.store(true, Ordering::Relaxed);
-        let fds: Vec<(i32, Arc<Tracked>)> = self
-            .fds
+        for (fd, t) in self.tracked_all() {
+            self.flag(&t, fd, F_UNSEEN);
+        }
+    }
+
+    /// Every tracked descriptor and what it tracks, as of now (the map's lock not held after).
+    fn tracked_all(&self) -> Vec<(i32, Arc<Tracked>)> {
+        self.fds
             .read()
             .iter()
             .map(|(f, t)| (*f, t.clone()))
-            .collect();
-        for (fd, t) in fds {
-            self.flag(&t, fd, F_UNSEEN);
-        }
+            .collect()
     }
 
     /// `new` now refers to what `old` does (dup family); what `new` referred to before
@@ -485,19 +485,6 @@ impl Client {
             let _ = self.real_sync(&slot, fd, &mut p);
         }
     }
-
-    /// A write the library will not see is about to reach the object through `fd` (POSIX
-    /// AIO, a kernel copy): expire its live entries first with a real sync (replay must never
-    /// apply older entries over that write), and make its next sync real.
-    pub fn before_unseen_write(&self, t: &Tracked, fd: i32) {
-        let slot = self.table.slot(t.ino.slot);
-        let _g = slot.lock();
-        if self.live(&slot) {
-            let mut p = t.ino.p.lock();
-            let _ = self.real_sync(&slot, fd, &mut p);
-        }
-        slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-    }
 }
 
 /// Read the daemon's hello line and, when it sends one, its fanotify group descriptor.
@@ -581,11 +568,6 @@ pub(super) fn claim<R>(
 }
 
 /// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).
-/// Whether descriptors `a` and `b` are open on one file.
-fn same_file(a: i32, b: i32) -> bool {
-    matches!((sys::fstat(a), sys::fstat(b)), (Ok(x), Ok(y)) if (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino))
-}
-
 fn write_only(fd: i32) -> bool {
     sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| f as i32 & libc::O_ACCMODE == libc::O_WRONLY)
 }

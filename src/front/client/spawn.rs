@@ -35,14 +35,8 @@ impl Client {
         if !self.watching {
             return; // every writer is declared attached (`--all-writers-attached`)
         }
-        let inherited: Vec<(i32, Arc<Tracked>)> = self
-            .fds
-            .read()
-            .iter()
-            .map(|(fd, t)| (*fd, t.clone()))
-            .collect();
         let mut took = Vec::new();
-        for (fd, t) in inherited {
+        for (fd, t) in self.tracked_all() {
             let inheritable =
                 sys::fcntl(fd, libc::F_GETFD, 0).is_ok_and(|f| f as i32 & libc::FD_CLOEXEC == 0);
             if !inheritable || took.iter().any(|&(s, g)| (s, g) == (t.ino.slot, t.ino.gen)) {
@@ -58,14 +52,8 @@ impl Client {
             if slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen || slot.flags() & F_MARKED == 0 {
                 continue;
             }
-            if self.live(&slot) {
-                let mut p = t.ino.p.lock();
-                // Not even a real sync: the child's writes may still be rolled back by replay
-                // (as if they had not been seen). Nothing better is left to do here.
-                let _ = self.real_sync(&slot, fd, &mut p);
-            }
-            slot.w(S_FLAGS)
-                .fetch_or(F_SPAWNING | F_FALLBACK, Ordering::AcqRel);
+            self.expire_before_unseen(&slot, &t, fd);
+            slot.w(S_FLAGS).fetch_or(F_SPAWNING, Ordering::AcqRel);
             slot.w(S_FLAGS).fetch_and(!F_VETTED, Ordering::AcqRel);
             took.push((t.ino.slot, t.ino.gen));
         }
