@@ -50,7 +50,7 @@ struct Args {
     /// in them)
     #[arg(long)]
     no_dirs: bool,
-    /// The lower under the mount's histories: `local` (its syncfs makes everything durable),
+    /// The lower under the histories: `local` (its syncfs makes everything durable),
     /// `syncfs-ignored` (as FUSE and network lowers: only what is synced object by object),
     /// or `both` (alternating).
     #[arg(long, default_value = "both")]
@@ -181,8 +181,8 @@ fn main() {
             cov.daemon_deaths, cov.unserved_ops, cov.real_syncs
         );
         println!(
-            "  mount over a lower that ignores syncfs: histories {}, objects its write-backs synced one by one {}; crash images with live records in more than one append area {}",
-            cov.syncfs_ignored, cov.objects_synced, cov.multi_area_logs
+            "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {}, real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",
+            cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.paths_synced, cov.multi_area_logs
         );
         println!("  contract violations: {}", failures.len());
     }

@@ -282,6 +282,7 @@ fn serve_over_a_fuse_lower_makes_every_changed_object_durable_at_write_back() {
 import json, os, sys, time
 d, stats = sys.argv[1], sys.argv[2]
 data = bytes((k % 253) for k in range(65536))
+os.close(os.open(d + "/first", os.O_CREAT | os.O_WRONLY, 0o644))
 fd = os.open(d + "/f", os.O_CREAT | os.O_WRONLY, 0o644); os.write(fd, data); os.fsync(fd); os.close(fd)
 os.mkdir(d + "/d")
 fd = os.open(d + "/d/g", os.O_CREAT | os.O_WRONLY, 0o644); os.write(fd, data[:10000]); os.fsync(fd); os.close(fd)
@@ -336,6 +337,10 @@ os.fsync(fd); os.close(fd)
         );
     }
     assert!(s["objects_synced"].as_u64().unwrap_or(0) > 0, "{s}");
+    // f's creation was logged (the one of `first` wrote the directory back) and its first
+    // sync was real (the first of the process): f's name was made durable with it, since the
+    // lower's fsync of a file need not (`F_BORN_UNSYNCED`).
+    assert!(s["totals"]["name_syncs"].as_u64().unwrap_or(0) > 0, "{s}");
     o.served.kill9();
     let st = Command::new(common::bin())
         .arg("recover")

@@ -301,8 +301,10 @@ pub(super) fn names_of(t: &Tree) -> BTreeMap<&String, u64> {
 #[derive(Clone, Default)]
 pub(super) struct FenceTrees(pub(super) Arc<parking_lot::Mutex<Vec<(Tree, SyncCount)>>>);
 
-/// A front end's real syncs so far: of single files (fsync), of the whole lower (syncfs).
-pub(super) type SyncCount = (u64, u64);
+/// A front end's real syncs so far: of single files (fsync), of the whole lower (syncfs);
+/// and the syncs of files and of directories the lower made that the simulator watched
+/// (`SyncsSeen`: the `pmstack run` daemon's write-backs over a lower that ignores syncfs).
+pub(super) type SyncCount = (u64, u64, usize, usize);
 
 impl FenceTrees {
     pub(super) fn hook(
@@ -335,6 +337,12 @@ pub(super) struct InOpSyncs {
     /// Every fence of the operation follows a sync of the whole lower (the daemon's
     /// write-back, whose syncfs the probe does not see).
     pub(super) all: bool,
+    /// The lower ignores syncfs: a sync of the whole lower makes nothing durable. What the
+    /// operation made durable are `files`, the files the lower synced in it (each as it was
+    /// when synced; a fence that saw `n` of them follows the first `n`), and the file of a
+    /// file sync.
+    pub(super) per_object: bool,
+    pub(super) files: Vec<(u64, Vec<u8>)>,
 }
 
 /// The syncs this thread asked of the lower (`lower::real::watch_syncs`) since the last
@@ -356,6 +364,12 @@ impl SyncsSeen {
         let seen = SyncsSeen(Arc::new(parking_lot::Mutex::new(Seen::default())), removed);
         seen.install();
         seen
+    }
+
+    /// The same watch, to be installed on another thread (`here`); it stops watching the
+    /// thread that drops it.
+    pub(super) fn share(&self) -> SyncsSeen {
+        SyncsSeen(self.0.clone(), self.1.clone())
     }
 
     /// Watch this thread too, until the guard is dropped.
@@ -388,6 +402,16 @@ impl SyncsSeen {
 
     pub(super) fn take(&self) -> Seen {
         std::mem::take(&mut *self.0.lock())
+    }
+
+    /// What tells, from any thread, how many syncs of files and of directories were seen
+    /// since the last `take`.
+    pub(super) fn counter(&self) -> impl Fn() -> (usize, usize) + Send + Sync + 'static {
+        let s = self.0.clone();
+        move || {
+            let s = s.lock();
+            (s.files.len(), s.dirs)
+        }
     }
 }
 

@@ -33,10 +33,16 @@ use crate::engine::Log;
 use crate::lower::RealLower;
 use crate::pmem::sim::SimPmem;
 
+mod coverage;
 mod lower;
 mod model;
 mod mount;
 mod run;
+#[cfg(test)]
+mod run_tests;
+mod waker;
+
+pub use coverage::Coverage;
 
 use lower::*;
 use model::*;
@@ -46,100 +52,6 @@ const REC: u64 = 5000;
 
 /// The payload of the panic that simulates a kill during recovery.
 const RECOVERY_KILLED: &str = "simulated kill during recovery";
-
-/// What runs of the simulator exercised.
-#[derive(Debug, Default, Clone, serde::Serialize)]
-pub struct Coverage {
-    /// Histories run (one crash each).
-    pub histories: u64,
-    /// Operations executed before the crashes.
-    pub ops: u64,
-    /// Crash images recovered: PM as a power cut at a fence left it (flushed-and-fenced lines
-    /// plus any subset of dirty 8-byte words), with the lower rewound to a power-cut state.
-    pub crash_images: u64,
-    /// Fences at which images were captured (all fences of each crashing operation).
-    pub fences_captured: u64,
-    /// Crashes in the middle of a write-back.
-    pub crashes_in_write_back: u64,
-    /// Power cuts in which the lower lost acknowledged namespace operations: its names were
-    /// rewound to an earlier committed prefix of its journal than the crash point's.
-    pub namespace_rewinds: u64,
-    /// Namespace operations those power cuts took back (each operation that changed names).
-    pub namespace_ops_lost: u64,
-    /// Crashes whose choice of fence or of namespace prefix was narrowed because a real
-    /// directory cannot be brought back with its inode once removed (`restorable`).
-    pub dir_removals_kept: u64,
-    /// Recoveries killed at a random step, followed by another recovery.
-    pub recoveries_interrupted: u64,
-    /// Replays run twice (a recovery that replayed everything but did not empty the log).
-    pub double_replays: u64,
-    /// FUSE inode evictions (FORGET, then lookup and reopen).
-    pub forgets: u64,
-    pub write_backs: u64,
-    pub renames: u64,
-    pub exchanges: u64,
-    pub unlinks: u64,
-    pub fsyncs: u64,
-    pub truncates: u64,
-    pub fallocates: u64,
-    pub links: u64,
-    pub mkdirs: u64,
-    pub rmdirs: u64,
-    /// Renames of directories.
-    pub dir_renames: u64,
-    /// Objects recovery had to create again.
-    pub recreated: u64,
-    /// `pmstack run`: times the daemon was taken for dead (its heartbeat aged), operations
-    /// run while it was, and syncs the lower made durable (the client's real syncs and
-    /// namespace write-backs).
-    pub daemon_deaths: u64,
-    pub unserved_ops: u64,
-    pub real_syncs: u64,
-    /// Histories over a lower that ignores syncfs (`Kinds::syncfs_ignored`), and the objects
-    /// their write-backs made durable with their own fsync.
-    pub syncfs_ignored: u64,
-    pub objects_synced: u64,
-    /// Crash images whose live log records were in more than one append area (recovery
-    /// merged them by LSN).
-    pub multi_area_logs: u64,
-    /// Power cuts that took back an rmdir (the directory came back with its inode).
-    pub rmdirs_taken_back: u64,
-}
-
-impl Coverage {
-    pub fn add(&mut self, o: &Coverage) {
-        self.histories += o.histories;
-        self.ops += o.ops;
-        self.crash_images += o.crash_images;
-        self.fences_captured += o.fences_captured;
-        self.crashes_in_write_back += o.crashes_in_write_back;
-        self.namespace_rewinds += o.namespace_rewinds;
-        self.namespace_ops_lost += o.namespace_ops_lost;
-        self.recoveries_interrupted += o.recoveries_interrupted;
-        self.dir_removals_kept += o.dir_removals_kept;
-        self.double_replays += o.double_replays;
-        self.forgets += o.forgets;
-        self.write_backs += o.write_backs;
-        self.renames += o.renames;
-        self.exchanges += o.exchanges;
-        self.unlinks += o.unlinks;
-        self.fsyncs += o.fsyncs;
-        self.truncates += o.truncates;
-        self.fallocates += o.fallocates;
-        self.links += o.links;
-        self.mkdirs += o.mkdirs;
-        self.rmdirs += o.rmdirs;
-        self.dir_renames += o.dir_renames;
-        self.recreated += o.recreated;
-        self.daemon_deaths += o.daemon_deaths;
-        self.unserved_ops += o.unserved_ops;
-        self.real_syncs += o.real_syncs;
-        self.syncfs_ignored += o.syncfs_ignored;
-        self.objects_synced += o.objects_synced;
-        self.multi_area_logs += o.multi_area_logs;
-        self.rmdirs_taken_back += o.rmdirs_taken_back;
-    }
-}
 
 /// A directory under /var/tmp for one history's lower, removed on drop (also after a failure).
 struct ScratchDir(std::path::PathBuf);
@@ -431,7 +343,22 @@ fn recover_and_check(
     } else {
         k1
     };
-    let ns_min = if k == c { x.ns_in_op } else { x.ns_after }.min(ns_max);
+    // A directory the lower synced inside operation c before the fence (over a lower that
+    // ignores syncfs, seen by the watch) committed its journal: the names as of c at least.
+    let dirs_synced_in_op = match (&x.in_op_syncs, &synced_at_fence) {
+        (Some(s), Some(n)) => n.3 > s.before.3,
+        _ => false,
+    };
+    let ns_min = if k == c {
+        if dirs_synced_in_op {
+            x.ns_in_op.max(c)
+        } else {
+            x.ns_in_op
+        }
+    } else {
+        x.ns_after
+    }
+    .min(ns_max);
     let restorable_from =
         |p: usize| restorable(tree(p), trees[p..].iter().chain(at_fence.as_ref()), &kept);
     let p = if (ns_min..=ns_max).all(restorable_from) {
@@ -502,12 +429,26 @@ fn recover_and_check(
     };
     // What syncs of operation c before the fence made durable: the fence's tree.
     if let (Some(s), Some(t), Some(n)) = (&x.in_op_syncs, &at_fence, synced_at_fence) {
-        let everything = s.all || n.1 > s.before.1;
+        let everything = !s.per_object && (s.all || n.1 > s.before.1);
         for (ino, e) in t {
             if everything || (n.0 > s.before.0 && s.file == Some(*ino)) {
                 base_tree.insert(*ino, e.clone());
                 base_at.insert(*ino, at_k1[ino]);
             }
+        }
+        // Over a lower that ignores syncfs: the files it synced before the fence, each as it
+        // was synced (as of k1 where the fence's tree holds the same data, else as of k).
+        for (ino, data) in s.files.iter().take(n.2) {
+            let names = t.get(ino).or_else(|| base_tree.get(ino)).map_or_else(
+                || [format!("(inode {ino}, unnamed)")].into(),
+                |e| e.0.clone(),
+            );
+            let at = match t.get(ino) {
+                Some(e) if &e.1 == data => at_k1[ino],
+                _ => k,
+            };
+            base_tree.insert(*ino, (names, data.clone()));
+            base_at.insert(*ino, at);
         }
     }
     let origins = power_cut(

@@ -44,7 +44,8 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     let mut next_file = 0u32;
     for j in 0..=c {
         if j == c {
-            r.sim.on_capture(at_fences.hook(&lower_path, || (0, 0)));
+            r.sim
+                .on_capture(at_fences.hook(&lower_path, || (0, 0, 0, 0)));
             r.sim.capture_at_fences(1.0, 1, seed);
         }
         r.sim.set_tag(models.len() as u64 - 1);

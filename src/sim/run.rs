@@ -11,6 +11,13 @@
 //! commits the journal's names up to then, a namespace write-back or the daemon's write-back
 //! makes everything durable, and a namespace operation run on the lower alone (which syncs
 //! its directories) commits the names up to and including it.
+//!
+//! Over a lower that ignores syncfs (`Kinds::syncfs_ignored`: FUSE and network lowers), the
+//! daemon's write-backs fsync each object the processes noted (`H_PER_OBJECT`), and a
+//! process's namespace write-back waits for one (a thread here serves its wake-up as the
+//! daemon's loop does). The simulator watches each sync the daemon makes: a power cut keeps a
+//! file as of its own last sync (one never synced comes back empty), the names as of the last
+//! sync of a directory, and recovery finds the lower's client mounted again.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -23,15 +30,16 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use super::waker::{done, Waker};
 use super::{
-    dir_op, new_file_name, pattern, read_tree, recover_and_check, Coverage, Crash, DirOp, Falloc,
-    FenceTrees, InOpSyncs, Kinds, Model, ScratchDir, Stash, Tree, REC,
+    dir_op, new_file_name, new_files_empty, pattern, read_tree, recover_and_check, Coverage, Crash,
+    DirOp, Falloc, FenceTrees, InOpSyncs, Kinds, Model, ScratchDir, Stash, SyncsSeen, Tree, REC,
 };
 use crate::engine::Log;
 use crate::front::client::{Client, Tracked};
 use crate::front::serve::{Daemon, ServeOpts};
 use crate::front::table::{
-    Table, H_HEARTBEAT, P_FALLBACKS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
+    Table, H_HEARTBEAT, H_WAKE, P_FALLBACKS, P_NAME_SYNCS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
 };
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
@@ -43,8 +51,8 @@ struct Open {
 }
 
 /// The process's counters in the table: (real syncs, namespace write-backs, unserved, those
-/// write-backs that synced only directories).
-fn counters(t: &Table) -> (u64, u64, u64, u64) {
+/// write-backs that synced only directories, real syncs that synced the file's path too).
+fn counters(t: &Table) -> (u64, u64, u64, u64, u64) {
     let w = t
         .counters_of(crate::front::table::my_pid())
         .expect("the simulated program is attached");
@@ -53,6 +61,7 @@ fn counters(t: &Table) -> (u64, u64, u64, u64) {
         w[P_NS_SYNCS],
         w[P_UNSERVED],
         w[P_NS_DIR_SYNCS],
+        w[P_NAME_SYNCS],
     )
 }
 
@@ -79,9 +88,15 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     log.reset();
     log.set_clean(false);
     let table_path = dir.0.join("table");
+    let per_object = kinds.syncfs_ignored;
+    cov.syncfs_ignored += per_object as u64;
+    let mut real = RealLower::open(&lower).unwrap();
+    if per_object {
+        real = real.ignoring_syncfs();
+    }
     let d = Daemon::new(
         log,
-        RealLower::open(&lower).unwrap(),
+        real,
         &table_path,
         ServeOpts {
             root: lower.clone(),
@@ -95,6 +110,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         },
     )
     .unwrap();
+    let d = Arc::new(d);
+    // The daemon's syncs of the lower, on this thread (the history's write-backs) and on the
+    // waker's (those a process waits for).
+    let seen = per_object.then(|| SyncsSeen::watch(None));
+    let waker = seen.as_ref().map(|s| Waker::start(d.clone(), s.share()));
     let c = Client::attach_to(
         Table::open(&table_path).unwrap(),
         d.table.epoch(),
@@ -136,22 +156,30 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // Before the crashing operation: the durable lower, and the program's real syncs.
     let mut in_op: Option<(Tree, super::Times, super::SyncCount)> = None;
     let mut crash_op_synced = None;
+    let mut crash_op_files = Vec::new();
     for j in 0..=crash_op {
         if j == crash_op {
             // The program's real syncs so far, read at each captured fence.
             let table = Table::open(&table_path).unwrap();
+            let seen_so_far = seen.as_ref().map(|s| s.counter());
             // Write-backs that synced only directories are left out: inside the operation,
             // nothing is taken as made durable by them (a power cut may lose more).
             sim.on_capture(at_fences.hook(&lower, move || {
-                let (f, ns, _, ns_dir) = counters(&table);
-                (f, ns.saturating_sub(ns_dir))
+                let (f, ns, _, ns_dir, path_syncs) = counters(&table);
+                let (files, dirs) = seen_so_far.as_ref().map_or((0, 0), |c| c());
+                (
+                    f,
+                    ns.saturating_sub(ns_dir),
+                    files,
+                    dirs + path_syncs as usize,
+                )
             }));
             sim.capture_at_fences(1.0, 1, seed);
-            let (f, ns, _, ns_dir) = counters(&d.table);
+            let (f, ns, _, ns_dir, path_syncs) = counters(&d.table);
             in_op = Some((
                 durable.clone(),
                 durable_at.clone(),
-                (f, ns.saturating_sub(ns_dir)),
+                (f, ns.saturating_sub(ns_dir), 0, path_syncs as usize),
             ));
         }
         sim.set_tag(j as u64);
@@ -171,6 +199,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         let mut ns_op = false;
         let mut entry_made_durable: Option<u64> = None;
         let mut real_dir_sync = false;
+        let may_refuse = per_object && !alive;
+        let mut refused = false;
         let kind = rng.gen_range(0..if kinds.dirs { 21 } else { 19 });
         match kind {
             0 | 1 => {
@@ -178,28 +208,34 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 if !model.names.contains_key(&name) {
                     let osync = rng.gen_bool(0.3);
                     ns_op = true;
-                    let (fd, born) = c
-                        .create(
+                    let created = done(
+                        c.create(
                             &target(&name),
                             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
                             0o644,
                             osync,
-                        )
-                        .unwrap();
-                    // As the library does.
-                    let t = match born {
-                        Some(b) => c.track_born(fd, osync, b),
-                        // (Its path is absolute under the root.)
-                        None => c.track_under(fd, osync, Some(libc::O_RDWR)),
+                        ),
+                        may_refuse,
+                        "create",
+                    );
+                    if let Some((fd, born)) = created {
+                        // As the library does.
+                        let t = match born {
+                            Some(b) => c.track_born(fd, osync, b),
+                            // (Its path is absolute under the root.)
+                            None => c.track_under(fd, osync, Some(libc::O_RDWR)),
+                        }
+                        .expect("a file under the root is tracked");
+                        let ino = ino_of(fd);
+                        if !alive {
+                            entry_made_durable = Some(ino);
+                        }
+                        next_file += 1;
+                        opens.insert(next_file, Open { ino, fd, t });
+                        model.create(&name, next_file);
+                    } else {
+                        refused = true;
                     }
-                    .expect("a file under the root is tracked");
-                    let ino = ino_of(fd);
-                    if !alive {
-                        entry_made_durable = Some(ino);
-                    }
-                    next_file += 1;
-                    opens.insert(next_file, Open { ino, fd, t });
-                    model.create(&name, next_file);
                 }
             }
             2..=5 if !names.is_empty() => {
@@ -236,8 +272,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     cov.renames += 1;
                     ns_op = true;
                     stash.keep_last(&lower, &b);
-                    c.rename(&target(&a), &target(&b), 0).unwrap();
-                    if let Some(gone) = model.rename(&a, &b) {
+                    if done(c.rename(&target(&a), &target(&b), 0), may_refuse, "rename").is_none() {
+                        refused = true;
+                    } else if let Some(gone) = model.rename(&a, &b) {
                         close(&c, opens.remove(&gone).unwrap().fd);
                     }
                 }
@@ -247,22 +284,29 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 cov.unlinks += 1;
                 ns_op = true;
                 stash.keep_last(&lower, &a);
-                c.unlink(&target(&a), false).unwrap();
-                if let Some(gone) = model.unlink(&a) {
+                if done(c.unlink(&target(&a), false), may_refuse, "unlink").is_none() {
+                    refused = true;
+                } else if let Some(gone) = model.unlink(&a) {
                     close(&c, opens.remove(&gone).unwrap().fd);
                 }
             }
             10 if alive => {
                 cov.write_backs += 1;
                 d.write_back().unwrap();
-                durable = trees.last().unwrap().clone();
-                durable_at = super::times(&durable, j);
+                // (Over a lower that ignores syncfs: what the watch saw it sync, below.)
+                if !per_object {
+                    durable = trees.last().unwrap().clone();
+                    durable_at = super::times(&durable, j);
+                }
             }
             11 => {
                 // The daemon is taken for dead (killed, or stalled past the timeout), or
                 // comes back from a stall.
                 alive = !alive || !rng.gen_bool(0.5);
                 cov.daemon_deaths += !alive as u64;
+                if let Some(w) = &waker {
+                    w.alive.store(alive, Ordering::Release);
+                }
             }
             12 if !names.is_empty() => {
                 // Closed and opened again (the library's per-process state of the object
@@ -291,7 +335,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let dfd = unsafe { libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
                 assert!(dfd >= 0);
                 match c.fsync_dir(dfd, |_| c.fd_under_root(dfd)) {
-                    Some(r) => r.unwrap(),
+                    Some(r) => {
+                        refused = done(r, may_refuse, "directory fsync").is_none();
+                    }
                     None => {
                         crate::front::sys::fsync(dfd, false).unwrap();
                         real_dir_sync = true;
@@ -317,11 +363,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 if !model.names.contains_key(&b) {
                     cov.links += 1;
                     ns_op = true;
-                    c.link(&target(&a), &target(&b), false).unwrap();
-                    if !alive {
-                        entry_made_durable = Some(opens[&model.names[&a]].ino);
+                    if done(c.link(&target(&a), &target(&b), false), may_refuse, "link").is_none() {
+                        refused = true;
+                    } else {
+                        if !alive {
+                            entry_made_durable = Some(opens[&model.names[&a]].ino);
+                        }
+                        model.link(&a, &b);
                     }
-                    model.link(&a, &b);
                 }
             }
             17 if kinds.fallocate && !names.is_empty() => {
@@ -338,39 +387,73 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Mkdir(d)) => {
                     cov.mkdirs += 1;
                     ns_op = true;
-                    c.mkdir(&target(&d), 0o755).unwrap();
-                    model.mkdir(&d);
+                    match done(c.mkdir(&target(&d), 0o755), may_refuse, "mkdir") {
+                        Some(()) => model.mkdir(&d),
+                        None => refused = true,
+                    }
                 }
                 Some(DirOp::Rmdir(d)) => {
                     cov.rmdirs += 1;
                     ns_op = true;
-                    c.unlink(&target(&d), true).unwrap();
-                    model.rmdir(&d);
+                    match done(c.unlink(&target(&d), true), may_refuse, "rmdir") {
+                        Some(()) => model.rmdir(&d),
+                        None => refused = true,
+                    }
                 }
                 Some(DirOp::Rename(a, b)) => {
                     cov.dir_renames += 1;
                     ns_op = true;
-                    c.rename(&target(&a), &target(&b), 0).unwrap();
-                    model.rename_dir(&a, &b);
+                    match done(c.rename(&target(&a), &target(&b), 0), may_refuse, "rename") {
+                        Some(()) => model.rename_dir(&a, &b),
+                        None => refused = true,
+                    }
                 }
                 None => {}
             },
             _ => {}
         }
+        if refused {
+            // Nothing changed; the operation's directories were synced before the refusal.
+            assert!(
+                ns_op || kind == 13,
+                "harness: only namespace operations are refused"
+            );
+            cov.refused_unserved += 1;
+            ns_op = false;
+            real_dir_sync = true;
+        }
         crash_op_unserved_ns = j == crash_op && ns_op && !alive;
         if j == crash_op {
             crash_op_synced = Some((synced.map(|s| s.0), kind == 10 && alive));
         }
+        if !alive {
+            // A wake-up the daemon taken for dead did not see: it writes back on its own
+            // when it is back (a write-back of the history).
+            d.table.w(H_WAKE).store(0, Ordering::Release);
+        }
         let now = read_tree(&lower);
+        // What the daemon's write-backs synced in the operation (over a lower that ignores
+        // syncfs).
+        let seen_now = seen.as_ref().map(|s| s.take()).unwrap_or_default();
+        if j == crash_op {
+            crash_op_files = seen_now.files.clone();
+        }
 
         let after = counters(&d.table);
         cov.unserved_ops += (after.2 > before.2) as u64;
         cov.real_syncs += after.0 - before.0 + after.1 - before.1;
+        cov.paths_synced += after.4 - before.4;
         let (before_op, after_op) = (j, j + 1);
         if kind == 10 && alive {
             ns_durable = after_op;
         }
-        if after.1 > before.1 && after.3 - before.3 == after.1 - before.1 {
+        if per_object && after.1 > before.1 {
+            // Namespace write-backs over a lower that ignores syncfs: the operation's
+            // directories fsynced (the journal commits), and the daemon's write-back, whose
+            // syncs the watch saw (below).
+            let unserved_ns = ns_op && !alive;
+            ns_durable = ns_durable.max(if unserved_ns { before_op } else { after_op });
+        } else if after.1 > before.1 && after.3 - before.3 == after.1 - before.1 {
             // Namespace write-backs that synced only directories: the names (the journal),
             // not the files' data.
             let unserved_ns = ns_op && !alive;
@@ -397,12 +480,32 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     durable.insert(ino, e.clone());
                     durable_at.insert(ino, if pre { before_op } else { after_op });
                 }
-                ns_durable = ns_durable.max(if pre { before_op } else { after_op });
+                // (A file's fsync commits the journal of a local file system; not
+                // necessarily the names of a lower that ignores syncfs: there, only when it
+                // synced the file's path too.)
+                if !per_object || after.4 > before.4 {
+                    ns_durable = ns_durable.max(if pre { before_op } else { after_op });
+                }
             }
         }
         if let Some(ino) = entry_made_durable {
             durable.entry(ino).or_insert_with(|| now[&ino].clone());
             durable_at.entry(ino).or_insert(after_op);
+        }
+        if per_object {
+            cov.objects_synced += seen_now.len() as u64;
+            let mut d2 = (
+                std::mem::take(&mut durable),
+                std::mem::take(&mut durable_at),
+            );
+            seen_now.made_durable(&mut d2, &now, j);
+            // A file made since is durable empty, until a sync of it.
+            new_files_empty(&mut d2, &now, j);
+            (durable, durable_at) = d2;
+            if seen_now.dirs > 0 {
+                let unserved_ns = ns_op && !alive;
+                ns_durable = ns_durable.max(if unserved_ns { before_op } else { after_op });
+            }
         }
         // A namespace operation on the lower alone syncs its directories before it returns;
         // so does a directory fsync the library left to the lower.
@@ -431,6 +534,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         close(&c, o.fd);
     }
     drop(c);
+    drop(waker);
+    drop(seen);
     drop(d);
     let (durable_in_op, durable_in_op_at, before) = in_op.expect("the crashing operation ran");
     let (file, all) = crash_op_synced.expect("the crashing operation ran");
@@ -444,107 +549,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         names_change_after_fences: crash_op_unserved_ns,
         stash,
         at_fences,
-        in_op_syncs: Some(InOpSyncs { before, file, all }),
-        fuse_lower: false,
+        in_op_syncs: Some(InOpSyncs {
+            before,
+            file,
+            all,
+            per_object,
+            files: crash_op_files,
+        }),
+        fuse_lower: per_object,
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::{expect_contract, run_history_preload, Kinds};
-
-    /// Short runs in `cargo test`; the long run is the `simulate` example (`--mode run`).
-    /// Random seeds, 60 histories at a time until every kind of event below happened (a
-    /// rename of a directory is rare in these histories: 60 of them may have none), at most
-    /// 600.
-    #[test]
-    fn crash_histories_through_pmstack_run_keep_the_contract() {
-        let covered = |c: &super::super::Coverage| {
-            c.daemon_deaths > 0
-                && c.fallocates > 0
-                && c.unserved_ops > 0
-                && c.real_syncs > 0
-                && c.namespace_rewinds > 0
-                && c.mkdirs > 0
-                && c.rmdirs > 0
-                && c.dir_renames > 0
-        };
-        let mut seed0: u64 = rand::random::<u32>() as u64;
-        let mut cov = super::super::Coverage::default();
-        for _ in 0..10 {
-            cov.add(&expect_contract(seed0..seed0 + 60, |s| {
-                run_history_preload(s, 50, Kinds::CAMPAIGN)
-            }));
-            if covered(&cov) {
-                break;
-            }
-            seed0 += 60;
-        }
-        assert!(covered(&cov), "{cov:?}");
-    }
-
-    /// A seed that found a violation once histories made hard links: a file with two names,
-    /// one unlinked, then the other renamed to it in flight at the crash; recovery took the
-    /// logged unlink as the lower's loss and removed the file's only name (the file and its
-    /// fsynced bytes were gone). It failed before `displaced_for_good` (found while hard links
-    /// were being added to the simulator, so no earlier commit runs it).
-    #[test]
-    fn an_in_flight_rename_of_a_hard_link_keeps_the_file() {
-        expect_contract([1320], |s| {
-            run_history_preload(
-                s,
-                50,
-                Kinds {
-                    links: true,
-                    ..Kinds::default()
-                },
-            )
-        });
-    }
-
-    /// More seeds with hard links: a file's two names, one unlinked (the log's record says
-    /// the file had another name), then the other renamed onto it in flight: recovery removed
-    /// the file (780); a name made by a link, then re-created: recovery linked the new object
-    /// back there after an in-flight rename (58907). Each fails on d52bc4e.
-    #[test]
-    fn hard_links_with_an_in_flight_rename_keep_the_contract() {
-        expect_contract([780, 58907], |s| {
-            run_history_preload(
-                s,
-                50,
-                Kinds {
-                    links: true,
-                    ..Kinds::default()
-                },
-            )
-        });
-    }
-
-    /// A recovery killed in its namespace pass, after it moved an object aside: the next
-    /// recovery left it under the aside name (`.pmstack-recover-*`), its real name missing.
-    /// Fails without the leftover scan at the start of `Replayer::namespace`.
-    #[test]
-    fn a_recovery_killed_while_it_reorders_names_is_finished_by_the_next() {
-        expect_contract([6943], |s| run_history_preload(s, 50, Kinds::default()));
-    }
-
-    /// A seed that found recovery undoing a truncate the lower had made durable: the
-    /// ftruncate reached the lower before its record reached the log; a crash between the
-    /// two, and the log's older writes of the file, replayed, extended it again. Fails on the
-    /// commit before `Client::attr_op` logged first.
-    #[test]
-    fn a_truncate_is_never_undone_by_older_entries() {
-        expect_contract([609], |s| run_history_preload(s, 50, Kinds::default()));
-    }
-
-    /// Seeds of the long run that found violations (a new file made durable by a real sync,
-    /// then an unlink in flight at the crash: recovery re-created it with only the log's later
-    /// bytes). Each fails on the commit before `ReplayPlan::durable_creations`.
-    #[test]
-    fn seeds_that_found_violations_keep_the_contract() {
-        expect_contract([20285778, 20289366, 20326542, 20340062, 20352494], |s| {
-            run_history_preload(s, 50, Kinds::default())
-        });
-    }
 }

@@ -289,6 +289,11 @@ impl Client {
                     })
                 })?;
                 let slot = self.table.slot(o.slot);
+                // Where the lower ignores syncfs, the file's fsync may leave its new name
+                // behind (`F_BORN_UNSYNCED`).
+                if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
+                    slot.w(S_FLAGS).fetch_or(F_BORN_UNSYNCED, Ordering::AcqRel);
+                }
                 let f = if !self.watching {
                     F_BASELINE | F_VETTED
                 } else if born_marked.get() {
@@ -318,6 +323,31 @@ impl Client {
             },
         )
         .map(|(fd, _)| (fd, born.take()))
+    }
+
+    /// Make the name of the regular file `fd` durable: fsync its directory and each one above
+    /// it up to the root (found by its path, `/proc/self/fd`). Nothing for a file with no name
+    /// left. Before a write-back record that lets recovery take the file's live creation for
+    /// durable (`F_BORN_UNSYNCED`). Caller holds the object's slot lock.
+    pub(in crate::front) fn sync_path_of(&self, fd: i32) -> io::Result<()> {
+        if sys::fstat(fd)?.st_nlink == 0 {
+            return Ok(());
+        }
+        let mut path = sys::fd_path(fd).ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))?;
+        let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        };
+        path.truncate(slash.max(1));
+        let dir = CString::new(path).map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+        let dfd = sys::openat(
+            libc::AT_FDCWD,
+            dir.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            0,
+        )?;
+        // SAFETY: a fresh descriptor we own.
+        let dfd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dfd) };
+        self.sync_up_to_root(dfd.as_raw_fd(), false)
     }
 
     /// fsync/fdatasync of a directory under the root: nothing to do if every change of it

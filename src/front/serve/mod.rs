@@ -478,6 +478,7 @@ impl Daemon {
                 "absorbed_dir_fsync": c[P_DIR_FSYNC],
                 "ns_write_backs": c[P_NS_SYNCS],
                 "ns_dir_write_backs": c[P_NS_DIR_SYNCS],
+                "name_syncs": c[P_NAME_SYNCS],
                 "unserved": c[P_UNSERVED],
             })
         };

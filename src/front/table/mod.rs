@@ -97,8 +97,11 @@ pub const P_UNSERVED: usize = 11;
 /// Of the namespace write-backs (`P_NS_SYNCS`), those that synced only directories (no
 /// namespace record was live: `Client::write_back_namespace`).
 pub const P_NS_DIR_SYNCS: usize = 12;
+/// Real syncs of new files that also synced the directories of their path, up to the root
+/// (the lower ignores syncfs: `F_BORN_UNSYNCED`).
+pub const P_NAME_SYNCS: usize = 13;
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
-pub const COUNTERS: [usize; 10] = [
+pub const COUNTERS: [usize; 11] = [
     P_ABSORBED_FSYNC,
     P_ABSORBED_OSYNC,
     P_BYTES_LOGGED,
@@ -109,6 +112,7 @@ pub const COUNTERS: [usize; 10] = [
     P_NS_SYNCS,
     P_UNSERVED,
     P_NS_DIR_SYNCS,
+    P_NAME_SYNCS,
 ];
 const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
 
@@ -173,6 +177,12 @@ pub const F_SYNCS_HERE: u64 = 512;
 /// An attached process is starting a child that inherits a descriptor of the object open
 /// for writing: the object is not vetted until the child exists (`client::spawn`).
 pub const F_SPAWNING: u64 = 1024;
+/// A creation record of the object may be live, and its name not durable: the lower ignores
+/// syncfs (`H_PER_OBJECT`), and its fsync of a file need not make the file's directory entry
+/// durable. Recovery takes a live creation followed by a write-back record of the object for
+/// made durable (`ReplayPlan::durable_creations`), so a real sync that writes one makes the
+/// object's path durable first (`Client::real_sync`).
+pub const F_BORN_UNSYNCED: u64 = 2048;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;

@@ -1,0 +1,103 @@
+//! What runs of the crash simulator covered.
+
+/// What runs of the simulator exercised.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Coverage {
+    /// Histories run (one crash each).
+    pub histories: u64,
+    /// Operations executed before the crashes.
+    pub ops: u64,
+    /// Crash images recovered: PM as a power cut at a fence left it (flushed-and-fenced lines
+    /// plus any subset of dirty 8-byte words), with the lower rewound to a power-cut state.
+    pub crash_images: u64,
+    /// Fences at which images were captured (all fences of each crashing operation).
+    pub fences_captured: u64,
+    /// Crashes in the middle of a write-back.
+    pub crashes_in_write_back: u64,
+    /// Power cuts in which the lower lost acknowledged namespace operations: its names were
+    /// rewound to an earlier committed prefix of its journal than the crash point's.
+    pub namespace_rewinds: u64,
+    /// Namespace operations those power cuts took back (each operation that changed names).
+    pub namespace_ops_lost: u64,
+    /// Crashes whose choice of fence or of namespace prefix was narrowed because a real
+    /// directory cannot be brought back with its inode once removed (`restorable`).
+    pub dir_removals_kept: u64,
+    /// Recoveries killed at a random step, followed by another recovery.
+    pub recoveries_interrupted: u64,
+    /// Replays run twice (a recovery that replayed everything but did not empty the log).
+    pub double_replays: u64,
+    /// FUSE inode evictions (FORGET, then lookup and reopen).
+    pub forgets: u64,
+    pub write_backs: u64,
+    pub renames: u64,
+    pub exchanges: u64,
+    pub unlinks: u64,
+    pub fsyncs: u64,
+    pub truncates: u64,
+    pub fallocates: u64,
+    pub links: u64,
+    pub mkdirs: u64,
+    pub rmdirs: u64,
+    /// Renames of directories.
+    pub dir_renames: u64,
+    /// Objects recovery had to create again.
+    pub recreated: u64,
+    /// `pmstack run`: times the daemon was taken for dead (its heartbeat aged), operations
+    /// run while it was, and syncs the lower made durable (the client's real syncs and
+    /// namespace write-backs).
+    pub daemon_deaths: u64,
+    pub unserved_ops: u64,
+    pub real_syncs: u64,
+    /// Histories over a lower that ignores syncfs (`Kinds::syncfs_ignored`), and the objects
+    /// their write-backs made durable with their own fsync.
+    pub syncfs_ignored: u64,
+    pub objects_synced: u64,
+    /// `pmstack run` over a lower that ignores syncfs: namespace operations refused (EIO)
+    /// while the daemon was taken for dead with namespace records live.
+    pub refused_unserved: u64,
+    /// `pmstack run` over a lower that ignores syncfs: real syncs of new files that synced
+    /// the directories of their path too (`F_BORN_UNSYNCED`).
+    pub paths_synced: u64,
+    /// Crash images whose live log records were in more than one append area (recovery
+    /// merged them by LSN).
+    pub multi_area_logs: u64,
+    /// Power cuts that took back an rmdir (the directory came back with its inode).
+    pub rmdirs_taken_back: u64,
+}
+
+impl Coverage {
+    pub fn add(&mut self, o: &Coverage) {
+        self.histories += o.histories;
+        self.ops += o.ops;
+        self.crash_images += o.crash_images;
+        self.fences_captured += o.fences_captured;
+        self.crashes_in_write_back += o.crashes_in_write_back;
+        self.namespace_rewinds += o.namespace_rewinds;
+        self.namespace_ops_lost += o.namespace_ops_lost;
+        self.recoveries_interrupted += o.recoveries_interrupted;
+        self.dir_removals_kept += o.dir_removals_kept;
+        self.double_replays += o.double_replays;
+        self.forgets += o.forgets;
+        self.write_backs += o.write_backs;
+        self.renames += o.renames;
+        self.exchanges += o.exchanges;
+        self.unlinks += o.unlinks;
+        self.fsyncs += o.fsyncs;
+        self.truncates += o.truncates;
+        self.fallocates += o.fallocates;
+        self.links += o.links;
+        self.mkdirs += o.mkdirs;
+        self.rmdirs += o.rmdirs;
+        self.dir_renames += o.dir_renames;
+        self.recreated += o.recreated;
+        self.daemon_deaths += o.daemon_deaths;
+        self.unserved_ops += o.unserved_ops;
+        self.real_syncs += o.real_syncs;
+        self.syncfs_ignored += o.syncfs_ignored;
+        self.objects_synced += o.objects_synced;
+        self.refused_unserved += o.refused_unserved;
+        self.paths_synced += o.paths_synced;
+        self.multi_area_logs += o.multi_area_logs;
+        self.rmdirs_taken_back += o.rmdirs_taken_back;
+    }
+}
