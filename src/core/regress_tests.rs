@@ -462,3 +462,45 @@ fn a_lost_rmdir_of_a_directory_with_lost_unlinks_inside_is_replayed() {
     sum.unwrap();
     assert!(!r.lower.join("d").exists(), "the removed directory is back");
 }
+
+/// Over a lower that ignores syncfs (a FUSE or network client), whose fsync of a file need not
+/// make the file's name durable: a sync that falls back to the lower's own (PM full) of a file
+/// whose creation is still in the log writes a write-back record, and recovery then takes the
+/// creation for made durable (`ReplayPlan::durable_creations`). The directories changed since
+/// the last write-back must be synced before that record, or a power cut of the lower takes
+/// the name, and the fsynced bytes with it. Fails without the directory syncs in
+/// `write_back_file` (the same fault under `pmstack run` was found by the simulator:
+/// `sim::run_tests`).
+#[test]
+fn a_fallback_sync_of_a_new_file_over_a_lower_that_ignores_syncfs_syncs_its_directories() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let lower = dir.path().join("lower");
+    fs::create_dir(&lower).unwrap();
+    let (_sim, core) = crate::sim::core_on_sim_lower(&lower, 64, 2, Mode::Sync, true);
+    let (d, _) = core
+        .mknod(1, OsStr::new("d"), libc::S_IFDIR | 0o755, 0, None, 0, 0)
+        .unwrap();
+    let dirs = Arc::new(AtomicUsize::new(0));
+    let seen = dirs.clone();
+    crate::lower::real::watch_syncs(Some(Box::new(move |fd| {
+        let st = crate::lower::real::fstat(fd).unwrap();
+        if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+    })));
+    // More than the region holds: the fsync falls back.
+    let data = vec![5u8; 1 << 20];
+    // (The test's own thread: a panic leaves the watch behind with it.)
+    write_synced(&core, d.ino, "f", &data);
+    crate::lower::real::watch_syncs(None);
+    assert!(
+        core.stats.real_syncs.load(Ordering::Relaxed) > 0,
+        "the fsync did not fall back: {:?}",
+        core.stats.real_syncs
+    );
+    assert!(
+        dirs.load(Ordering::Relaxed) > 0,
+        "the fallback synced no directory: f's name may not be durable"
+    );
+}

@@ -42,6 +42,15 @@ impl Core {
         st: &mut FileState,
     ) -> io::Result<()> {
         self.sync_object(i)?;
+        if !self.syncfs_ok {
+            // The lower's fsync of a file need not make its name durable, and recovery takes
+            // a live creation of the file followed by the write-back record below for made
+            // durable (`ReplayPlan::durable_creations`): the directories changed since the
+            // last write-back, queued with their objects, are made durable first (as the
+            // namespace write-back does).
+            let set = self.to_sync.lock();
+            self.make_durable(&set)?;
+        }
         let upto = log.lsn_now();
         if log.write_back(i.fid, upto).is_err() {
             owed.full_write_back();

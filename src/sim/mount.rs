@@ -251,15 +251,16 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             // A file made since is durable empty, until a sync of it.
             new_files_empty(&mut durable, &now, j);
         }
-        // A real fsync after the operation commits the journal: a fallback's, or one of a
-        // directory (a file's alone need not, where the lower ignores syncfs).
-        let commits = syncfs
-            || seen.dirs > 0
-            || r.core
-                .stats
-                .real_syncs
-                .load(std::sync::atomic::Ordering::Relaxed)
-                > fallbacks;
+        // A real fsync after the operation commits the journal: a fallback's (of a local
+        // file system), or one of a directory (a file's alone need not, where the lower
+        // ignores syncfs).
+        let fell_back = r
+            .core
+            .stats
+            .real_syncs
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > fallbacks;
+        let commits = syncfs || seen.dirs > 0 || (fell_back && !kinds.syncfs_ignored);
         let ns = if commits { trees.len() } else { ns_at[j] };
         models.push(model.clone());
         trees.push(now);
