@@ -55,8 +55,9 @@ struct Args {
     /// or `both` (alternating).
     #[arg(long, default_value = "both")]
     lower: String,
-    /// Run every operation of the mount's histories on one thread (the histories of seeds
-    /// found before each operation had a thread of its own)
+    /// Run every operation of the mount's histories on one thread, and the `pmstack run`
+    /// histories in one process (the histories of seeds found before each operation had a
+    /// thread of its own, or a run history two processes)
     #[arg(long)]
     no_threads: bool,
     /// Keep every rmdir of the mount's histories (the histories of seeds found before a

@@ -37,6 +37,7 @@ mod coverage;
 mod lower;
 mod model;
 mod mount;
+mod procs;
 mod run;
 #[cfg(test)]
 mod run_tests;
@@ -136,7 +137,9 @@ pub struct Kinds {
     pub syncfs_ignored: bool,
     /// Each operation runs on a thread of its own (one at a time): the log gives each thread
     /// an append area, so one object's records spread over the areas, as under concurrent
-    /// writers, and recovery must merge them in order (the mount's histories).
+    /// writers, and recovery must merge them in order (the mount's histories). Under `pmstack
+    /// run`: two attached processes, each operation one's, each with its append area, process
+    /// record and descriptors.
     pub threads: bool,
     /// An rmdir moves the directory out of the lower instead (through the mount's core), so
     /// that a power cut can take the removal back, the directory returning with its inode.

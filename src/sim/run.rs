@@ -5,7 +5,8 @@
 //! The same histories, power-cut model, recovery and check as the mount's (`super::run`),
 //! plus what only this front end has: the daemon taken for dead (its heartbeat aged, as after
 //! a kill -9 or a stall) and coming back, with the programs going on on the lower alone in
-//! between; descriptors closed and opened again; directory fsyncs. The lower's durable state
+//! between; descriptors closed and opened again; directory fsyncs; two attached processes
+//! (`Kinds::threads`), each operation one's. The lower's durable state
 //! follows what the client made durable itself: a real sync makes one file's data durable (as
 //! of before the operation when the sync precedes the change, as of after otherwise) and
 //! commits the journal's names up to then, a namespace write-back or the daemon's write-back
@@ -30,50 +31,18 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use super::procs::{close, close_everywhere, counters, ino_of, open_in, open_path, Open};
 use super::waker::{done, Waker};
 use super::{
     dir_op, new_file_name, new_files_empty, pattern, read_tree, recover_and_check, Coverage, Crash,
     DirOp, Falloc, FenceTrees, InOpSyncs, Kinds, Model, ScratchDir, Stash, SyncsSeen, Tree, REC,
 };
 use crate::engine::Log;
-use crate::front::client::{Client, Tracked};
+use crate::front::client::Client;
 use crate::front::serve::{Daemon, ServeOpts};
-use crate::front::table::{
-    Table, H_HEARTBEAT, H_WAKE, P_FALLBACKS, P_NAME_SYNCS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
-};
+use crate::front::table::{Table, H_HEARTBEAT, H_WAKE};
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
-
-struct Open {
-    ino: u64,
-    fd: i32,
-    t: Arc<Tracked>,
-}
-
-/// The process's counters in the table: (real syncs, namespace write-backs, unserved, those
-/// write-backs that synced only directories, real syncs that synced the file's path too).
-fn counters(t: &Table) -> (u64, u64, u64, u64, u64) {
-    let w = t
-        .counters_of(crate::front::table::my_pid())
-        .expect("the simulated program is attached");
-    (
-        w[P_FALLBACKS],
-        w[P_NS_SYNCS],
-        w[P_UNSERVED],
-        w[P_NS_DIR_SYNCS],
-        w[P_NAME_SYNCS],
-    )
-}
-
-fn ino_of(fd: i32) -> u64 {
-    crate::front::sys::fstat(fd).expect("fstat").st_ino
-}
-
-fn close(c: &Client, fd: i32) {
-    c.untrack(fd);
-    // SAFETY: a descriptor this history opened and no longer uses.
-    unsafe { libc::close(fd) };
-}
 
 pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) {
     let dir = ScratchDir::new();
@@ -115,13 +84,30 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // waker's (those a process waits for).
     let seen = per_object.then(|| SyncsSeen::watch(None));
     let waker = seen.as_ref().map(|s| Waker::start(d.clone(), s.share()));
-    let c = Client::attach_to(
-        Table::open(&table_path).unwrap(),
-        d.table.epoch(),
-        sim.clone(),
-        &lower,
-    )
-    .unwrap();
+    // The attached processes: with `Kinds::threads`, two, each with its append area, process
+    // record and descriptors; each operation is one process's (one at a time). The second
+    // goes by the pid of a process that outlives the history (its parent's), as the table
+    // takes a dead pid's record for free.
+    let pids = if kinds.threads {
+        // SAFETY: getppid has no preconditions.
+        let parent = unsafe { libc::getppid() } as u64;
+        vec![crate::front::table::my_pid(), parent.max(1)]
+    } else {
+        vec![crate::front::table::my_pid()]
+    };
+    let clients: Vec<Client> = pids
+        .iter()
+        .map(|&pid| {
+            Client::attach_as(
+                Table::open(&table_path).unwrap(),
+                d.table.epoch(),
+                sim.clone(),
+                &lower,
+                pid,
+            )
+            .unwrap()
+        })
+        .collect();
     let path = |n: &str| {
         lower
             .join(n.trim_end_matches('/'))
@@ -129,7 +115,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             .as_bytes()
             .to_vec()
     };
-    let target = |n: &str| {
+    let target = |c: &Client, n: &str| {
         c.targets(&[(libc::AT_FDCWD, path(n))], |_, _| false)
             .and_then(|mut t| t.pop())
             .expect("a name under the root")
@@ -137,7 +123,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     let mut rng = StdRng::seed_from_u64(seed);
     let crash_op = rng.gen_range(0..nops);
     let mut alive = true;
-    let mut opens: BTreeMap<u32, Open> = BTreeMap::new(); // by file id
+    // Each process's descriptors, by file id.
+    let mut opens: Vec<BTreeMap<u32, Open>> = pids.iter().map(|_| BTreeMap::new()).collect();
     let mut model = Model::default();
     let mut models = vec![model.clone()];
     let mut trees = vec![read_tree(&lower)];
@@ -162,10 +149,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             // The program's real syncs so far, read at each captured fence.
             let table = Table::open(&table_path).unwrap();
             let seen_so_far = seen.as_ref().map(|s| s.counter());
+            let ps = pids.clone();
             // Write-backs that synced only directories are left out: inside the operation,
             // nothing is taken as made durable by them (a power cut may lose more).
             sim.on_capture(at_fences.hook(&lower, move || {
-                let (f, ns, _, ns_dir, path_syncs) = counters(&table);
+                let (f, ns, _, ns_dir, path_syncs) = counters(&table, &ps);
                 let (files, dirs) = seen_so_far.as_ref().map_or((0, 0), |c| c());
                 (
                     f,
@@ -175,7 +163,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 )
             }));
             sim.capture_at_fences(1.0, 1, seed);
-            let (f, ns, _, ns_dir, path_syncs) = counters(&d.table);
+            let (f, ns, _, ns_dir, path_syncs) = counters(&d.table, &pids);
             in_op = Some((
                 durable.clone(),
                 durable_at.clone(),
@@ -189,7 +177,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         d.table
             .w(H_HEARTBEAT)
             .store(if alive { u64::MAX } else { 0 }, Ordering::Relaxed);
-        let before = counters(&d.table);
+        let before = counters(&d.table, &pids);
+        // The process whose operation this is.
+        let w = if pids.len() > 1 {
+            rng.gen_range(0..pids.len())
+        } else {
+            0
+        };
+        let c = &clients[w];
         let names = model.names();
         let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
         // The inode a real sync of this operation made durable, and whether as of before the
@@ -210,7 +205,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     ns_op = true;
                     let created = done(
                         c.create(
-                            &target(&name),
+                            &target(c, &name),
                             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
                             0o644,
                             osync,
@@ -231,7 +226,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                             entry_made_durable = Some(ino);
                         }
                         next_file += 1;
-                        opens.insert(next_file, Open { ino, fd, t });
+                        opens[w].insert(next_file, Open { ino, fd, t });
                         model.create(&name, next_file);
                     } else {
                         refused = true;
@@ -240,7 +235,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             2..=5 if !names.is_empty() => {
                 let name = pick(&mut rng);
-                let o = &opens[&model.names[&name]];
+                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 let len = rng.gen_range(1..9000usize);
                 let (id, idx) = model.write(&name, len, o.t.sync);
                 let n = c
@@ -259,7 +254,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             6 | 7 if !names.is_empty() => {
                 let name = pick(&mut rng);
-                let o = &opens[&model.names[&name]];
+                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 cov.fsyncs += 1;
                 c.fsync(&o.t, o.fd).unwrap();
                 model.sync(&name);
@@ -272,10 +267,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     cov.renames += 1;
                     ns_op = true;
                     stash.keep_last(&lower, &b);
-                    if done(c.rename(&target(&a), &target(&b), 0), may_refuse, "rename").is_none() {
+                    let renamed = c.rename(&target(c, &a), &target(c, &b), 0);
+                    if done(renamed, may_refuse, "rename").is_none() {
                         refused = true;
                     } else if let Some(gone) = model.rename(&a, &b) {
-                        close(&c, opens.remove(&gone).unwrap().fd);
+                        close_everywhere(&clients, &mut opens, gone);
                     }
                 }
             }
@@ -284,10 +280,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 cov.unlinks += 1;
                 ns_op = true;
                 stash.keep_last(&lower, &a);
-                if done(c.unlink(&target(&a), false), may_refuse, "unlink").is_none() {
+                if done(c.unlink(&target(c, &a), false), may_refuse, "unlink").is_none() {
                     refused = true;
                 } else if let Some(gone) = model.unlink(&a) {
-                    close(&c, opens.remove(&gone).unwrap().fd);
+                    close_everywhere(&clients, &mut opens, gone);
                 }
             }
             10 if alive => {
@@ -313,15 +309,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // goes; the shared table's stays).
                 let name = pick(&mut rng);
                 let id = model.names[&name];
-                let o = opens.remove(&id).unwrap();
-                let sync = o.t.sync;
-                close(&c, o.fd);
-                let p = CString::new(path(&name)).unwrap();
-                // SAFETY: a C string; the descriptor is this history's.
-                let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-                assert!(fd >= 0, "reopening {name}");
-                let t = c.track_under(fd, sync, Some(libc::O_RDWR)).unwrap();
-                opens.insert(id, Open { ino: o.ino, fd, t });
+                if let Some(o) = opens[w].remove(&id) {
+                    close(c, o.fd);
+                    opens[w].insert(id, open_path(c, &path(&name), o.t.sync));
+                } else {
+                    open_in(&clients, &mut opens, w, id, &path(&name));
+                }
             }
             13 => {
                 // The root's, or (with directories) any directory's.
@@ -350,7 +343,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // ftruncate, shorter or longer: durable at the next fsync (the live entries
                 // of the file go first when it is not logged)
                 let name = pick(&mut rng);
-                let o = &opens[&model.names[&name]];
+                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 let size = rng.gen_range(0..=model.file(&name).size() + REC);
                 cov.truncates += 1;
                 c.ftruncate(&o.t, o.fd, size).unwrap();
@@ -363,11 +356,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 if !model.names.contains_key(&b) {
                     cov.links += 1;
                     ns_op = true;
-                    if done(c.link(&target(&a), &target(&b), false), may_refuse, "link").is_none() {
+                    let linked = c.link(&target(c, &a), &target(c, &b), false);
+                    if done(linked, may_refuse, "link").is_none() {
                         refused = true;
                     } else {
                         if !alive {
-                            entry_made_durable = Some(opens[&model.names[&a]].ino);
+                            let id = model.names[&a];
+                            entry_made_durable =
+                                opens.iter().find_map(|m| m.get(&id)).map(|o| o.ino);
                         }
                         model.link(&a, &b);
                     }
@@ -376,7 +372,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             17 if kinds.fallocate && !names.is_empty() => {
                 // fallocate: as ftruncate, durable at the next fsync
                 let name = pick(&mut rng);
-                let o = &opens[&model.names[&name]];
+                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 let f = Falloc::random(&mut rng, model.file(&name).size());
                 cov.fallocates += 1;
                 c.fallocate(&o.t, o.fd, f.mode(), f.off, f.len).unwrap();
@@ -387,7 +383,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Mkdir(d)) => {
                     cov.mkdirs += 1;
                     ns_op = true;
-                    match done(c.mkdir(&target(&d), 0o755), may_refuse, "mkdir") {
+                    match done(c.mkdir(&target(c, &d), 0o755), may_refuse, "mkdir") {
                         Some(()) => model.mkdir(&d),
                         None => refused = true,
                     }
@@ -395,7 +391,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Rmdir(d)) => {
                     cov.rmdirs += 1;
                     ns_op = true;
-                    match done(c.unlink(&target(&d), true), may_refuse, "rmdir") {
+                    match done(c.unlink(&target(c, &d), true), may_refuse, "rmdir") {
                         Some(()) => model.rmdir(&d),
                         None => refused = true,
                     }
@@ -403,7 +399,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Rename(a, b)) => {
                     cov.dir_renames += 1;
                     ns_op = true;
-                    match done(c.rename(&target(&a), &target(&b), 0), may_refuse, "rename") {
+                    match done(
+                        c.rename(&target(c, &a), &target(c, &b), 0),
+                        may_refuse,
+                        "rename",
+                    ) {
                         Some(()) => model.rename_dir(&a, &b),
                         None => refused = true,
                     }
@@ -439,7 +439,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             crash_op_files = seen_now.files.clone();
         }
 
-        let after = counters(&d.table);
+        let after = counters(&d.table, &pids);
         cov.unserved_ops += (after.2 > before.2) as u64;
         cov.real_syncs += after.0 - before.0 + after.1 - before.1;
         cov.paths_synced += after.4 - before.4;
@@ -530,10 +530,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         models.push(model.clone());
         trees.push(now);
     }
-    for o in opens.values() {
-        close(&c, o.fd);
+    for (k, m) in opens.iter().enumerate() {
+        for o in m.values() {
+            close(&clients[k], o.fd);
+        }
     }
-    drop(c);
+    drop(clients);
     drop(waker);
     drop(seen);
     drop(d);

@@ -4,7 +4,8 @@
 use super::{expect_contract, run_history_preload, Coverage, Kinds};
 
 /// Short runs in `cargo test`; the long run is the `simulate` example (`--mode run`).
-/// Random seeds, 60 histories at a time until every kind of event below happened (a
+/// Two attached processes, each operation one's (`Kinds::threads`), so one object's records
+/// spread over their append areas. Random seeds, 60 histories at a time until every kind of event below happened (a
 /// rename of a directory is rare in these histories: 60 of them may have none), at most
 /// 600.
 #[test]
@@ -18,6 +19,7 @@ fn crash_histories_through_pmstack_run_keep_the_contract() {
             && c.mkdirs > 0
             && c.rmdirs > 0
             && c.dir_renames > 0
+            && c.multi_area_logs > 0
     };
     let mut seed0: u64 = rand::random::<u32>() as u64;
     let mut cov = Coverage::default();
@@ -71,8 +73,10 @@ fn crash_histories_through_pmstack_run_over_a_lower_that_ignores_syncfs_keep_the
 /// in the power cut. Each fails without `F_BORN_UNSYNCED` (the file's path synced first).
 #[test]
 fn a_real_sync_of_a_new_file_over_a_lower_that_ignores_syncfs_keeps_its_name() {
+    // (Found before histories had two processes.)
     let kinds = Kinds {
         syncfs_ignored: true,
+        threads: false,
         ..Kinds::CAMPAIGN
     };
     let cov = expect_contract(
@@ -85,6 +89,21 @@ fn a_real_sync_of_a_new_file_over_a_lower_that_ignores_syncfs_keeps_its_name() {
         |s| run_history_preload(s, 50, kinds),
     );
     assert!(cov.paths_synced > 0, "{cov:?}");
+}
+
+/// Two processes: one writes a file without a sync (its bytes are not logged), the other
+/// fsyncs the file, which must cover those bytes too. Seeds that find the absorbed sync
+/// losing them when a sync ignores the other process's unlogged writes
+/// (`Slot::others_lazy` left out of `Client::fsync` on purpose); with one process, 1,000
+/// seeds find nothing.
+#[test]
+fn a_sync_of_a_file_another_process_wrote_without_logging_covers_its_bytes() {
+    expect_contract([1311], |s| run_history_preload(s, 50, Kinds::CAMPAIGN));
+    let kinds = Kinds {
+        syncfs_ignored: true,
+        ..Kinds::CAMPAIGN
+    };
+    expect_contract([910, 1348], |s| run_history_preload(s, 50, kinds));
 }
 
 /// A seed that found a violation once histories made hard links: a file with two names,

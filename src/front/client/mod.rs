@@ -167,9 +167,21 @@ impl Client {
         pm: Arc<dyn Pmem>,
         root: &Path,
     ) -> io::Result<Client> {
+        Self::attach_as(table, epoch, pm, root, my_pid())
+    }
+
+    /// `attach_to` as the process `pid` (the crash simulator runs the clients of several
+    /// processes in one; each takes an append area and a process record of its own).
+    #[doc(hidden)]
+    pub fn attach_as(
+        table: Table,
+        epoch: u64,
+        pm: Arc<dyn Pmem>,
+        root: &Path,
+        pid: u64,
+    ) -> io::Result<Client> {
         let log =
             Log::attach(pm, 1).map_err(|e| bad(format!("cannot attach to the PM log: {e}")))?;
-        let pid = my_pid();
         let rec = table
             .register(pid)
             .ok_or_else(|| bad("too many attached processes".into()))?;

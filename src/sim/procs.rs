@@ -1,0 +1,89 @@
+//! The attached processes of the `pmstack run` histories (`super::run`): their descriptors
+//! and their counters in the table.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::sync::Arc;
+
+use crate::front::client::{Client, Tracked};
+use crate::front::table::{
+    Table, P_FALLBACKS, P_NAME_SYNCS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
+};
+
+/// A process's descriptor of a file of the history.
+pub(super) struct Open {
+    pub(super) ino: u64,
+    pub(super) fd: i32,
+    pub(super) t: Arc<Tracked>,
+}
+
+/// The processes' counters in the table, summed: (real syncs, namespace write-backs,
+/// unserved, those write-backs that synced only directories, real syncs that synced the
+/// file's path too).
+pub(super) fn counters(t: &Table, pids: &[u64]) -> (u64, u64, u64, u64, u64) {
+    let mut sum = (0, 0, 0, 0, 0);
+    for &pid in pids {
+        let w = t
+            .counters_of(pid)
+            .expect("the simulated program is attached");
+        sum.0 += w[P_FALLBACKS];
+        sum.1 += w[P_NS_SYNCS];
+        sum.2 += w[P_UNSERVED];
+        sum.3 += w[P_NS_DIR_SYNCS];
+        sum.4 += w[P_NAME_SYNCS];
+    }
+    sum
+}
+
+/// A descriptor of the file at `path`, opened and tracked by `c` (O_SYNC if `sync`).
+pub(super) fn open_path(c: &Client, path: &[u8], sync: bool) -> Open {
+    let p = CString::new(path).unwrap();
+    // SAFETY: a C string; the descriptor is this history's.
+    let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    assert!(fd >= 0, "opening {}", String::from_utf8_lossy(path));
+    let t = c.track_under(fd, sync, Some(libc::O_RDWR)).unwrap();
+    Open {
+        ino: ino_of(fd),
+        fd,
+        t,
+    }
+}
+
+/// Process `w`'s descriptor of file `id` (at `path`), opened now if it has none (O_SYNC as
+/// another process's descriptor of it is). `opens`: each process's descriptors, by file id.
+pub(super) fn open_in<'a>(
+    clients: &[Client],
+    opens: &'a mut [BTreeMap<u32, Open>],
+    w: usize,
+    id: u32,
+    path: &[u8],
+) -> &'a Open {
+    if !opens[w].contains_key(&id) {
+        let sync = opens
+            .iter()
+            .find_map(|m| m.get(&id))
+            .is_some_and(|o| o.t.sync);
+        let o = open_path(&clients[w], path, sync);
+        opens[w].insert(id, o);
+    }
+    &opens[w][&id]
+}
+
+/// Close every process's descriptor of file `id` (its last name is gone).
+pub(super) fn close_everywhere(clients: &[Client], opens: &mut [BTreeMap<u32, Open>], id: u32) {
+    for (k, m) in opens.iter_mut().enumerate() {
+        if let Some(o) = m.remove(&id) {
+            close(&clients[k], o.fd);
+        }
+    }
+}
+
+pub(super) fn ino_of(fd: i32) -> u64 {
+    crate::front::sys::fstat(fd).expect("fstat").st_ino
+}
+
+pub(super) fn close(c: &Client, fd: i32) {
+    c.untrack(fd);
+    // SAFETY: a descriptor this history opened and no longer uses.
+    unsafe { libc::close(fd) };
+}
