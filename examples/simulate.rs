@@ -64,6 +64,10 @@ struct Args {
     /// power cut could take one back)
     #[arg(long)]
     no_lost_rmdirs: bool,
+    /// Leave the changes of programs that are not attached out of the `pmstack run`
+    /// histories (the histories of seeds found before they had them)
+    #[arg(long)]
+    no_outside: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -105,6 +109,7 @@ fn main() {
         syncfs_ignored: false,
         threads: !a.no_threads,
         lost_rmdirs: !a.no_lost_rmdirs,
+        outside: !a.no_outside,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -178,8 +183,8 @@ fn main() {
             cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.mkdirs, cov.rmdirs, cov.dir_renames, cov.recreated
         );
         println!(
-            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}",
-            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs
+            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {}",
+            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes
         );
         println!(
             "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {}, real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",

@@ -21,6 +21,7 @@ const LINKS: Kinds = Kinds {
     syncfs_ignored: false,
     threads: false,
     lost_rmdirs: false,
+    outside: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -344,6 +345,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 syncfs_ignored: false,
                 threads: false,
                 lost_rmdirs: false,
+                outside: false,
             },
         )
     });
@@ -370,6 +372,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 syncfs_ignored: false,
                 threads: false,
                 lost_rmdirs: false,
+                outside: false,
             },
         )
     });

@@ -58,6 +58,8 @@ pub struct Coverage {
     /// `pmstack run` over a lower that ignores syncfs: real syncs of new files that synced
     /// the directories of their path too (`F_BORN_UNSYNCED`).
     pub paths_synced: u64,
+    /// `pmstack run`: names changed in the lower by a program that is not attached.
+    pub outside_changes: u64,
     /// Crash images whose live log records were in more than one append area (recovery
     /// merged them by LSN).
     pub multi_area_logs: u64,
@@ -97,6 +99,7 @@ impl Coverage {
         self.objects_synced += o.objects_synced;
         self.refused_unserved += o.refused_unserved;
         self.paths_synced += o.paths_synced;
+        self.outside_changes += o.outside_changes;
         self.multi_area_logs += o.multi_area_logs;
         self.rmdirs_taken_back += o.rmdirs_taken_back;
     }

@@ -37,6 +37,7 @@ mod coverage;
 mod lower;
 mod model;
 mod mount;
+mod outside;
 mod procs;
 mod run;
 #[cfg(test)]
@@ -144,6 +145,10 @@ pub struct Kinds {
     /// An rmdir moves the directory out of the lower instead (through the mount's core), so
     /// that a power cut can take the removal back, the directory returning with its inode.
     pub lost_rmdirs: bool,
+    /// `pmstack run`: a program that is not attached changes names in the lower itself (it
+    /// creates an empty file, renames or unlinks a file), and fsyncs the directories it
+    /// changed before the next operation: durable by the lower's own means, not logged.
+    pub outside: bool,
 }
 
 impl Kinds {
@@ -155,6 +160,7 @@ impl Kinds {
         syncfs_ignored: false,
         threads: true,
         lost_rmdirs: true,
+        outside: true,
     };
 
     /// The simulate example's flags that select these kinds.
@@ -177,6 +183,9 @@ impl Kinds {
         }
         if !self.lost_rmdirs {
             f += " --no-lost-rmdirs";
+        }
+        if !self.outside {
+            f += " --no-outside";
         }
         f
     }

@@ -133,6 +133,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // As of which operation `durable` holds each inode (`super::Times`).
     let mut durable_at = super::times(&durable, 0);
     let mut next_file = 0u32;
+    // Files a program that is not attached made, whose names no attached process has
+    // changed since: the only ones it renames or removes (`Kinds::outside`).
+    let mut outside_ids = std::collections::BTreeSet::new();
     // Up to which operation (an index of `trees`) the lower's journal committed its names:
     // every real sync commits it (a namespace write-back, a file's fsync, a directory's).
     let mut ns_durable = 0usize;
@@ -196,7 +199,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         let mut real_dir_sync = false;
         let may_refuse = per_object && !alive;
         let mut refused = false;
-        let kind = rng.gen_range(0..if kinds.dirs { 21 } else { 19 });
+        let base_kinds = if kinds.dirs { 21 } else { 19 };
+        let kind = rng.gen_range(0..base_kinds + if kinds.outside { 2 } else { 0 });
         match kind {
             0 | 1 => {
                 let name = new_file_name(&mut rng, &model, kinds);
@@ -267,6 +271,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     cov.renames += 1;
                     ns_op = true;
                     stash.keep_last(&lower, &b);
+                    for n in [&a, &b] {
+                        model.names.get(n).map(|id| outside_ids.remove(id));
+                    }
                     let renamed = c.rename(&target(c, &a), &target(c, &b), 0);
                     if done(renamed, may_refuse, "rename").is_none() {
                         refused = true;
@@ -280,6 +287,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 cov.unlinks += 1;
                 ns_op = true;
                 stash.keep_last(&lower, &a);
+                model.names.get(&a).map(|id| outside_ids.remove(id));
                 if done(c.unlink(&target(c, &a), false), may_refuse, "unlink").is_none() {
                     refused = true;
                 } else if let Some(gone) = model.unlink(&a) {
@@ -356,6 +364,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 if !model.names.contains_key(&b) {
                     cov.links += 1;
                     ns_op = true;
+                    model.names.get(&a).map(|id| outside_ids.remove(id));
                     let linked = c.link(&target(c, &a), &target(c, &b), false);
                     if done(linked, may_refuse, "link").is_none() {
                         refused = true;
@@ -410,6 +419,26 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 }
                 None => {}
             },
+            k if k >= base_kinds => {
+                // A program that is not attached (`super::outside`): it syncs the directories
+                // it changed, so the lower commits its names up to here.
+                if let Some((made, gone)) = super::outside::change(
+                    &mut outside_ids,
+                    &mut rng,
+                    &mut model,
+                    kinds,
+                    &lower,
+                    &stash,
+                    &mut next_file,
+                ) {
+                    real_dir_sync = true;
+                    cov.outside_changes += 1;
+                    entry_made_durable = made;
+                    if let Some(gone) = gone {
+                        close_everywhere(&clients, &mut opens, gone);
+                    }
+                }
+            }
             _ => {}
         }
         if refused {

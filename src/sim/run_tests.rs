@@ -20,6 +20,7 @@ fn crash_histories_through_pmstack_run_keep_the_contract() {
             && c.rmdirs > 0
             && c.dir_renames > 0
             && c.multi_area_logs > 0
+            && c.outside_changes > 0
     };
     let mut seed0: u64 = rand::random::<u32>() as u64;
     let mut cov = Coverage::default();
