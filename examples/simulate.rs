@@ -68,6 +68,10 @@ struct Args {
     /// histories (the histories of seeds found before they had them)
     #[arg(long)]
     no_outside: bool,
+    /// End every history in a power cut (the histories of seeds found before some ended in
+    /// a kill of the processes)
+    #[arg(long)]
+    no_kills: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -110,6 +114,7 @@ fn main() {
         threads: !a.no_threads,
         lost_rmdirs: !a.no_lost_rmdirs,
         outside: !a.no_outside,
+        kills: !a.no_kills,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -175,8 +180,8 @@ fn main() {
             cov.histories, cov.ops, cov.crash_images, cov.fences_captured
         );
         println!(
-            "  crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations; rmdirs {}), recoveries killed and redone {}, replays run twice {}; crashes kept from taking back a directory's removal (a directory renamed over cannot come back with its inode) {}",
-            cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.rmdirs_taken_back, cov.recoveries_interrupted, cov.double_replays, cov.dir_removals_kept
+            "  kills of the processes (every store and the lower's page cache kept) {}, crashes inside a write-back {}, power cuts that took back namespace operations {} ({} operations; rmdirs {}), recoveries killed and redone {}, replays run twice {}; crashes kept from taking back a directory's removal (a directory renamed over cannot come back with its inode) {}",
+            cov.kills, cov.crashes_in_write_back, cov.namespace_rewinds, cov.namespace_ops_lost, cov.rmdirs_taken_back, cov.recoveries_interrupted, cov.double_replays, cov.dir_removals_kept
         );
         println!(
             "  operations: fsync {}, write-back {}, rename {}, exchange {}, unlink {}, link {}, truncate {}, fallocate {}, FORGET+lookup {}, mkdir {}, rmdir {}, rename of a directory {}; objects re-created by recovery {}",

@@ -22,6 +22,7 @@ const LINKS: Kinds = Kinds {
     threads: false,
     lost_rmdirs: false,
     outside: false,
+    kills: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -346,6 +347,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 threads: false,
                 lost_rmdirs: false,
                 outside: false,
+                kills: false,
             },
         )
     });
@@ -373,6 +375,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 threads: false,
                 lost_rmdirs: false,
                 outside: false,
+                kills: false,
             },
         )
     });
@@ -395,7 +398,7 @@ fn a_remounted_fuse_lower_that_reuses_inode_numbers_gets_each_object_back() {
             Mode::Strict,
             Kinds {
                 syncfs_ignored: true,
-                ..Kinds::CAMPAIGN
+                ..Kinds::CAMPAIGN_BEFORE_KILLS
             },
         )
     });
@@ -407,7 +410,7 @@ fn a_remounted_fuse_lower_that_reuses_inode_numbers_gets_each_object_back() {
 #[test]
 fn a_lost_rmdir_is_replayed() {
     let cov = crate::sim::expect_contract([(58, Mode::Strict), (513, Mode::Sync)], |(s, m)| {
-        crate::sim::run_history(s, 50, m, Kinds::CAMPAIGN)
+        crate::sim::run_history(s, 50, m, Kinds::CAMPAIGN_BEFORE_KILLS)
     });
     assert!(cov.rmdirs_taken_back >= 2, "{cov:?}");
 }

@@ -42,19 +42,20 @@ impl Core {
         st: &mut FileState,
     ) -> io::Result<()> {
         self.sync_object(i)?;
-        if !self.syncfs_ok {
-            // The lower's fsync of a file need not make its name durable, and recovery takes
-            // a live creation of the file followed by the write-back record below for made
-            // durable (`ReplayPlan::durable_creations`): the directories changed since the
-            // last write-back, queued with their objects, are made durable first (as the
-            // namespace write-back does).
-            let set = self.to_sync.lock();
-            self.make_durable(&set)?;
-        }
-        let upto = log.lsn_now();
-        if log.write_back(i.fid, upto).is_err() {
-            owed.full_write_back();
-        }
+        // Over a lower that ignores syncfs, the directories changed since the last write-back
+        // (queued with their objects) are made durable before the record, as the namespace
+        // write-back does.
+        crate::policy::expire_synced(
+            !self.syncfs_ok,
+            || self.make_durable(&self.to_sync.lock()),
+            || {
+                let upto = log.lsn_now();
+                if log.write_back(i.fid, upto).is_err() {
+                    owed.full_write_back();
+                }
+                Ok(())
+            },
+        )?;
         st.dirty.clear();
         st.live_pages.clear();
         st.live_attr = false;

@@ -30,6 +30,9 @@ struct Capture {
     per_fence: usize,
     rng: rand::rngs::StdRng,
     images: Vec<CrashImage>,
+    /// Images of a kill of the process (every store kept: the memory survives), not of a
+    /// power cut.
+    kill: bool,
 }
 
 /// A region image a power cut could have left, tagged with the fence it preceded.
@@ -85,7 +88,16 @@ impl SimPmem {
             per_fence,
             rng: rand::rngs::StdRng::seed_from_u64(seed),
             images: Vec::new(),
+            kill: false,
         });
+    }
+
+    /// From now on, the captured images are those a kill of the process leaves: everything
+    /// visible at the fence, every store kept.
+    pub fn capture_as_kills(&self) {
+        if let Some(c) = self.st.lock().capture.as_mut() {
+            c.kill = true;
+        }
     }
 
     /// Call `hook` at every later capture and keep what it returns with the image
@@ -213,7 +225,7 @@ impl Pmem for SimPmem {
                 for _ in 0..cap.per_fence {
                     let mut img = st.persisted.clone();
                     for &w in st.dirty.iter().chain(st.flushed.iter()) {
-                        if cap.rng.gen_bool(0.5) {
+                        if cap.rng.gen_bool(0.5) || cap.kill {
                             img[w * 8..w * 8 + 8].copy_from_slice(&st.current[w * 8..w * 8 + 8]);
                         }
                     }

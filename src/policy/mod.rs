@@ -11,7 +11,9 @@
 //! logged before the lower sees it, and if the lower then refuses it, the object is written
 //! back so that its record expires. Renames, links and removals are logged before the lower
 //! sees them too, and their outcome after (`change_namespace`, `log_outcome`); write-back
-//! takes its horizon before it makes the lower durable (`write_back`). What each front end
+//! takes its horizon before it makes the lower durable (`write_back`), and a real sync of one
+//! object makes its names durable before it expires its entries where the lower's fsync may
+//! leave them behind (`expire_synced`). What each front end
 //! binds, and what it does to its own state after a write-back, still lives in it; see
 //! `docs/contract.md` for the contract they implement.
 
@@ -138,6 +140,25 @@ pub fn write_back(
     make_durable()?;
     checkpoint(upto);
     Ok(upto)
+}
+
+/// Expire one object's older entries after the lower's own sync of it made the object durable
+/// (a fallback of the mount when PM is full, a real sync under `pmstack run`): `expire`
+/// writes the object's write-back record. Recovery takes a live creation of the object
+/// followed by such a record for made durable, name included (`ReplayPlan::durable_creations`):
+/// true of a local file system's fsync of a new file (ext4 and XFS commit its name with it),
+/// not of a lower that ignores syncfs (a FUSE or network client). There (`names_may_lag`),
+/// `sync_names` makes the object's names durable first (the directories of its path, or every
+/// directory changed since the last write-back); if it fails, nothing expires.
+pub fn expire_synced(
+    names_may_lag: bool,
+    sync_names: impl FnOnce() -> io::Result<()>,
+    expire: impl FnOnce() -> io::Result<()>,
+) -> io::Result<()> {
+    if names_may_lag {
+        sync_names()?;
+    }
+    expire()
 }
 
 /// Append and commit, on its own, what became of the namespace intent of LSN `lsn`

@@ -60,6 +60,8 @@ pub struct Coverage {
     pub paths_synced: u64,
     /// `pmstack run`: names changed in the lower by a program that is not attached.
     pub outside_changes: u64,
+    /// Histories that ended in a kill of the processes rather than a power cut.
+    pub kills: u64,
     /// Crash images whose live log records were in more than one append area (recovery
     /// merged them by LSN).
     pub multi_area_logs: u64,
@@ -100,6 +102,7 @@ impl Coverage {
         self.refused_unserved += o.refused_unserved;
         self.paths_synced += o.paths_synced;
         self.outside_changes += o.outside_changes;
+        self.kills += o.kills;
         self.multi_area_logs += o.multi_area_logs;
         self.rmdirs_taken_back += o.rmdirs_taken_back;
     }

@@ -149,6 +149,10 @@ pub struct Kinds {
     /// creates an empty file, renames or unlinks a file), and fsyncs the directories it
     /// changed before the next operation: durable by the lower's own means, not logged.
     pub outside: bool,
+    /// One history in five (by seed) ends in a kill of the processes (the mount's, or the
+    /// programs and the daemon of `pmstack run`) instead of a power cut: PM keeps every store,
+    /// the lower everything it was given.
+    pub kills: bool,
 }
 
 impl Kinds {
@@ -161,6 +165,15 @@ impl Kinds {
         threads: true,
         lost_rmdirs: true,
         outside: true,
+        kills: true,
+    };
+
+    /// `CAMPAIGN` before histories had programs that are not attached and kills
+    /// (2026-11-25): what the seeds found before run with.
+    pub const CAMPAIGN_BEFORE_KILLS: Kinds = Kinds {
+        outside: false,
+        kills: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// The simulate example's flags that select these kinds.
@@ -186,6 +199,9 @@ impl Kinds {
         }
         if !self.outside {
             f += " --no-outside";
+        }
+        if !self.kills {
+            f += " --no-kills";
         }
         f
     }
@@ -296,6 +312,16 @@ struct Crash<'a> {
     /// The lower is a FUSE or network client that ignores syncfs, mounted again before
     /// recovery (`Kinds::syncfs_ignored`).
     fuse_lower: bool,
+    /// A kill of the processes, not a power cut (`Kinds::kills`): the images are of every
+    /// store, and the lower keeps everything as at the crash point.
+    killed: bool,
+}
+
+impl Kinds {
+    /// Whether the history of `seed` ends in a kill rather than a power cut.
+    pub(super) fn killed(self, seed: u64) -> bool {
+        self.kills && (seed / 6) % 5 == 4
+    }
 }
 
 /// Take a crash image of `sim` in operation `x.c`, cut the lower's power (names rewound to a
@@ -324,9 +350,15 @@ fn recover_and_check(
     let kept = x.stash.removed_dirs();
     images.retain(|i| restorable(&x.at_fences.get(i.note).0, [&trees[c + 1]], &kept));
     let mut narrowed = images.len() < captured;
+    cov.kills += x.killed as u64;
     let (img, k, at_fence) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
-        (sim.crash_image(rng), c + 1, None)
+        let img = if x.killed {
+            sim.current_image()
+        } else {
+            sim.crash_image(rng)
+        };
+        (img, c + 1, None)
     } else {
         let i = images.swap_remove(rng.gen_range(0..images.len()));
         (i.bytes, c, Some(x.at_fences.get(i.note)))
@@ -373,7 +405,10 @@ fn recover_and_check(
     .min(ns_max);
     let restorable_from =
         |p: usize| restorable(tree(p), trees[p..].iter().chain(at_fence.as_ref()), &kept);
-    let p = if (ns_min..=ns_max).all(restorable_from) {
+    // A kill leaves the names as they were at the crash point.
+    let p = if x.killed {
+        k1
+    } else if (ns_min..=ns_max).all(restorable_from) {
         if rng.gen_bool(0.5) {
             ns_max
         } else {
@@ -463,23 +498,29 @@ fn recover_and_check(
             base_at.insert(*ino, at);
         }
     }
-    let origins = power_cut(
-        lower_path,
-        (&base_tree, &base_at),
-        &[
-            (
-                tree(p),
-                &if p == k1 {
-                    at_k1.clone()
-                } else {
-                    times(tree(p), p)
-                },
-            ),
-            (tree(k), &times(tree(k), k)),
-            (tree(k1), &at_k1),
-        ],
-        rng,
-    );
+    let origins = if x.killed {
+        // Everything the lower was given stays, as at the crash point.
+        let (t, at) = (tree(k1), &at_k1);
+        power_cut(lower_path, (t, at), &[(t, at), (t, at), (t, at)], rng)
+    } else {
+        power_cut(
+            lower_path,
+            (&base_tree, &base_at),
+            &[
+                (
+                    tree(p),
+                    &if p == k1 {
+                        at_k1.clone()
+                    } else {
+                        times(tree(p), p)
+                    },
+                ),
+                (tree(k), &times(tree(k), k)),
+                (tree(k1), &at_k1),
+            ],
+            rng,
+        )
+    };
     let mut pm = Arc::new(SimPmem::from_image(img));
     // Over a FUSE lower, recovery finds a client mounted again: the handles it has are stale.
     let lower2 = if x.fuse_lower {

@@ -47,6 +47,9 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             r.sim
                 .on_capture(at_fences.hook(&lower_path, || (0, 0, 0, 0)));
             r.sim.capture_at_fences(1.0, 1, seed);
+            if kinds.killed(seed) {
+                r.sim.capture_as_kills();
+            }
         }
         r.sim.set_tag(models.len() as u64 - 1);
         cov.ops += 1;
@@ -294,6 +297,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         at_fences,
         in_op_syncs: None,
         fuse_lower: kinds.syncfs_ignored,
+        killed: kinds.killed(seed),
     };
     recover_and_check(crash, &sim, &lower_path, &models, &trees, &mut rng, cov);
 }

@@ -166,6 +166,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 )
             }));
             sim.capture_at_fences(1.0, 1, seed);
+            if kinds.killed(seed) {
+                sim.capture_as_kills();
+            }
             let (f, ns, _, ns_dir, path_syncs) = counters(&d.table, &pids);
             in_op = Some((
                 durable.clone(),
@@ -588,6 +591,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             files: crash_op_files,
         }),
         fuse_lower: per_object,
+        killed: kinds.killed(seed),
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
 }

@@ -78,7 +78,7 @@ fn a_real_sync_of_a_new_file_over_a_lower_that_ignores_syncfs_keeps_its_name() {
     let kinds = Kinds {
         syncfs_ignored: true,
         threads: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_KILLS
     };
     let cov = expect_contract(
         [
@@ -99,10 +99,12 @@ fn a_real_sync_of_a_new_file_over_a_lower_that_ignores_syncfs_keeps_its_name() {
 /// seeds find nothing.
 #[test]
 fn a_sync_of_a_file_another_process_wrote_without_logging_covers_its_bytes() {
-    expect_contract([1311], |s| run_history_preload(s, 50, Kinds::CAMPAIGN));
+    expect_contract([1311], |s| {
+        run_history_preload(s, 50, Kinds::CAMPAIGN_BEFORE_KILLS)
+    });
     let kinds = Kinds {
         syncfs_ignored: true,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_KILLS
     };
     expect_contract([910, 1348], |s| run_history_preload(s, 50, kinds));
 }

@@ -263,19 +263,28 @@ impl Client {
             && (slot.w(S_LAST_LSN).load(Ordering::Acquire) >= cp
                 || slot.w(S_BIND_LSN).load(Ordering::Acquire) >= cp)
         {
-            if slot.flags() & F_BORN_UNSYNCED != 0 {
-                self.sync_path_of(fd)?;
-                // Counted when it happened (the crash simulator reads the count at each fence).
-                self.count(P_NAME_SYNCS, 1);
-                slot.w(S_FLAGS)
-                    .fetch_and(!F_BORN_UNSYNCED, Ordering::AcqRel);
-            }
-            let upto = self.log.lsn_now();
-            if self.log.write_back(fid, upto).is_err() {
-                // Not even the reserve has room: wait (bounded) for the daemon's write-back
-                // to pass `upto`, which expires the entries as well.
-                self.wait_for_checkpoint(upto)?;
-            }
+            // A new file's name, over a lower whose fsync of a file may leave it behind
+            // (`F_BORN_UNSYNCED`): its path is synced first.
+            crate::policy::expire_synced(
+                slot.flags() & F_BORN_UNSYNCED != 0,
+                || {
+                    self.sync_path_of(fd)?;
+                    // Counted when it happened (the crash simulator reads it at each fence).
+                    self.count(P_NAME_SYNCS, 1);
+                    slot.w(S_FLAGS)
+                        .fetch_and(!F_BORN_UNSYNCED, Ordering::AcqRel);
+                    Ok(())
+                },
+                || {
+                    let upto = self.log.lsn_now();
+                    if self.log.write_back(fid, upto).is_err() {
+                        // Not even the reserve has room: wait (bounded) for the daemon's
+                        // write-back to pass `upto`, which expires the entries as well.
+                        self.wait_for_checkpoint(upto)?;
+                    }
+                    Ok(())
+                },
+            )?;
         }
         slot.w(S_LAST_LSN).store(0, Ordering::Release);
         if vetted {
