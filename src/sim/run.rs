@@ -136,6 +136,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // Files a program that is not attached made, whose names no attached process has
     // changed since: the only ones it renames or removes (`Kinds::outside`).
     let mut outside_ids = std::collections::BTreeSet::new();
+    // Directories the history removed, held open so that their inode numbers are not handed
+    // out again during it: over a lower mounted again before recovery, which finds objects by
+    // inode number, a file a program that is not attached made with the number of a
+    // directory the log removed would be taken for it (a known limit, `docs/contract.md`).
+    // (Files the history removes keep theirs in the stash.)
+    let mut held: Vec<fs::File> = Vec::new();
     // Up to which operation (an index of `trees`) the lower's journal committed its names:
     // every real sync commits it (a namespace write-back, a file's fsync, a directory's).
     let mut ns_durable = 0usize;
@@ -403,6 +409,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Rmdir(d)) => {
                     cov.rmdirs += 1;
                     ns_op = true;
+                    if per_object && kinds.outside {
+                        // The directory's inode number stays taken (see `held`).
+                        held.extend(fs::File::open(lower.join(&d)));
+                    }
                     match done(c.unlink(&target(c, &d), true), may_refuse, "rmdir") {
                         Some(()) => model.rmdir(&d),
                         None => refused = true,
@@ -594,4 +604,5 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         killed: kinds.killed(seed),
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
+    drop(held);
 }
