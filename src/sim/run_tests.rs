@@ -5,9 +5,8 @@ use super::{expect_contract, run_history_preload, Coverage, Kinds};
 
 /// Short runs in `cargo test`; the long run is the `simulate` example (`--mode run`).
 /// Two attached processes, each operation one's (`Kinds::threads`), so one object's records
-/// spread over their append areas. Random seeds, 60 histories at a time until every kind of event below happened (a
-/// rename of a directory is rare in these histories: 60 of them may have none), at most
-/// 600.
+/// spread over their append areas; programs that are not attached; kills as well as power
+/// cuts (`until_covered`).
 #[test]
 fn crash_histories_through_pmstack_run_keep_the_contract() {
     let covered = |c: &Coverage| {
@@ -21,19 +20,9 @@ fn crash_histories_through_pmstack_run_keep_the_contract() {
             && c.dir_renames > 0
             && c.multi_area_logs > 0
             && c.outside_changes > 0
+            && c.kills > 0
     };
-    let mut seed0: u64 = rand::random::<u32>() as u64;
-    let mut cov = Coverage::default();
-    for _ in 0..10 {
-        cov.add(&expect_contract(seed0..seed0 + 60, |s| {
-            run_history_preload(s, 50, Kinds::CAMPAIGN)
-        }));
-        if covered(&cov) {
-            break;
-        }
-        seed0 += 60;
-    }
-    assert!(covered(&cov), "{cov:?}");
+    until_covered(Kinds::CAMPAIGN, covered);
 }
 
 /// The same over a lower that ignores syncfs (FUSE and network lowers): the daemon's
@@ -53,18 +42,7 @@ fn crash_histories_through_pmstack_run_over_a_lower_that_ignores_syncfs_keep_the
         syncfs_ignored: true,
         ..Kinds::CAMPAIGN
     };
-    let mut seed0: u64 = rand::random::<u32>() as u64;
-    let mut cov = Coverage::default();
-    for _ in 0..10 {
-        cov.add(&expect_contract(seed0..seed0 + 60, |s| {
-            run_history_preload(s, 50, kinds)
-        }));
-        if covered(&cov) {
-            break;
-        }
-        seed0 += 60;
-    }
-    assert!(covered(&cov), "{cov:?}");
+    until_covered(kinds, covered);
 }
 
 /// Seeds of the long run over a lower that ignores syncfs that found a new file's fsynced
@@ -116,16 +94,7 @@ fn a_sync_of_a_file_another_process_wrote_without_logging_covers_its_bytes() {
 /// were being added to the simulator, so no earlier commit runs it).
 #[test]
 fn an_in_flight_rename_of_a_hard_link_keeps_the_file() {
-    expect_contract([1320], |s| {
-        run_history_preload(
-            s,
-            50,
-            Kinds {
-                links: true,
-                ..Kinds::default()
-            },
-        )
-    });
+    with_links([1320]);
 }
 
 /// More seeds with hard links: a file's two names, one unlinked (the log's record says
@@ -134,16 +103,7 @@ fn an_in_flight_rename_of_a_hard_link_keeps_the_file() {
 /// back there after an in-flight rename (58907). Each fails on d52bc4e.
 #[test]
 fn hard_links_with_an_in_flight_rename_keep_the_contract() {
-    expect_contract([780, 58907], |s| {
-        run_history_preload(
-            s,
-            50,
-            Kinds {
-                links: true,
-                ..Kinds::default()
-            },
-        )
-    });
+    with_links([780, 58907]);
 }
 
 /// A recovery killed in its namespace pass, after it moved an object aside: the next
@@ -171,4 +131,31 @@ fn seeds_that_found_violations_keep_the_contract() {
     expect_contract([20285778, 20289366, 20326542, 20340062, 20352494], |s| {
         run_history_preload(s, 50, Kinds::default())
     });
+}
+
+/// The `pmstack run` histories of `seeds` with hard links and nothing else of
+/// `Kinds::CAMPAIGN` (the kinds they were found with).
+fn with_links(seeds: impl IntoIterator<Item = u64>) {
+    let kinds = Kinds {
+        links: true,
+        ..Kinds::default()
+    };
+    expect_contract(seeds, |s| run_history_preload(s, 50, kinds));
+}
+
+/// Random seeds of `kinds`, 60 histories at a time until `covered` (a rename of a directory
+/// is rare in these histories: 60 of them may have none), at most 600.
+fn until_covered(kinds: Kinds, covered: impl Fn(&Coverage) -> bool) {
+    let mut seed0: u64 = rand::random::<u32>() as u64;
+    let mut cov = Coverage::default();
+    for _ in 0..10 {
+        cov.add(&expect_contract(seed0..seed0 + 60, |s| {
+            run_history_preload(s, 50, kinds)
+        }));
+        if covered(&cov) {
+            break;
+        }
+        seed0 += 60;
+    }
+    assert!(covered(&cov), "{cov:?}");
 }
