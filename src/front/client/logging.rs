@@ -264,13 +264,20 @@ impl Client {
                 || slot.w(S_BIND_LSN).load(Ordering::Acquire) >= cp)
         {
             // A new file's name, over a lower whose fsync of a file may leave it behind
-            // (`F_BORN_UNSYNCED`): its path is synced first.
+            // (`F_BORN_UNSYNCED`): its path is synced first. Where this process cannot (a
+            // directory it may not read), the daemon's write-back does it (it fsyncs the
+            // directories the log's records changed, as root) and expires the entries too;
+            // with no daemon to do it, the sync fails rather than expire the creation.
             crate::policy::expire_synced(
                 slot.flags() & F_BORN_UNSYNCED != 0,
                 || {
-                    self.sync_path_of(fd)?;
-                    // Counted when it happened (the crash simulator reads it at each fence).
-                    self.count(P_NAME_SYNCS, 1);
+                    match self.sync_path_of(fd) {
+                        // Counted when it happened (the crash simulator reads it at each
+                        // fence).
+                        Ok(()) => self.count(P_NAME_SYNCS, 1),
+                        Err(e) if !self.serving() => return Err(e),
+                        Err(_) => self.wait_for_write_back(self.log.lsn_now())?,
+                    }
                     slot.w(S_FLAGS)
                         .fetch_and(!F_BORN_UNSYNCED, Ordering::AcqRel);
                     Ok(())

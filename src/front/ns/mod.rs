@@ -339,7 +339,7 @@ impl Client {
     /// Wake the daemon and wait (at most 10 s) until its write-back has passed `upto`. EIO
     /// when it does not serve, or not in time: the operation cannot be made durable in order
     /// with what the log holds.
-    fn wait_for_write_back(&self, upto: u64) -> io::Result<()> {
+    pub(in crate::front) fn wait_for_write_back(&self, upto: u64) -> io::Result<()> {
         self.table.w(H_WAKE).store(1, Ordering::Relaxed);
         self.wait_for_checkpoint(upto)
     }
