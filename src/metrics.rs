@@ -111,7 +111,7 @@ pub const METRICS: &[Metric] = &[
     m("bytes_logged", Counter, Bytes, Serve, "bytes of data logged"),
     m("ns_write_backs", Counter, Count, Serve, "directory syncs made by writing the namespace back (a change the log did not see)"),
     m("ns_dir_write_backs", Counter, Count, Serve, "namespace write-backs that synced only the directories concerned (no live namespace record named them), not the whole file system"),
-    m("name_syncs", Counter, Count, Serve, "real syncs of new files that also fsynced the directories of their path (a lower that ignores syncfs, whose fsync of a file may leave its name behind)"),
+    m("name_syncs", Counter, Count, Serve, "real syncs of new files that also fsynced directories of their path whose names may not have been durable (a lower that ignores syncfs, whose fsync of a file may leave its name behind)"),
     m("unserved", Counter, Count, Serve, "operations of attached processes that found the daemon not serving and ran on the lower file system alone"),
     m("attaches", Counter, Count, Serve, "processes that attached"),
     m("attaches_refused", Counter, Count, Serve, "attach requests refused (another user, no free append area)"),

@@ -274,7 +274,8 @@ impl Client {
                     match self.sync_path_of(fd) {
                         // Counted when it happened (the crash simulator reads it at each
                         // fence).
-                        Ok(()) => self.count(P_NAME_SYNCS, 1),
+                        Ok(true) => self.count(P_NAME_SYNCS, 1),
+                        Ok(false) => {}
                         Err(e) if !self.serving() => return Err(e),
                         Err(_) => self.wait_for_write_back(self.log.lsn_now())?,
                     }

@@ -306,7 +306,7 @@ impl Client {
     /// levels; a directory outside the root's file system ends the walk). `live`: some
     /// namespace record is live; then EBUSY, before anything is synced, if one names any of
     /// these directories (`named_live`).
-    pub(in crate::front) fn sync_up_to_root(&self, fd: i32, live: bool) -> io::Result<()> {
+    fn sync_up_to_root(&self, fd: i32, live: bool) -> io::Result<()> {
         let mut above: Vec<OwnedFd> = Vec::new();
         for _ in 0..4096 {
             let at = above.last().map_or(fd, |c| c.as_raw_fd());

@@ -4,7 +4,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
 use super::{at_call, ctime, Dir, Intent, Target};
@@ -325,13 +325,17 @@ impl Client {
         .map(|(fd, _)| (fd, born.take()))
     }
 
-    /// Make the name of the regular file `fd` durable: fsync its directory and each one above
-    /// it up to the root (found by its path, `/proc/self/fd`). Nothing for a file with no name
-    /// left. Before a write-back record that lets recovery take the file's live creation for
-    /// durable (`F_BORN_UNSYNCED`). Caller holds the object's slot lock.
-    pub(in crate::front) fn sync_path_of(&self, fd: i32) -> io::Result<()> {
+    /// Make the name of the regular file `fd` durable, and the names of the directories on
+    /// its path (found by its path, `/proc/self/fd`), up to the root: fsync each directory of
+    /// the path that a live namespace record names as a parent (`named_live`). The entries of
+    /// any other one are durable: the write-back that expired the records that changed them
+    /// fsynced it, and a change that was not logged is written back before a record is logged
+    /// there. Nothing for a file with no name left. Before a write-back record that lets
+    /// recovery take the file's live creation for durable (`F_BORN_UNSYNCED`). Whether it
+    /// synced any directory. Caller holds the object's slot lock.
+    pub(in crate::front) fn sync_path_of(&self, fd: i32) -> io::Result<bool> {
         if sys::fstat(fd)?.st_nlink == 0 {
-            return Ok(());
+            return Ok(false);
         }
         let mut path = sys::fd_path(fd).ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))?;
         let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
@@ -346,8 +350,30 @@ impl Client {
             0,
         )?;
         // SAFETY: a fresh descriptor we own.
-        let dfd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dfd) };
-        self.sync_up_to_root(dfd.as_raw_fd(), false)
+        let mut dir = unsafe { OwnedFd::from_raw_fd(dfd) };
+        let mut synced = false;
+        for _ in 0..4096 {
+            let st = sys::fstat(dir.as_raw_fd())?;
+            if st.st_dev != self.root_dev {
+                break;
+            }
+            if self.named_live(&st) {
+                sys::fsync(dir.as_raw_fd(), false)?;
+                synced = true;
+            }
+            if st.st_ino == self.root_ino {
+                break;
+            }
+            let up = sys::openat(
+                dir.as_raw_fd(),
+                c"..".as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+                0,
+            )?;
+            // SAFETY: a fresh descriptor we own.
+            dir = unsafe { OwnedFd::from_raw_fd(up) };
+        }
+        Ok(synced)
     }
 
     /// fsync/fdatasync of a directory under the root: nothing to do if every change of it

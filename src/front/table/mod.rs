@@ -97,8 +97,8 @@ pub const P_UNSERVED: usize = 11;
 /// Of the namespace write-backs (`P_NS_SYNCS`), those that synced only directories (no
 /// namespace record was live: `Client::write_back_namespace`).
 pub const P_NS_DIR_SYNCS: usize = 12;
-/// Real syncs of new files that also synced the directories of their path, up to the root
-/// (the lower ignores syncfs: `F_BORN_UNSYNCED`).
+/// Real syncs of new files that also synced directories of their path whose names may not
+/// have been durable (the lower ignores syncfs: `F_BORN_UNSYNCED`).
 pub const P_NAME_SYNCS: usize = 13;
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
 pub const COUNTERS: [usize; 11] = [
