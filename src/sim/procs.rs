@@ -3,12 +3,14 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::front::client::{Client, Tracked};
 use crate::front::table::{
     Table, P_FALLBACKS, P_NAME_SYNCS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
 };
+use crate::pmem::sim::SimPmem;
 
 /// A process's descriptor of a file of the history.
 pub(super) struct Open {
@@ -86,4 +88,32 @@ pub(super) fn close(c: &Client, fd: i32) {
     c.untrack(fd);
     // SAFETY: a descriptor this history opened and no longer uses.
     unsafe { libc::close(fd) };
+}
+
+/// The attached processes of a history and their clients of the daemon whose table is at
+/// `table` (`epoch`), on `pm`, for the lower at `lower`: with `two` (`Kinds::threads`), two,
+/// each with its append area, process record and descriptors; each operation is one
+/// process's (one at a time). The second goes by the pid of a process that outlives the
+/// history (its parent's), as the table takes a dead pid's record for free.
+pub(super) fn attach_processes(
+    two: bool,
+    table: &Path,
+    epoch: u64,
+    pm: &Arc<SimPmem>,
+    lower: &Path,
+) -> (Vec<u64>, Vec<Client>) {
+    let pids = if two {
+        // SAFETY: getppid has no preconditions.
+        let parent = unsafe { libc::getppid() } as u64;
+        vec![crate::front::table::my_pid(), parent.max(1)]
+    } else {
+        vec![crate::front::table::my_pid()]
+    };
+    let clients = pids
+        .iter()
+        .map(|&pid| {
+            Client::attach_as(Table::open(table).unwrap(), epoch, pm.clone(), lower, pid).unwrap()
+        })
+        .collect();
+    (pids, clients)
 }

@@ -31,7 +31,9 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::procs::{close, close_everywhere, counters, ino_of, open_in, open_path, Open};
+use super::procs::{
+    attach_processes, close, close_everywhere, counters, ino_of, open_in, open_path, Open,
+};
 use super::waker::{done, Waker};
 use super::{
     dir_op, new_file_name, new_files_empty, pattern, read_tree, recover_and_check, Coverage, Crash,
@@ -84,30 +86,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // waker's (those a process waits for).
     let seen = per_object.then(|| SyncsSeen::watch(None));
     let waker = seen.as_ref().map(|s| Waker::start(d.clone(), s.share()));
-    // The attached processes: with `Kinds::threads`, two, each with its append area, process
-    // record and descriptors; each operation is one process's (one at a time). The second
-    // goes by the pid of a process that outlives the history (its parent's), as the table
-    // takes a dead pid's record for free.
-    let pids = if kinds.threads {
-        // SAFETY: getppid has no preconditions.
-        let parent = unsafe { libc::getppid() } as u64;
-        vec![crate::front::table::my_pid(), parent.max(1)]
-    } else {
-        vec![crate::front::table::my_pid()]
-    };
-    let clients: Vec<Client> = pids
-        .iter()
-        .map(|&pid| {
-            Client::attach_as(
-                Table::open(&table_path).unwrap(),
-                d.table.epoch(),
-                sim.clone(),
-                &lower,
-                pid,
-            )
-            .unwrap()
-        })
-        .collect();
+    let (pids, clients) =
+        attach_processes(kinds.threads, &table_path, d.table.epoch(), &sim, &lower);
     let path = |n: &str| {
         lower
             .join(n.trim_end_matches('/'))
