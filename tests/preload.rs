@@ -548,6 +548,58 @@ fn after_the_daemons_death_nothing_the_program_did_is_undone_by_recovery() {
     drop(s);
 }
 
+/// A truncate into a block of a file with no live entries: ext4 -o dax zeroes the tail of the
+/// new last block in place before its journal commits the new size, so a power cut in between
+/// leaves the old size with a zeroed tail (`tests/vm/rig` saw it under `pmstack run`: an
+/// in-flight truncate to 2,503 bytes left a 20,480-byte file whose first page ended in
+/// zeros). The truncate is logged before it reaches the lower, and recovery completes it. The
+/// lower's torn state is made here by hand, after a kill -9 of the program and the daemon. A
+/// truncate to a block boundary is one transaction of the lower's journal and is not logged:
+/// the lower keeps it whole or not at all.
+#[test]
+fn a_truncate_into_a_block_that_the_lower_tore_is_completed_by_recovery() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let (_d, root, pm, mut s) = quiet_serve();
+    let old: Vec<u8> = (0..20480u32).map(|i| (i % 251) as u8 + 1).collect();
+    for name in ["torn", "aligned"] {
+        let mut f = fs::File::create(root.join(name)).unwrap();
+        f.write_all(&old).unwrap();
+        f.sync_all().unwrap();
+    }
+    fs::File::open(&root).unwrap().sync_all().unwrap();
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(concat!(
+        "fd = os.open(os.path.join(d, 'torn'), os.O_WRONLY)\n",
+        "os.ftruncate(fd, 2503)\n",
+        "fd2 = os.open(os.path.join(d, 'aligned'), os.O_WRONLY)\n",
+        "os.ftruncate(fd2, 8192)",
+    ));
+    s.kill9();
+    drop(a);
+    // As ext4 -o dax leaves it after a cut before the commit: the old size, the new last
+    // block zeroed from the new end, the blocks after it as they were. The aligned truncate
+    // as a cut before its commit leaves it: not made.
+    let mut torn = old.clone();
+    torn[2503..4096].fill(0);
+    fs::write(root.join("torn"), &torn).unwrap();
+    fs::write(root.join("aligned"), &old).unwrap();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(
+        fs::read(root.join("torn")).unwrap(),
+        old[..2503],
+        "recovery left the truncate the lower tore half made"
+    );
+    assert_eq!(
+        fs::read(root.join("aligned")).unwrap(),
+        old,
+        "a truncate to a block boundary was logged (the lower keeps it whole or not at all)"
+    );
+    drop(s);
+}
+
 #[test]
 fn daemon_death_makes_programs_fall_back_and_finish() {
     if !common::can_mount() || !have("python3") {

@@ -7,7 +7,8 @@
 //! must be logged, and that they are logged before the lower file system sees them), and its
 //! counterpart for changes that are not logged (live entries are written back first). The
 //! write rule holds for attribute changes as well (`change_attribute`): one that is logged
-//! (every one on the mount, one of an object with live entries under `pmstack run`) is
+//! (every one on the mount; under `pmstack run`, one of an object with live entries or one
+//! the lower may leave half made, `lower_may_tear`) is
 //! logged before the lower sees it, and if the lower then refuses it, the object is written
 //! back so that its record expires. Renames, links and removals are logged before the lower
 //! sees them too, and their outcome after (`change_namespace`, `log_outcome`); write-back
@@ -22,7 +23,7 @@ pub mod dirty;
 use std::io;
 
 use crate::engine::format::{MAX_PAYLOAD, PAGE};
-use crate::engine::{AreaGuard, Log, LogError, Record};
+use crate::engine::{AreaGuard, AttrOp, Log, LogError, Record};
 
 /// Whether a write must be logged (and committed) before it reaches the lower file system.
 ///
@@ -45,6 +46,38 @@ pub fn must_log_first(durable_on_return: bool, touches_live: bool) -> bool {
 /// durable by then (its own write-back, or the program's real fsync).
 pub fn must_write_back_first(touches_live: bool, will_log: bool) -> bool {
     touches_live && !will_log
+}
+
+/// Whether the lower file system may leave an attribute change half made after a power cut
+/// inside it, so that an object with no live entries must still have it logged first (replay
+/// then completes it). `size` is the object's size before the change, `block` its block size
+/// as the lower reports it (`st_blksize`).
+///
+/// A truncate that ends inside a block zeroes that block's tail in place, outside the
+/// journal's transaction that sets the size: ext4 -o dax stores the zeros straight to PM, so a
+/// cut before the commit leaves the old size with a zeroed tail (seen by `tests/vm/rig`); a
+/// page-cache lower can write the zeroed page back before the commit too. Hole punching and
+/// zeroing do the same to the blocks at their ends, and a collapse or insert moves bytes over
+/// several transactions. A truncate to a block boundary, a longer one (the bytes past the old
+/// end read as zeros either way), and a plain allocation are one transaction of the journal:
+/// whole or not at all, so they need no record (their next sync is real instead).
+pub fn lower_may_tear(op: &AttrOp, size: u64, block: u64) -> bool {
+    match *op {
+        AttrOp::Truncate(len) => {
+            // A page as well as the reported block: a block larger than reported still has
+            // a page boundary inside it.
+            len < size && (len % PAGE as u64 != 0 || len % block.max(1) != 0)
+        }
+        AttrOp::Fallocate { mode, .. } => {
+            mode as i32
+                & (libc::FALLOC_FL_PUNCH_HOLE
+                    | libc::FALLOC_FL_ZERO_RANGE
+                    | libc::FALLOC_FL_COLLAPSE_RANGE
+                    | libc::FALLOC_FL_INSERT_RANGE)
+                != 0
+        }
+        _ => false,
+    }
 }
 
 /// How an attribute change (truncate, fallocate, chmod, chown, times, xattrs) that is to be
@@ -267,5 +300,31 @@ mod tests {
             }
             assert_eq!(got, data, "off {off} len {len}");
         }
+    }
+
+    /// Only a change that leaves bytes half zeroed or moved in place needs a record.
+    #[test]
+    fn only_changes_the_lower_can_leave_half_made_need_a_record() {
+        let t = |len, size, block| lower_may_tear(&AttrOp::Truncate(len), size, block);
+        assert!(t(2503, 20480, 4096), "into a block");
+        assert!(t(8192, 20480, 65536), "inside a 64 KiB block");
+        assert!(t(1, 2, 4096), "into the only block");
+        assert!(!t(8192, 20480, 4096), "to a block boundary");
+        assert!(!t(0, 20480, 4096), "to nothing");
+        assert!(!t(2503, 100, 4096), "longer");
+        assert!(!t(2503, 2503, 4096), "the same size");
+        let f = |mode: i32| {
+            let op = AttrOp::Fallocate {
+                mode: mode as u32,
+                offset: 100,
+                len: 5000,
+            };
+            lower_may_tear(&op, 20480, 4096)
+        };
+        assert!(!f(0) && !f(libc::FALLOC_FL_KEEP_SIZE), "an allocation");
+        assert!(f(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE));
+        assert!(f(libc::FALLOC_FL_ZERO_RANGE));
+        assert!(f(libc::FALLOC_FL_COLLAPSE_RANGE) && f(libc::FALLOC_FL_INSERT_RANGE));
+        assert!(!lower_may_tear(&AttrOp::Chmod(0o600), 20480, 4096));
     }
 }

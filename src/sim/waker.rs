@@ -34,7 +34,10 @@ impl Waker {
                 {
                     // A failure leaves the checkpoint where it was: the waiting process
                     // gets EIO, which the history takes for a violation.
-                    let _ = d.write_back();
+                    // Said here: the refusal the history then panics on does not say why.
+                    if let Err(e) = d.write_back() {
+                        eprintln!("simulate: the daemon's write-back failed: {e}");
+                    }
                 } else {
                     std::thread::sleep(Duration::from_micros(200));
                 }

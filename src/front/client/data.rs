@@ -172,7 +172,8 @@ impl Client {
     }
 
     /// ftruncate, then a truncate entry if the object has live entries (ordered with them at
-    /// replay); otherwise the next sync is real.
+    /// replay) or the lower may tear it (`policy::lower_may_tear`: replay completes it);
+    /// otherwise the next sync is real.
     pub fn ftruncate(&self, t: &Tracked, fd: i32, len: u64) -> io::Result<()> {
         self.attr_op(
             t,
@@ -223,8 +224,16 @@ impl Client {
             self.real_sync(&slot, fd, &mut p)?;
         }
         // An object with live entries gets a record (replay must apply the change in order
-        // with them), logged before the change reaches the lower (`policy::change_attribute`).
-        if will_log && live {
+        // with them), and so does a change the lower may leave half made after a power cut
+        // inside it (a truncate into a block: replay completes it); the record is logged
+        // before the change reaches the lower (`policy::change_attribute`).
+        let tears = || {
+            let st = sys::fstat(fd).ok();
+            st.is_none_or(|st| {
+                crate::policy::lower_may_tear(&rec, st.st_size as u64, st.st_blksize as u64)
+            })
+        };
+        if will_log && (live || tears()) {
             crate::policy::change_attribute(
                 &mut *p,
                 |_| self.log_attr(&slot, &t.ino, rec).is_ok(),
