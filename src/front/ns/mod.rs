@@ -302,21 +302,43 @@ impl Client {
         Ok(())
     }
 
-    /// fsync the directory `fd` and each directory above it up to the root (at most 4096
-    /// levels; a directory outside the root's file system ends the walk). `live`: some
+    /// fsync the directory `fd` and each directory above it up to the root. `live`: some
     /// namespace record is live; then EBUSY, before anything is synced, if one names any of
     /// these directories (`named_live`).
     fn sync_up_to_root(&self, fd: i32, live: bool) -> io::Result<()> {
+        let above = self.each_dir_up_to_root(fd, |_, st| {
+            if live && self.named_live(st) {
+                return Err(io::Error::from_raw_os_error(libc::EBUSY));
+            }
+            Ok(())
+        })?;
+        sys::fsync(fd, false)?;
+        for up in &above {
+            sys::fsync(up.as_raw_fd(), false)?;
+        }
+        Ok(())
+    }
+
+    /// `visit(dir, stat)` for the directory `fd` and each directory above it up to the root,
+    /// in that order (at most 4096 levels; a directory outside the root's file system ends
+    /// the walk, unvisited); an error of `visit` ends it too, and is returned. The directories
+    /// above `fd` that were visited, open.
+    pub(in crate::front) fn each_dir_up_to_root(
+        &self,
+        fd: i32,
+        mut visit: impl FnMut(i32, &libc::stat) -> io::Result<()>,
+    ) -> io::Result<Vec<OwnedFd>> {
         let mut above: Vec<OwnedFd> = Vec::new();
         for _ in 0..4096 {
             let at = above.last().map_or(fd, |c| c.as_raw_fd());
             let st = sys::fstat(at)?;
             if st.st_dev != self.root_dev {
+                if above.last().is_some_and(|c| c.as_raw_fd() == at) {
+                    above.pop();
+                }
                 break;
             }
-            if live && self.named_live(&st) {
-                return Err(io::Error::from_raw_os_error(libc::EBUSY));
-            }
+            visit(at, &st)?;
             if st.st_ino == self.root_ino {
                 break;
             }
@@ -329,11 +351,7 @@ impl Client {
             // SAFETY: a fresh descriptor we own.
             above.push(unsafe { OwnedFd::from_raw_fd(up) });
         }
-        sys::fsync(fd, false)?;
-        for up in &above {
-            sys::fsync(up.as_raw_fd(), false)?;
-        }
-        Ok(())
+        Ok(above)
     }
 
     /// Wake the daemon and wait (at most 10 s) until its write-back has passed `upto`. EIO

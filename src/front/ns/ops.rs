@@ -350,29 +350,15 @@ impl Client {
             0,
         )?;
         // SAFETY: a fresh descriptor we own.
-        let mut dir = unsafe { OwnedFd::from_raw_fd(dfd) };
+        let dir = unsafe { OwnedFd::from_raw_fd(dfd) };
         let mut synced = false;
-        for _ in 0..4096 {
-            let st = sys::fstat(dir.as_raw_fd())?;
-            if st.st_dev != self.root_dev {
-                break;
-            }
-            if self.named_live(&st) {
-                sys::fsync(dir.as_raw_fd(), false)?;
+        self.each_dir_up_to_root(dir.as_raw_fd(), |at, st| {
+            if self.named_live(st) {
+                sys::fsync(at, false)?;
                 synced = true;
             }
-            if st.st_ino == self.root_ino {
-                break;
-            }
-            let up = sys::openat(
-                dir.as_raw_fd(),
-                c"..".as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-                0,
-            )?;
-            // SAFETY: a fresh descriptor we own.
-            dir = unsafe { OwnedFd::from_raw_fd(up) };
-        }
+            Ok(())
+        })?;
         Ok(synced)
     }
 
