@@ -1917,6 +1917,79 @@ fn namespace_operations_on_relative_paths_are_logged_like_absolute_ones() {
     assert!(outside.path().join("p").exists());
 }
 
+/// The library keeps the directories of recent namespace operations open and finds them
+/// again by a stat of the path (`ns::dirs`): a path that names another directory since (the
+/// first renamed away, a new one made at its name) reaches the new one, in the lower and in
+/// the log; a bounded number stay open, removed ones are closed, and numbers the program
+/// closes are the program's (never closed again by the library, which would close a file
+/// the program opened under that number). Recovery over the lower changes nothing: every
+/// record named the directory the operation changed.
+#[test]
+fn directories_kept_open_for_namespace_operations_follow_their_identity() {
+    let Some((_d, root, pm, mut s)) = served_tmp("nsdirs", &["--flush-interval-ms", "3600000"])
+    else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    a.exec(concat!(
+        "import stat\n",
+        "def dir_fds():\n",
+        "    out = []\n",
+        "    for n in os.listdir('/proc/self/fd'):\n",
+        "        try:\n",
+        "            t = os.readlink('/proc/self/fd/' + n)\n",
+        "            st = os.stat('/proc/self/fd/' + n)\n",
+        "        except OSError:\n",
+        "            continue\n",
+        "        if stat.S_ISDIR(st.st_mode) and t.startswith(d):\n",
+        "            out.append((int(n), t))\n",
+        "    return out\n",
+        "def touch(p):\n",
+        "    os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))\n",
+        "A = os.path.join(d, 'a'); O = os.path.join(d, 'old')\n",
+        "os.mkdir(A)\n",
+        "for i in range(4): touch(os.path.join(A, 'x%d' % i))\n",
+        "os.rename(A, O)\n",
+        "os.mkdir(A)\n",
+        "touch(os.path.join(A, 'y'))\n",
+        "os.unlink(os.path.join(O, 'x0'))\n",
+        "os.rename(os.path.join(O, 'x1'), os.path.join(A, 'x1'))\n",
+        "assert sorted(os.listdir(A)) == ['x1', 'y'], os.listdir(A)\n",
+        "assert sorted(os.listdir(O)) == ['x2', 'x3'], os.listdir(O)\n",
+        "for j in range(40):\n",
+        "    p = os.path.join(d, 'm%d' % j); os.mkdir(p); touch(os.path.join(p, 'f'))\n",
+        "kept = dir_fds()\n",
+        "assert 1 <= len(kept) <= 16, kept\n",
+        "for j in range(40):\n",
+        "    p = os.path.join(d, 'm%d' % j); os.unlink(os.path.join(p, 'f')); os.rmdir(p)\n",
+        "assert not [t for _, t in dir_fds() if t.endswith('(deleted)')], dir_fds()\n",
+        "kept = dir_fds()\n",
+        "assert kept, 'the directories of the last operations are kept open'\n",
+        "for n, _ in kept: os.close(n)\n",
+        "f = os.open(os.path.join(A, 'z'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+        "for j in range(40):\n",
+        "    p = os.path.join(d, 'n%d' % j); os.mkdir(p); touch(os.path.join(p, 'f'))\n",
+        "assert os.write(f, b'still the program\\'s') == 19\n",
+        "os.fsync(f)\n",
+        "os.close(f)\n",
+        "os.rename(os.path.join(A, 'z'), os.path.join(O, 'z'))\n",
+    ));
+    s.wait_stats("the operations were logged", |v| {
+        proc_stats(v, pid).is_some_and(|p| p["ns_ops"].as_u64() >= Some(200))
+    });
+    let before = tree(&root);
+    let z = fs::read(root.join("old/z")).unwrap();
+    assert_eq!(z, b"still the program's");
+    s.kill9();
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(tree(&root), before, "recovery changed the tree");
+    assert_eq!(fs::read(root.join("old/z")).unwrap(), z);
+    let _ = fs::remove_file(&pm);
+}
+
 #[test]
 fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back() {
     if !common::can_mount() || !have("python3") {

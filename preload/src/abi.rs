@@ -71,6 +71,16 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
     if p.is_null() {
         return None;
     }
+    if let Some(end) = on_my_stack(p as usize) {
+        // Mapped for certain up to `end` (see `on_my_stack`): read in place, as the kernel
+        // would, without the cost of process_vm_readv (2.4 µs here, a sixth of a logged
+        // unlink's cost).
+        let n = (end - p as usize).min(PATH_MAX);
+        // SAFETY: [p, p + n) lies in this thread's stack, between the running frame and the
+        // stack's top: mapped and readable while this call runs.
+        let s = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
+        return s.iter().position(|&b| b == 0).map(|z| s[..z].to_vec());
+    }
     let mut out: Vec<u8> = Vec::with_capacity(256);
     let mut buf = [0u8; 4096];
     let mut addr = p as usize;
@@ -101,6 +111,49 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
         addr += got.len();
     }
     None
+}
+
+thread_local! {
+    /// This thread's stack as [low, top) (0, 0: not asked yet; 1, 1: unknown).
+    static STACK: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Where `p` lies in the calling thread's own stack above the running frame: the end of
+/// what may be read from `p` (the stack's top). Everything between the stack pointer and the
+/// stack's top is mapped (frames in use), so a path a program built in a local buffer (C's
+/// `char path[PATH_MAX]`, Rust's std for paths under 384 bytes) is read directly. None for
+/// anything else (the heap, another thread's stack, a frame below this one), or while the
+/// thread runs on an alternate signal stack outside its stack (the running frame is then
+/// not inside [low, top)).
+fn on_my_stack(p: usize) -> Option<usize> {
+    let here = 0u8;
+    let sp = &here as *const u8 as usize;
+    let (low, top) = STACK
+        .try_with(|s| {
+            if s.get() == (0, 0) {
+                s.set(stack_bounds().unwrap_or((1, 1)));
+            }
+            s.get()
+        })
+        .ok()?;
+    (low <= sp && sp < p && p < top).then_some(top)
+}
+
+/// The calling thread's stack as [low, top), from the C library.
+fn stack_bounds() -> Option<(usize, usize)> {
+    // SAFETY: a zeroed attribute object is what pthread_getattr_np fills (and it is
+    // destroyed below); the out-pointers are valid locals.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_getattr_np(libc::pthread_self(), &mut attr) != 0 {
+            return None;
+        }
+        let mut addr: *mut c_void = std::ptr::null_mut();
+        let mut size: size_t = 0;
+        let r = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
+        libc::pthread_attr_destroy(&mut attr);
+        (r == 0 && !addr.is_null() && size > 0).then(|| (addr as usize, addr as usize + size))
+    }
 }
 
 /// The program's buffer, unread (see `ProgramBytes`).

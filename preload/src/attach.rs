@@ -222,6 +222,10 @@ pub(crate) fn client() -> Option<&'static Client> {
     // SAFETY: as above.
     let parent = unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
     let inherited = parent.map(|p| p.fds_snapshot());
+    // The parent's directories kept open are copies here that nothing uses.
+    if let Some(p) = parent {
+        p.forget_dirs();
+    }
     let r = Client::connect(std::path::Path::new(&sock));
     if std::env::var_os("PMSTACK_DEBUG").is_some() {
         eprintln!(

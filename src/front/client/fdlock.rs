@@ -130,6 +130,8 @@ impl super::Client {
     /// tracked held exclusively until the guard is dropped (None: none is tracked). Taken
     /// before the descriptor map is updated, dropped after the system call.
     pub fn hold_for_closing(&self, first: i32, last: i32) -> Option<Exclusive<'_>> {
+        // A directory the library keeps open under such a number is the program's to close.
+        self.dirs.give_up(first, last);
         let want = {
             let m = self.fds.read();
             if m.is_empty() || first > last {

@@ -113,6 +113,8 @@ pub struct Client {
     /// This process synced something under the root: the files it opens for writing are
     /// expected to be synced too (`sync_expected`).
     synced: std::sync::atomic::AtomicBool,
+    /// The directories of recent namespace operations, kept open (`ns::dirs`).
+    pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
 }
 
 /// What the daemon tells an attaching process.
@@ -196,9 +198,11 @@ impl Client {
         let rmeta = std::fs::metadata(&root)?;
         let root_dev = std::os::unix::fs::MetadataExt::dev(&rmeta);
         let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
+        let mut local = false;
         let root_handle = std::fs::File::open(&root)
             .and_then(|f| {
-                crate::policy::dirty::keep_copies(!crate::lower::real::local_fs(&f));
+                local = crate::lower::real::local_fs(&f);
+                crate::policy::dirty::keep_copies(!local);
                 crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f), root_ino)
             })
             .unwrap_or_default();
@@ -222,7 +226,19 @@ impl Client {
             root_bind_lsn: 0.into(),
             blind: false.into(),
             synced: false.into(),
+            dirs: crate::front::ns::dirs::DirCache::new(local),
         })
+    }
+
+    /// Close the directories kept open for namespace operations (`ns::dirs`): a fork's
+    /// child, attaching anew, does not use its parent's client.
+    pub fn forget_dirs(&self) {
+        self.dirs.clear();
+    }
+
+    /// How many directories are kept open for namespace operations (tests).
+    pub fn dirs_open(&self) -> usize {
+        self.dirs.len()
     }
 
     pub fn pid(&self) -> u64 {

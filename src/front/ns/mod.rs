@@ -23,6 +23,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 
+pub mod dirs;
 mod ops;
 
 use super::client::{claim, object_gen, Client, NotLogged};
@@ -42,7 +43,7 @@ enum Intent {
 
 /// A directory under the served root, as the parent of a namespace operation.
 pub struct Dir {
-    fd: OwnedFd,
+    fd: std::sync::Arc<dirs::DirFd>,
     slot: usize,
     /// Its slot's generation.
     gen: u64,
@@ -135,9 +136,26 @@ impl Client {
     }
 
     /// The directory `parent` (relative to `dirfd`) if it lies under the root (`known_under`:
-    /// by its text; else the kernel is asked where it resolved).
+    /// by its text; else the kernel is asked where it resolved). A directory of a recent
+    /// operation is found again by a stat of `parent` (`dirs`).
     fn dir_at(&self, dirfd: i32, parent: &[u8], known_under: bool) -> Option<Dir> {
         let c = CString::new(parent).ok()?;
+        if known_under && self.dirs.enabled() {
+            let st = sys::fstatat(dirfd, c.as_ptr(), 0).ok()?;
+            if st.st_mode & libc::S_IFMT != libc::S_IFDIR || st.st_dev != self.root_dev {
+                return None;
+            }
+            if let Some(d) = self.dirs.get(st.st_dev, st.st_ino) {
+                let (idx, ()) = claim(&self.table, &st, d.gen, |_| ())?;
+                return Some(Dir {
+                    fd: d.fd,
+                    slot: idx,
+                    gen: d.gen,
+                    handle: d.handle,
+                    root: st.st_ino == self.root_ino,
+                });
+            }
+        }
         let fd = sys::openat(
             dirfd,
             c.as_ptr(),
@@ -145,8 +163,7 @@ impl Client {
             0,
         )
         .ok()?;
-        // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = std::sync::Arc::new(dirs::DirFd::new(fd));
         let st = sys::fstat(fd.as_raw_fd()).ok()?;
         if st.st_dev != self.root_dev
             || !(known_under || self.under_root(&sys::fd_path(fd.as_raw_fd())?))
@@ -155,6 +172,14 @@ impl Client {
         }
         let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
+        if known_under {
+            let kept = dirs::Cached {
+                fd: fd.clone(),
+                handle: handle.clone(),
+                gen,
+            };
+            self.dirs.put(st.st_dev, st.st_ino, kept);
+        }
         Some(Dir {
             fd,
             slot: idx,

@@ -18,9 +18,14 @@ impl Client {
     pub fn unlink(&self, t: &Target, dir: bool) -> io::Result<()> {
         let c = t.cname();
         let mut pin = Vec::new(); // closed after the lock (`object_pinned`)
-        self.intended(
+        let removed = std::cell::Cell::new(None);
+        let r = self.intended(
             &[&t.dir],
-            || self.object_pinned(t, &mut pin),
+            || {
+                let v = self.object_pinned(t, &mut pin);
+                removed.set(v.as_ref().map(|v| (v.st.st_dev, v.st.st_ino)));
+                v
+            },
             || {
                 let fl = if dir { libc::AT_REMOVEDIR } else { 0 };
                 at_call(
@@ -49,7 +54,12 @@ impl Client {
                 })
                 .map(Intent::Logged)
             },
-        )
+        );
+        if let (true, Ok(()), Some((dev, ino))) = (dir, &r, removed.get()) {
+            // A removed directory kept open would stay allocated for nothing.
+            self.dirs.forget(dev, ino);
+        }
+        r
     }
 
     /// rename/renameat/renameat2 (`flags`: RENAME_NOREPLACE, RENAME_EXCHANGE).

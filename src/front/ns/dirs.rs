@@ -1,0 +1,277 @@
+//! The directories of a process's recent namespace operations, kept open.
+//!
+//! A logged namespace operation needs its parent directory open (the call runs relative to
+//! it, and its ctime tells whether every change of it was logged) and its file handle (the
+//! record names it). Opening it anew costs an openat that walks the whole path, an fstat, a
+//! name_to_handle_at and a close: about 3 µs of a logged create or unlink here, in a program
+//! that creates and removes files one after another in the same few directories. Kept open,
+//! a directory is found again by one stat of the path the program gave.
+//!
+//! Why a stat is enough to know the directory again: the cache holds the directory open, so
+//! its inode stays allocated (even once removed) and no other object can have its inode
+//! number on that device. So a path that resolves to the cached (device, inode) names the
+//! cached directory itself. That holds on local file systems only (`DirCache::new`): a FUSE
+//! or network lower reports inode numbers of its own backing store, which it may hand out
+//! again while this process holds the old directory open (bindfs does).
+//!
+//! The descriptors are the library's, in the program's descriptor table: a program's call
+//! that closes or replaces one of their numbers (close, close_range, closefrom, dup2, dup3;
+//! `give_up`) drops the entry without closing the number again, since the program's call
+//! closes it. A fork's child drops what it inherited when it attaches (`clear`); exec closes
+//! them (O_CLOEXEC).
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+/// Directories kept open per process: enough for the directories a program works in at once
+/// (a fileset's, a mail server's queue and spool), few enough not to matter in its
+/// descriptor table.
+const DIRS_MAX: usize = 16;
+
+/// A directory descriptor kept by the library, closed when its last user drops it, unless
+/// the program closed its number first (`give_up`).
+pub struct DirFd {
+    fd: RawFd,
+    given_up: AtomicBool,
+}
+
+impl DirFd {
+    /// Owns `fd` (a fresh descriptor of a directory, O_CLOEXEC).
+    pub fn new(fd: RawFd) -> DirFd {
+        DirFd {
+            fd,
+            given_up: AtomicBool::new(false),
+        }
+    }
+}
+
+impl AsRawFd for DirFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
+    }
+}
+
+impl Drop for DirFd {
+    fn drop(&mut self) {
+        if !self.given_up.load(Ordering::Acquire) {
+            crate::front::sys::close(self.fd);
+        }
+    }
+}
+
+/// A cached directory: its identity, descriptor and file handle.
+pub struct Cached {
+    pub fd: Arc<DirFd>,
+    pub handle: Vec<u8>,
+    pub gen: u64,
+}
+
+struct Entry {
+    dev: u64,
+    ino: u64,
+    dir: Cached,
+    used: u64,
+}
+
+pub struct DirCache {
+    /// The lower's inode numbers are stable while held (a local file system).
+    on: bool,
+    /// Some entry exists (closing calls look at the cache only then).
+    any: AtomicBool,
+    tick: AtomicU64,
+    entries: Mutex<Vec<Entry>>,
+}
+
+impl DirCache {
+    /// `local`: the served root is on a local file system (`lower::real::local_fs`);
+    /// elsewhere the cache stays empty.
+    pub fn new(local: bool) -> DirCache {
+        DirCache {
+            on: local,
+            any: AtomicBool::new(false),
+            tick: AtomicU64::new(0),
+            entries: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.on
+    }
+
+    /// The cached directory whose inode is (dev, ino).
+    pub fn get(&self, dev: u64, ino: u64) -> Option<Cached> {
+        if !self.on || !self.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut es = self.entries.lock();
+        let e = es.iter_mut().find(|e| e.dev == dev && e.ino == ino)?;
+        e.used = self.tick.fetch_add(1, Ordering::Relaxed);
+        Some(Cached {
+            fd: e.dir.fd.clone(),
+            handle: e.dir.handle.clone(),
+            gen: e.dir.gen,
+        })
+    }
+
+    /// Keep the directory (dev, ino) open as `dir` (the least recently used one goes when
+    /// the cache is full).
+    pub fn put(&self, dev: u64, ino: u64, dir: Cached) {
+        if !self.on {
+            return;
+        }
+        let used = self.tick.fetch_add(1, Ordering::Relaxed);
+        let mut es = self.entries.lock();
+        if es.iter().any(|e| e.dev == dev && e.ino == ino) {
+            return;
+        }
+        if es.len() >= DIRS_MAX {
+            if let Some(i) = es
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.used)
+                .map(|(i, _)| i)
+            {
+                es.swap_remove(i);
+            }
+        }
+        es.push(Entry {
+            dev,
+            ino,
+            dir,
+            used,
+        });
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// The directory (dev, ino) was removed: no reason to keep it allocated.
+    pub fn forget(&self, dev: u64, ino: u64) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        self.entries
+            .lock()
+            .retain(|e| !(e.dev == dev && e.ino == ino));
+    }
+
+    /// The program is closing or replacing the descriptors `first..=last`: entries with
+    /// such a number go, and their number is left for the program's call to close.
+    pub fn give_up(&self, first: RawFd, last: RawFd) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        self.entries.lock().retain(|e| {
+            let fd = e.dir.fd.as_raw_fd();
+            let hit = fd >= first && fd <= last;
+            if hit {
+                e.dir.fd.given_up.store(true, Ordering::Release);
+            }
+            !hit
+        });
+    }
+
+    /// Close every cached directory (a fork's child, whose descriptors are copies of the
+    /// parent's). Does not wait: a lock held at the fork by a thread that does not exist in
+    /// the child leaves the entries in place (closed at exec).
+    pub fn clear(&self) {
+        if let Some(mut es) = self.entries.try_lock() {
+            es.clear();
+        }
+    }
+
+    /// How many directories are open (tests).
+    pub fn len(&self) -> usize {
+        self.entries.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open_dir(p: &std::path::Path) -> Arc<DirFd> {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        let fd = crate::front::sys::openat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            0,
+        )
+        .unwrap();
+        Arc::new(DirFd::new(fd))
+    }
+
+    fn is_open(fd: RawFd) -> bool {
+        // SAFETY: F_GETFD only asks about the number.
+        unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
+    }
+
+    fn cached(fd: Arc<DirFd>) -> Cached {
+        Cached {
+            fd,
+            handle: vec![1, 2, 3],
+            gen: 7,
+        }
+    }
+
+    #[test]
+    fn entries_are_found_by_inode_bounded_and_closed_when_dropped() {
+        let t = tempfile::tempdir().unwrap();
+        let c = DirCache::new(true);
+        let mut fds = Vec::new();
+        for i in 0..DIRS_MAX + 3 {
+            let fd = open_dir(t.path());
+            fds.push(fd.as_raw_fd());
+            c.put(1, i as u64, cached(fd));
+            // The first one is used again and again: it is not the one that goes.
+            assert!(c.get(1, 0).is_some());
+        }
+        assert_eq!(c.len(), DIRS_MAX);
+        assert!(c.get(1, 0).is_some());
+        assert!(c.get(1, 1).is_none() && c.get(1, 2).is_none() && c.get(1, 3).is_none());
+        assert!(is_open(fds[0]) && is_open(fds[DIRS_MAX + 2]));
+        let held = c.get(1, 5).unwrap();
+        c.forget(1, 5);
+        assert!(c.get(1, 5).is_none());
+        assert!(is_open(held.fd.as_raw_fd()), "a user still holds it");
+        let n = held.fd.as_raw_fd();
+        drop(held);
+        assert!(!is_open(n));
+        c.clear();
+        assert!(c.is_empty());
+        assert!(!is_open(fds[0]));
+    }
+
+    #[test]
+    fn a_number_the_program_closes_is_not_closed_again() {
+        let t = tempfile::tempdir().unwrap();
+        let c = DirCache::new(true);
+        let fd = open_dir(t.path());
+        let n = fd.as_raw_fd();
+        c.put(1, 1, cached(fd));
+        c.give_up(n, n);
+        assert!(c.get(1, 1).is_none());
+        assert!(is_open(n), "left for the program's own close");
+        // The program closes it and the number is reused: the cache must not close it.
+        crate::front::sys::close(n);
+        let again = open_dir(t.path());
+        assert_eq!(again.as_raw_fd(), n);
+        c.clear();
+        assert!(is_open(n));
+    }
+
+    #[test]
+    fn off_on_lowers_without_stable_inode_numbers() {
+        let t = tempfile::tempdir().unwrap();
+        let c = DirCache::new(false);
+        c.put(1, 1, cached(open_dir(t.path())));
+        assert!(c.get(1, 1).is_none());
+        assert!(c.is_empty());
+    }
+}
