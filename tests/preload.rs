@@ -2469,6 +2469,56 @@ fn a_library_descriptor_the_program_closed_and_reused_is_not_taken_for_its_own()
     check("after recovery");
 }
 
+/// Paths in the program's stack are read in place by the library (no process_vm_readv),
+/// within the calling thread's stack: in the main thread and in a thread on a stack the
+/// program mapped itself, and a path with no NUL within PATH_MAX is left to the kernel
+/// (ENAMETOOLONG). Every call answers as natively, and the ones on names under the root were
+/// logged (not run natively for an unreadable path).
+#[test]
+fn namespace_calls_with_paths_on_the_stack_answer_as_natively_and_are_logged() {
+    let Some((d, exe, root, pm)) = c_program("stack_paths") else {
+        return;
+    };
+    let plain = d.path().join("plain");
+    fs::create_dir(&plain).unwrap();
+    let run = |mut cmd: Command, dir: &Path, before_end: &dyn Fn(u32)| -> Vec<String> {
+        let mut c = cmd
+            .arg(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = Vec::new();
+        for l in BufReader::new(c.stdout.take().unwrap()).lines() {
+            let l = l.unwrap();
+            if l == "end" {
+                before_end(c.id());
+                break;
+            }
+            lines.push(l);
+        }
+        drop(c.stdin.take());
+        assert!(c.wait().unwrap().success());
+        lines
+    };
+    let native = run(Command::new(&exe), &plain, &|_| {});
+    assert_eq!(native.len(), 18, "{native:?}");
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut cmd = s.run();
+    cmd.arg(&exe);
+    let ours = run(cmd, &root, &|pid| {
+        // create, rename, link, unlink, mkdir, rmdir in each of the two threads: logged, but
+        // the first, which writes back what the root saw before (one namespace write-back).
+        s.wait_stats("the calls were logged", |v| {
+            proc_stats(v, pid as u64).is_some_and(|p| {
+                p["ns_ops"].as_u64() == Some(11) && p["ns_write_backs"].as_u64() == Some(1)
+            })
+        });
+    });
+    assert_eq!(ours, native);
+    s.stop();
+}
+
 /// A child that does not attach (started without the library) and writes through a
 /// descriptor it inherited opens nothing the daemon's watch sees, and the library sees none
 /// of its writes: the parent's next sync must be real, however the child was started (fork

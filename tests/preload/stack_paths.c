@@ -1,0 +1,79 @@
+/* stack_paths DIR: namespace calls whose paths lie in stack buffers, the library reads
+ * those in place (preload/src/abi.rs, on_my_stack): in the main thread and in a thread whose
+ * stack the program mapped itself (pthread_attr_setstack), and paths without a NUL within
+ * PATH_MAX. Prints one line per call: its name, its
+ * result and errno; the lines must be the same natively and under `pmstack run`. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char *dir;
+
+static void say(const char *what, int r) {
+    printf("%s %d %d\n", what, r, r < 0 ? errno : 0);
+}
+
+static void calls(const char *tag) {
+    char p[PATH_MAX], q[PATH_MAX];
+    snprintf(p, sizeof p, "%s/%s-f", dir, tag);
+    snprintf(q, sizeof q, "%s/%s-g", dir, tag);
+    int fd = open(p, O_CREAT | O_WRONLY | O_EXCL, 0644);
+    say("create", fd < 0 ? -1 : 0);
+    if (fd >= 0)
+        close(fd);
+    say("rename", rename(p, q));
+    say("link", link(q, p));
+    say("unlink", unlink(q));
+    snprintf(q, sizeof q, "%s/%s-d", dir, tag);
+    say("mkdir", mkdir(q, 0755));
+    say("rmdir", rmdir(q));
+    /* No NUL within PATH_MAX: ENAMETOOLONG, from the kernel. */
+    memset(q, 'a', sizeof q);
+    say("unlink-unterminated", unlink(q));
+    say("mkdir-unterminated", mkdir(q, 0755));
+    /* Exactly PATH_MAX - 1 bytes and a NUL: the name is too long for the file system. */
+    snprintf(q, sizeof q, "%s/", dir);
+    memset(q + strlen(q), 'b', sizeof q - strlen(q) - 1);
+    q[sizeof q - 1] = 0;
+    say("unlink-long", unlink(q));
+}
+
+static void *in_own_stack(void *arg) {
+    (void)arg;
+    calls("thread");
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2)
+        return 2;
+    dir = argv[1];
+    calls("main");
+    size_t size = 256 << 10;
+    char *stack = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stack == MAP_FAILED)
+        return 3;
+    /* A thread on a stack the program mapped itself (pthread_attr_setstack). */
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setstack(&a, stack, size);
+    pthread_t t;
+    if (pthread_create(&t, &a, in_own_stack, NULL))
+        return 4;
+    pthread_join(t, NULL);
+    /* Then wait for standard input to close: the test reads this process's counters. */
+    printf("end\n");
+    fflush(stdout);
+    char c;
+    while (read(0, &c, 1) > 0)
+        ;
+    return 0;
+}
