@@ -2469,13 +2469,14 @@ fn a_library_descriptor_the_program_closed_and_reused_is_not_taken_for_its_own()
     check("after recovery");
 }
 
-/// Paths in the program's stack are read in place by the library (no process_vm_readv),
-/// within the calling thread's stack: in the main thread and in a thread on a stack the
-/// program mapped itself, and a path with no NUL within PATH_MAX is left to the kernel
-/// (ENAMETOOLONG). Every call answers as natively, and the ones on names under the root were
-/// logged (not run natively for an unreadable path).
+/// Paths in the program's stack or break heap are read in place by the library (no
+/// process_vm_readv): in the main thread and in a thread on a stack the program mapped
+/// itself, from malloc; a path with no NUL within PATH_MAX is left to the kernel
+/// (ENAMETOOLONG), and so are pointers it answers EFAULT for (never mapped, or running into
+/// an unmapped page). Every call answers as natively, and the ones on names under the root
+/// were logged (not run natively for an unreadable path).
 #[test]
-fn namespace_calls_with_paths_on_the_stack_answer_as_natively_and_are_logged() {
+fn namespace_calls_with_paths_in_the_stack_or_heap_answer_as_natively_and_are_logged() {
     let Some((d, exe, root, pm)) = c_program("stack_paths") else {
         return;
     };
@@ -2502,16 +2503,22 @@ fn namespace_calls_with_paths_on_the_stack_answer_as_natively_and_are_logged() {
         lines
     };
     let native = run(Command::new(&exe), &plain, &|_| {});
-    assert_eq!(native.len(), 18, "{native:?}");
+    assert_eq!(native.len(), 24, "{native:?}");
+    assert!(
+        native.contains(&"unlink-bad -1 14".to_string()),
+        "{native:?}"
+    );
+    assert!(native.contains(&"unlink-unterminated-at-unmapped -1 14".to_string()));
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut cmd = s.run();
     cmd.arg(&exe);
     let ours = run(cmd, &root, &|pid| {
-        // create, rename, link, unlink, mkdir, rmdir in each of the two threads: logged, but
-        // the first, which writes back what the root saw before (one namespace write-back).
+        // create, rename, link, unlink, mkdir, rmdir in each of the two threads, and a create
+        // and an unlink by a heap path and by an mmap'd one: logged, but the first, which
+        // writes back what the root saw before (one namespace write-back).
         s.wait_stats("the calls were logged", |v| {
             proc_stats(v, pid as u64).is_some_and(|p| {
-                p["ns_ops"].as_u64() == Some(11) && p["ns_write_backs"].as_u64() == Some(1)
+                p["ns_ops"].as_u64() == Some(15) && p["ns_write_backs"].as_u64() == Some(1)
             })
         });
     });

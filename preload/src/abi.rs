@@ -71,10 +71,10 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
     if p.is_null() {
         return None;
     }
-    if let Some(end) = on_my_stack(p as usize) {
-        // Mapped for certain up to `end` (see `on_my_stack`): read in place, as the kernel
-        // would, without the cost of process_vm_readv (2.4 µs here, a sixth of a logged
-        // unlink's cost).
+    if let Some(end) = on_my_stack(p as usize).or_else(|| in_main_heap(p as usize)) {
+        // Mapped for certain up to `end` (see `on_my_stack`, `in_main_heap`): read in place,
+        // as the kernel would, without the cost of process_vm_readv (2.4 µs here, a sixth of
+        // a logged unlink's cost).
         let n = (end - p as usize).min(PATH_MAX);
         let mut out: Vec<u8> = Vec::with_capacity(256);
         for i in 0..n {
@@ -145,6 +145,46 @@ fn on_my_stack(p: usize) -> Option<usize> {
         })
         .ok()?;
     (low <= sp && sp < p && p < top).then_some(top)
+}
+
+/// The start of the program's break heap (`start_brk`, field 47 of /proc/self/stat; read
+/// once): 0 not read yet, 1 unknown.
+static HEAP_START: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Where `p` lies in the program's break heap (where the C library's malloc keeps the main
+/// arena): the end of what may be read from `p` (the current break). The heap is one mapping
+/// from its start to the break, and memory below the break is released only from the top,
+/// and only where the program freed it: a path in memory the program owns stays mapped
+/// while the call runs. (A path in memory it freed is read as the kernel would read it,
+/// unless another thread shrinks the heap under it at that instant: then the program gets a
+/// SIGSEGV instead of EFAULT, for a call with a dangling pointer.) None elsewhere (mmap'd
+/// memory, another allocator's).
+fn in_main_heap(p: usize) -> Option<usize> {
+    use std::sync::atomic::Ordering;
+    let mut start = HEAP_START.load(Ordering::Relaxed);
+    if start == 0 {
+        start = heap_start().unwrap_or(1);
+        HEAP_START.store(start, Ordering::Relaxed);
+    }
+    if start <= 1 || p < start {
+        return None;
+    }
+    // SAFETY: sbrk(0) only reads the C library's current break (it asks the kernel once if
+    // the library never did).
+    let brk = unsafe { libc::sbrk(0) } as usize;
+    (brk != usize::MAX && p < brk).then_some(brk)
+}
+
+/// `start_brk` of this process.
+fn heap_start() -> Option<usize> {
+    let stat = std::fs::read("/proc/self/stat").ok()?;
+    // After the command name, which may hold spaces and parentheses: field 3 on.
+    let after = &stat[stat.iter().rposition(|&b| b == b')')? + 1..];
+    let field = after
+        .split(|b| b.is_ascii_whitespace())
+        .filter(|f| !f.is_empty())
+        .nth(47 - 3)?;
+    std::str::from_utf8(field).ok()?.parse().ok()
 }
 
 /// The calling thread's stack as [low, top), from the C library.

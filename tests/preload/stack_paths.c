@@ -1,7 +1,8 @@
 /* stack_paths DIR: namespace calls whose paths lie in stack buffers, the library reads
  * those in place (preload/src/abi.rs, on_my_stack): in the main thread and in a thread whose
  * stack the program mapped itself (pthread_attr_setstack), and paths without a NUL within
- * PATH_MAX. Prints one line per call: its name, its
+ * PATH_MAX; then paths in the break heap (also read in place), in an mmap'd page, and
+ * pointers the kernel answers EFAULT for. Prints one line per call: its name, its
  * result and errno; the lines must be the same natively and under `pmstack run`. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -52,11 +53,38 @@ static void *in_own_stack(void *arg) {
     return NULL;
 }
 
+/* Paths elsewhere: in the break heap (read in place too), in an mmap'd page (copied), and
+ * pointers the kernel answers EFAULT for. */
+static void elsewhere(void) {
+    char *h = malloc(256);
+    snprintf(h, 256, "%s/heap-f", dir);
+    int fd = open(h, O_CREAT | O_WRONLY | O_EXCL, 0644);
+    say("create-heap", fd < 0 ? -1 : 0);
+    if (fd >= 0)
+        close(fd);
+    say("unlink-heap", unlink(h));
+    free(h);
+    say("unlink-bad", unlink((const char *)8));
+    long page = sysconf(_SC_PAGESIZE);
+    char *two = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    munmap(two + page, page);
+    memset(two, 'c', page);
+    say("unlink-unterminated-at-unmapped", unlink(two + page - 10));
+    snprintf(two, page, "%s/mapped-f", dir);
+    fd = open(two, O_CREAT | O_WRONLY | O_EXCL, 0644);
+    say("create-mapped", fd < 0 ? -1 : 0);
+    if (fd >= 0)
+        close(fd);
+    say("unlink-mapped", unlink(two));
+    munmap(two, page);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2)
         return 2;
     dir = argv[1];
     calls("main");
+    elsewhere();
     size_t size = 256 << 10;
     char *stack = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (stack == MAP_FAILED)

@@ -125,7 +125,7 @@ impl Client {
             let dir = match parents.iter().find(|(pd, pp, _)| pd == d && *pp == parent) {
                 Some((_, _, dir)) => dir.clone(),
                 None => {
-                    let dir = Rc::new(self.dir_at(*d, &parent, under(*d, &parent))?);
+                    let dir = Rc::new(self.dir_at(*d, &parent, || under(*d, &parent))?);
                     parents.push((*d, parent, dir.clone()));
                     dir
                 }
@@ -135,12 +135,20 @@ impl Client {
         Some(out)
     }
 
-    /// The directory `parent` (relative to `dirfd`) if it lies under the root (`known_under`:
-    /// by its text; else the kernel is asked where it resolved). A directory of a recent
-    /// operation is found again by a stat of `parent` (`dirs`).
-    fn dir_at(&self, dirfd: i32, parent: &[u8], known_under: bool) -> Option<Dir> {
+    /// The directory `parent` (relative to `dirfd`) if it lies under the root (`under()`: by
+    /// its text, or for a relative path by where it starts; else the kernel is asked where it
+    /// resolved). A directory of a recent operation is found again by a stat of `parent`
+    /// (`dirs`): it was under the root when it was kept, and it is the same directory, so a
+    /// relative path that reaches it needs no look at where it starts (a stat of the
+    /// descriptor or working directory). An absolute path is taken by its text first (free).
+    fn dir_at(&self, dirfd: i32, parent: &[u8], under: impl FnOnce() -> bool) -> Option<Dir> {
         let c = CString::new(parent).ok()?;
-        if known_under && self.dirs.enabled() {
+        let mut under = Some(under);
+        let mut known_under = None;
+        if parent.starts_with(b"/") {
+            known_under = under.take().map(|f| f());
+        }
+        if known_under != Some(false) && self.dirs.enabled() {
             let st = sys::fstatat(dirfd, c.as_ptr(), 0).ok()?;
             if st.st_mode & libc::S_IFMT != libc::S_IFDIR || st.st_dev != self.root_dev {
                 return None;
@@ -156,6 +164,7 @@ impl Client {
                 });
             }
         }
+        let known_under = known_under.or_else(|| under.take().map(|f| f())) == Some(true);
         let fd = sys::openat(
             dirfd,
             c.as_ptr(),
@@ -172,7 +181,8 @@ impl Client {
         }
         let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
-        if known_under {
+        // Under the root by the kernel's word too (the path it reports): kept as well.
+        {
             let kept = dirs::Cached {
                 fd: fd.clone(),
                 handle: handle.clone(),
