@@ -81,6 +81,9 @@ pub struct DirCache {
     on: bool,
     /// Some entry exists (closing calls look at the cache only then).
     any: AtomicBool,
+    /// Bit `fd % 64` of each kept descriptor (recomputed under the lock): a close of
+    /// another number, nearly every close, takes no lock.
+    fd_bits: AtomicU64,
     tick: AtomicU64,
     entries: Mutex<Vec<Entry>>,
 }
@@ -92,6 +95,7 @@ impl DirCache {
         DirCache {
             on: local,
             any: AtomicBool::new(false),
+            fd_bits: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             entries: Mutex::new(Vec::new()),
         }
@@ -143,7 +147,16 @@ impl DirCache {
             dir,
             used,
         });
-        self.any.store(true, Ordering::Release);
+        self.kept_changed(&es);
+    }
+
+    /// After a change of the entries (under their lock): what closing calls look at.
+    fn kept_changed(&self, es: &[Entry]) {
+        let bits = es
+            .iter()
+            .fold(0u64, |b, e| b | 1 << (e.dir.fd.as_raw_fd() as u64 % 64));
+        self.fd_bits.store(bits, Ordering::Release);
+        self.any.store(!es.is_empty(), Ordering::Release);
     }
 
     /// The directory (dev, ino) was removed: no reason to keep it allocated.
@@ -151,18 +164,25 @@ impl DirCache {
         if !self.any.load(Ordering::Acquire) {
             return;
         }
-        self.entries
-            .lock()
-            .retain(|e| !(e.dev == dev && e.ino == ino));
+        let mut es = self.entries.lock();
+        es.retain(|e| !(e.dev == dev && e.ino == ino));
+        self.kept_changed(&es);
     }
 
     /// The program is closing or replacing the descriptors `first..=last`: entries with
     /// such a number go, and their number is left for the program's call to close.
     pub fn give_up(&self, first: RawFd, last: RawFd) {
-        if !self.any.load(Ordering::Acquire) {
+        if !self.any.load(Ordering::Acquire) || first > last {
             return;
         }
-        self.entries.lock().retain(|e| {
+        if (last as i64 - first as i64) < 64 {
+            let bits = self.fd_bits.load(Ordering::Acquire);
+            if !(first..=last).any(|f| bits & 1 << (f as u64 % 64) != 0) {
+                return;
+            }
+        }
+        let mut es = self.entries.lock();
+        es.retain(|e| {
             let fd = e.dir.fd.as_raw_fd();
             let hit = fd >= first && fd <= last;
             if hit {
@@ -170,6 +190,7 @@ impl DirCache {
             }
             !hit
         });
+        self.kept_changed(&es);
     }
 
     /// Close every cached directory (a fork's child, whose descriptors are copies of the
@@ -178,6 +199,7 @@ impl DirCache {
     pub fn clear(&self) {
         if let Some(mut es) = self.entries.try_lock() {
             es.clear();
+            self.kept_changed(&es);
         }
     }
 
@@ -273,6 +295,11 @@ mod tests {
         let fd = open_dir(&ds[0]);
         let n = fd.as_raw_fd();
         c.put(1, 1, cached(fd));
+        // Closes of other numbers leave it (one with the same bit too).
+        c.give_up(n + 1, n + 1);
+        c.give_up(n + 64, n + 64);
+        c.give_up(i32::MIN, n - 1);
+        assert!(c.get(1, 1).is_some());
         c.give_up(n - 1, n + 1);
         assert!(c.get(1, 1).is_none() && c.is_empty());
         assert_eq!(open_on(&ds[0]), 1, "the program's own close closes it");
