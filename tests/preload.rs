@@ -2526,6 +2526,40 @@ fn namespace_calls_with_paths_in_the_stack_or_heap_answer_as_natively_and_are_lo
     s.stop();
 }
 
+/// A program whose own allocator makes system calls by number (`syscall(2)`, which the
+/// library interposes) while it holds its initialization lock, as jemalloc does at its first
+/// allocation (rustc), starts under `pmstack run`: the library allocates nothing on
+/// that path. (It read the root from the environment into a new allocation there, which
+/// waited for that lock for ever.)
+#[test]
+fn a_program_whose_allocator_makes_system_calls_while_it_starts_does_not_hang() {
+    let Some((_d, exe, root, pm)) = c_program("malloc_init") else {
+        return;
+    };
+    let mut s = Serve::start(&root, &pm, &[]);
+    let mut c = s.run().arg(&exe).stdout(Stdio::piped()).spawn().unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break Some(st);
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = c.kill();
+            let _ = c.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut c.stdout.take().unwrap(), &mut out).unwrap();
+    s.stop();
+    assert!(status.is_some(), "the program hung at its first allocation");
+    assert!(
+        status.unwrap().success() && out.trim() == "ok",
+        "{status:?} {out:?}"
+    );
+}
+
 /// A child that does not attach (started without the library) and writes through a
 /// descriptor it inherited opens nothing the daemon's watch sees, and the library sees none
 /// of its writes: the parent's next sync must be real, however the child was started (fork

@@ -3,7 +3,7 @@
 //! cannot attach leaves for others to see.
 
 use std::cell::Cell;
-use std::ffi::c_int;
+use std::ffi::{c_int, CStr};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -134,6 +134,7 @@ pub(crate) fn fds_under_root() -> Vec<i32> {
 }
 
 extern "C" fn init() {
+    root();
     // SAFETY: registering a plain function.
     unsafe {
         libc::pthread_atfork(
@@ -148,14 +149,70 @@ extern "C" fn init() {
 #[link_section = ".init_array"]
 pub(crate) static INIT: extern "C" fn() = init;
 
-/// The served root as `pmstack run` passed it (canonical), with a trailing slash.
+/// The served root as `pmstack run` passed it (canonical), with a trailing slash, in a
+/// static buffer.
+struct RootBuf(std::cell::UnsafeCell<[u8; libc::PATH_MAX as usize + 1]>);
+// SAFETY: written once, by the one caller that moved ROOT_STATE from EMPTY to BUSY, and read
+// only after ROOT_STATE says SOME (Release/Acquire).
+unsafe impl Sync for RootBuf {}
+static ROOT_BUF: RootBuf = RootBuf(std::cell::UnsafeCell::new([0; libc::PATH_MAX as usize + 1]));
+static ROOT_LEN: AtomicUsize = AtomicUsize::new(0);
+static ROOT_STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+const ROOT_EMPTY: u8 = 0;
+const ROOT_BUSY: u8 = 1;
+const ROOT_SOME: u8 = 2;
+const ROOT_NONE: u8 = 3;
+
+/// The served root as `pmstack run` passed it (canonical), with a trailing slash. Allocates
+/// nothing, also the first time: a program's own allocator may make its first system calls
+/// (through `syscall(2)`, which the library interposes) while it holds its initialization
+/// lock, and an allocation here would wait for that lock for ever (jemalloc's opens of
+/// /sys/kernel/mm/transparent_hugepage/enabled: rustc hung at start).
 pub(crate) fn root() -> Option<&'static [u8]> {
-    static ROOT: std::sync::OnceLock<Option<Vec<u8>>> = std::sync::OnceLock::new();
-    ROOT.get_or_init(|| {
-        let r = std::env::var_os("PMSTACK_ROOT")?;
-        Some(pmstack::front::open::root_with_slash(r.as_encoded_bytes()))
-    })
-    .as_deref()
+    loop {
+        match ROOT_STATE.load(Ordering::Acquire) {
+            ROOT_SOME => {
+                let n = ROOT_LEN.load(Ordering::Relaxed);
+                // SAFETY: written before ROOT_SOME was published, never again.
+                return Some(unsafe {
+                    std::slice::from_raw_parts(ROOT_BUF.0.get() as *const u8, n)
+                });
+            }
+            ROOT_NONE => return None,
+            ROOT_EMPTY => {
+                if ROOT_STATE
+                    .compare_exchange(ROOT_EMPTY, ROOT_BUSY, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    // SAFETY: getenv reads the environment in place; the buffer is ours
+                    // alone until ROOT_SOME is published.
+                    let state = unsafe {
+                        let p = libc::getenv(c"PMSTACK_ROOT".as_ptr());
+                        let r = if p.is_null() {
+                            &[][..]
+                        } else {
+                            CStr::from_ptr(p).to_bytes()
+                        };
+                        let buf = &mut *ROOT_BUF.0.get();
+                        if r.is_empty() || r.len() + 1 > buf.len() {
+                            ROOT_NONE
+                        } else {
+                            buf[..r.len()].copy_from_slice(r);
+                            let mut n = r.len();
+                            if !r.ends_with(b"/") {
+                                buf[n] = b'/';
+                                n += 1;
+                            }
+                            ROOT_LEN.store(n, Ordering::Relaxed);
+                            ROOT_SOME
+                        }
+                    };
+                    ROOT_STATE.store(state, Ordering::Release);
+                }
+            }
+            _ => std::hint::spin_loop(),
+        }
+    }
 }
 
 pub(crate) fn under_root(path: &[u8]) -> bool {

@@ -20,11 +20,9 @@ pub(crate) unsafe fn do_open(
     let Some(_g) = Inside::enter() else {
         return plain(flags);
     };
-    if root().is_none() {
-        return plain(flags);
-    }
+    // Reads first: most opens, and they need nothing else (not even the root).
     let plan = open::plan(flags);
-    if !plan.track {
+    if !plan.track || root().is_none() {
         return plain(flags);
     }
     let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
