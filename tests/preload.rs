@@ -1974,6 +1974,25 @@ fn directories_kept_open_for_namespace_operations_follow_their_identity() {
         "os.fsync(f)\n",
         "os.close(f)\n",
         "os.rename(os.path.join(A, 'z'), os.path.join(O, 'z'))\n",
+        // A fork's child: the copies of the kept directories are closed before it runs; it
+        // closes what it does not know, opens a file under a number they may have had,
+        // attaches, logs, and its file is still its own.
+        "assert dir_fds()\n",
+        "pid = os.fork()\n",
+        "if pid == 0:\n",
+        "    try:\n",
+        "        assert not dir_fds(), dir_fds()\n",
+        "        os.closerange(3, 4096)\n",
+        "        f = os.open(os.path.join(d, 'child-file'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+        "        touch(os.path.join(A, 'from-child'))\n",
+        "        assert os.write(f, b'child') == 5\n",
+        "        os.fsync(f)\n",
+        "        os.close(f)\n",
+        "        os._exit(0)\n",
+        "    except BaseException as e:\n",
+        "        os.write(2, repr(e).encode())\n",
+        "        os._exit(1)\n",
+        "assert os.waitpid(pid, 0)[1] == 0\n",
     ));
     s.wait_stats("the operations were logged", |v| {
         proc_stats(v, pid).is_some_and(|p| p["ns_ops"].as_u64() >= Some(200))
@@ -1981,6 +2000,8 @@ fn directories_kept_open_for_namespace_operations_follow_their_identity() {
     let before = tree(&root);
     let z = fs::read(root.join("old/z")).unwrap();
     assert_eq!(z, b"still the program's");
+    assert_eq!(fs::read(root.join("child-file")).unwrap(), b"child");
+    assert!(root.join("a/from-child").exists());
     s.kill9();
     drop(a);
     let mut s2 = Serve::start(&root, &pm, &[]);

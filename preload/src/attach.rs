@@ -101,6 +101,11 @@ fn pause(i: &mut u32) {
 
 extern "C" fn after_fork_child() {
     pmstack::front::table::forget_pid();
+    // The directories the parent's client keeps open are copies here that nothing will use.
+    // SAFETY: set by `client` from a leaked Box, never freed.
+    if let Some(c) = unsafe { CLIENT.load(Ordering::Acquire).as_ref() } {
+        c.close_dirs_in_child();
+    }
     // Another thread of the parent may have been attaching: that thread does not exist here.
     ATTACHING.store(false, Ordering::SeqCst);
     CLOSING.store(0, Ordering::SeqCst);
@@ -279,10 +284,7 @@ pub(crate) fn client() -> Option<&'static Client> {
     // SAFETY: as above.
     let parent = unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
     let inherited = parent.map(|p| p.fds_snapshot());
-    // The parent's directories kept open are copies here that nothing uses.
-    if let Some(p) = parent {
-        p.forget_dirs();
-    }
+
     let r = Client::connect(std::path::Path::new(&sock));
     if std::env::var_os("PMSTACK_DEBUG").is_some() {
         eprintln!(

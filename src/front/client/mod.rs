@@ -230,10 +230,10 @@ impl Client {
         })
     }
 
-    /// Close the directories kept open for namespace operations (`ns::dirs`): a fork's
-    /// child, attaching anew, does not use its parent's client.
-    pub fn forget_dirs(&self) {
-        self.dirs.clear();
+    /// In a fork's child, from the fork handler: close the copies of the directories this
+    /// (the parent's) client kept open (`ns::dirs::DirCache::close_in_child`).
+    pub fn close_dirs_in_child(&self) {
+        self.dirs.close_in_child();
     }
 
     /// How many directories are kept open for namespace operations (tests).

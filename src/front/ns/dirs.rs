@@ -193,13 +193,26 @@ impl DirCache {
         self.kept_changed(&es);
     }
 
-    /// Close every cached directory (a fork's child, whose descriptors are copies of the
-    /// parent's). Does not wait: a lock held at the fork by a thread that does not exist in
-    /// the child leaves the entries in place (closed at exec).
+    /// Close every cached directory.
     pub fn clear(&self) {
-        if let Some(mut es) = self.entries.try_lock() {
-            es.clear();
-            self.kept_changed(&es);
+        let mut es = self.entries.lock();
+        es.clear();
+        self.kept_changed(&es);
+    }
+
+    /// In a fork's child, before the program runs again (a fork handler): close the copies of
+    /// the parent's directories, whose numbers are still the library's there. Frees nothing
+    /// (the program's allocator may not be usable yet in the child) and never waits: a lock
+    /// held at the fork by a thread that does not exist in the child leaves them open
+    /// (closed at exec, O_CLOEXEC). The parent's client is not used in the child again, so
+    /// nothing closes them later, when the child may have reused their numbers.
+    pub fn close_in_child(&self) {
+        if let Some(es) = self.entries.try_lock() {
+            for e in es.iter() {
+                if !e.dir.fd.given_up.swap(true, Ordering::AcqRel) {
+                    crate::front::sys::close(e.dir.fd.as_raw_fd());
+                }
+            }
         }
     }
 
