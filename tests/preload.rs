@@ -620,17 +620,11 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
     let before = acks.lock().unwrap().rec.values().sum::<i64>();
     s.kill9();
     // The program notices (heartbeat), its syncs become the lower file system's, it finishes.
-    let t0 = Instant::now();
-    let st = loop {
-        if let Some(st) = k.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "program hung after the daemon died"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let st = exited_within(
+        &mut k,
+        Duration::from_secs(120),
+        "program hung after the daemon died",
+    );
     assert!(st.success());
     reader.join().unwrap();
     let acks = std::mem::take(&mut *acks.lock().unwrap());
@@ -2239,6 +2233,19 @@ fn closing_files_releases_what_the_library_kept_for_them() {
     let _ = fs::remove_file(&pm);
 }
 
+/// Wait for `k` to exit, at most `limit`: past it the test fails saying `what` (a `Reaped`
+/// holding `k` then kills it).
+fn exited_within(k: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = k.try_wait().unwrap() {
+            return st;
+        }
+        assert!(t0.elapsed() < limit, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// For a test of the C program `tests/preload/NAME.c`: a temporary directory holding the
 /// program, compiled, an empty `root` (canonical) and the path of a region; None where the
 /// machine cannot run it (outside CI).
@@ -2368,14 +2375,11 @@ fn an_attach_does_not_wait_forever_for_a_close_that_waits_for_it() {
     let mut c = s.run();
     c.arg(&exe).arg(&root).stdout(Stdio::piped());
     let mut k = common::Reaped(vec![c.spawn().unwrap()]);
-    let t0 = Instant::now();
-    while k.0[0].try_wait().unwrap().is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the program hangs: its attach waits for a close that waits for it"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    exited_within(
+        &mut k.0[0],
+        Duration::from_secs(20),
+        "the program hangs: its attach waits for a close that waits for it",
+    );
     let mut out = String::new();
     k.0[0]
         .stdout
@@ -2558,27 +2562,21 @@ fn a_program_whose_allocator_makes_system_calls_while_it_starts_does_not_hang() 
         return;
     };
     let mut s = Serve::start(&root, &pm, &[]);
-    let mut c = s.run().arg(&exe).stdout(Stdio::piped()).spawn().unwrap();
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = c.try_wait().unwrap() {
-            break Some(st);
-        }
-        if t0.elapsed() > Duration::from_secs(20) {
-            let _ = c.kill();
-            let _ = c.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut c.stdout.take().unwrap(), &mut out).unwrap();
-    s.stop();
-    assert!(status.is_some(), "the program hung at its first allocation");
-    assert!(
-        status.unwrap().success() && out.trim() == "ok",
-        "{status:?} {out:?}"
+    let mut k = common::Reaped(vec![s
+        .run()
+        .arg(&exe)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()]);
+    let status = exited_within(
+        &mut k.0[0],
+        Duration::from_secs(20),
+        "the program hung at its first allocation",
     );
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut k.0[0].stdout.take().unwrap(), &mut out).unwrap();
+    s.stop();
+    assert!(status.success() && out.trim() == "ok", "{status:?} {out:?}");
 }
 
 /// A child that does not attach (started without the library) and writes through a

@@ -78,9 +78,9 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
         let n = (end - p as usize).min(PATH_MAX);
         let mut out: Vec<u8> = Vec::with_capacity(256);
         for i in 0..n {
-            // SAFETY: p + i lies in this thread's stack, between the running frame and the
-            // stack's top: mapped and readable while this call runs. Bytes are read one by
-            // one up to the NUL, as the kernel reads a path.
+            // SAFETY: p + i lies below `end`, in this thread's stack above the running frame
+            // or in the break heap below the break: mapped and readable while this call
+            // runs. Bytes are read one by one up to the NUL, as the kernel reads a path.
             let b = unsafe { *(p as *const u8).add(i) };
             if b == 0 {
                 return Some(out);

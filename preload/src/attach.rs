@@ -154,70 +154,45 @@ extern "C" fn init() {
 #[link_section = ".init_array"]
 pub(crate) static INIT: extern "C" fn() = init;
 
-/// The served root as `pmstack run` passed it (canonical), with a trailing slash, in a
-/// static buffer.
-struct RootBuf(std::cell::UnsafeCell<[u8; libc::PATH_MAX as usize + 1]>);
-// SAFETY: written once, by the one caller that moved ROOT_STATE from EMPTY to BUSY, and read
-// only after ROOT_STATE says SOME (Release/Acquire).
-unsafe impl Sync for RootBuf {}
-static ROOT_BUF: RootBuf = RootBuf(std::cell::UnsafeCell::new([0; libc::PATH_MAX as usize + 1]));
-static ROOT_LEN: AtomicUsize = AtomicUsize::new(0);
-static ROOT_STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-const ROOT_EMPTY: u8 = 0;
-const ROOT_BUSY: u8 = 1;
-const ROOT_SOME: u8 = 2;
-const ROOT_NONE: u8 = 3;
+/// The served root, with a trailing slash, in a fixed buffer (see `root`).
+struct RootPath {
+    len: usize,
+    buf: [u8; libc::PATH_MAX as usize + 1],
+}
 
 /// The served root as `pmstack run` passed it (canonical), with a trailing slash. Allocates
-/// nothing, also the first time: a program's own allocator may make its first system calls
-/// (through `syscall(2)`, which the library interposes) while it holds its initialization
-/// lock, and an allocation here would wait for that lock for ever (jemalloc's opens of
-/// /sys/kernel/mm/transparent_hugepage/enabled: rustc hung at start).
+/// nothing, also the first time (a `OnceLock` of a fixed buffer, read with `getenv`): a
+/// program's own allocator may make its first system calls (through `syscall(2)`, which
+/// the library interposes) while it holds its initialization lock, and an allocation here
+/// would wait for that lock for ever (jemalloc's opens of
+/// /sys/kernel/mm/transparent_hugepage/enabled: rustc hung at start). So
+/// `open::root_with_slash`, which allocates, is not used here.
 pub(crate) fn root() -> Option<&'static [u8]> {
-    loop {
-        match ROOT_STATE.load(Ordering::Acquire) {
-            ROOT_SOME => {
-                let n = ROOT_LEN.load(Ordering::Relaxed);
-                // SAFETY: written before ROOT_SOME was published, never again.
-                return Some(unsafe {
-                    std::slice::from_raw_parts(ROOT_BUF.0.get() as *const u8, n)
-                });
-            }
-            ROOT_NONE => return None,
-            ROOT_EMPTY => {
-                if ROOT_STATE
-                    .compare_exchange(ROOT_EMPTY, ROOT_BUSY, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    // SAFETY: getenv reads the environment in place; the buffer is ours
-                    // alone until ROOT_SOME is published.
-                    let state = unsafe {
-                        let p = libc::getenv(c"PMSTACK_ROOT".as_ptr());
-                        let r = if p.is_null() {
-                            &[][..]
-                        } else {
-                            CStr::from_ptr(p).to_bytes()
-                        };
-                        let buf = &mut *ROOT_BUF.0.get();
-                        if r.is_empty() || r.len() + 1 > buf.len() {
-                            ROOT_NONE
-                        } else {
-                            buf[..r.len()].copy_from_slice(r);
-                            let mut n = r.len();
-                            if !r.ends_with(b"/") {
-                                buf[n] = b'/';
-                                n += 1;
-                            }
-                            ROOT_LEN.store(n, Ordering::Relaxed);
-                            ROOT_SOME
-                        }
-                    };
-                    ROOT_STATE.store(state, Ordering::Release);
-                }
-            }
-            _ => std::hint::spin_loop(),
+    static ROOT: std::sync::OnceLock<Option<RootPath>> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        // SAFETY: getenv returns a pointer into the environment (or null), read at once.
+        let p = unsafe { libc::getenv(c"PMSTACK_ROOT".as_ptr()) };
+        if p.is_null() {
+            return None;
         }
-    }
+        // SAFETY: a NUL-terminated string of the environment.
+        let r = unsafe { CStr::from_ptr(p) }.to_bytes();
+        let mut root = RootPath {
+            len: r.len(),
+            buf: [0; libc::PATH_MAX as usize + 1],
+        };
+        if r.is_empty() || r.len() + 1 > root.buf.len() {
+            return None;
+        }
+        root.buf[..r.len()].copy_from_slice(r);
+        if !r.ends_with(b"/") {
+            root.buf[root.len] = b'/';
+            root.len += 1;
+        }
+        Some(root)
+    })
+    .as_ref()
+    .map(|r| &r.buf[..r.len])
 }
 
 pub(crate) fn under_root(path: &[u8]) -> bool {
@@ -284,7 +259,6 @@ pub(crate) fn client() -> Option<&'static Client> {
     // SAFETY: as above.
     let parent = unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
     let inherited = parent.map(|p| p.fds_snapshot());
-
     let r = Client::connect(std::path::Path::new(&sock));
     if std::env::var_os("PMSTACK_DEBUG").is_some() {
         eprintln!(

@@ -236,11 +236,6 @@ impl Client {
         self.dirs.close_in_child();
     }
 
-    /// How many directories are kept open for namespace operations (tests).
-    pub fn dirs_open(&self) -> usize {
-        self.dirs.len()
-    }
-
     pub fn pid(&self) -> u64 {
         self.pid
     }

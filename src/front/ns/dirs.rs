@@ -17,8 +17,8 @@
 //! The descriptors are the library's, in the program's descriptor table: a program's call
 //! that closes or replaces one of their numbers (close, close_range, closefrom, dup2, dup3;
 //! `give_up`) drops the entry without closing the number again, since the program's call
-//! closes it. A fork's child drops what it inherited when it attaches (`clear`); exec closes
-//! them (O_CLOEXEC).
+//! closes it. A fork's child closes its copies in a fork handler, before the program runs
+//! again (`close_in_child`); exec closes them (O_CLOEXEC).
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -193,8 +193,9 @@ impl DirCache {
         self.kept_changed(&es);
     }
 
-    /// Close every cached directory.
-    pub fn clear(&self) {
+    /// Close every cached directory (tests).
+    #[cfg(test)]
+    fn clear(&self) {
         let mut es = self.entries.lock();
         es.clear();
         self.kept_changed(&es);
@@ -217,11 +218,13 @@ impl DirCache {
     }
 
     /// How many directories are open (tests).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.lock().len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

@@ -181,15 +181,13 @@ impl Client {
         }
         let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
-        // Under the root by the kernel's word too (the path it reports): kept as well.
-        {
-            let kept = dirs::Cached {
-                fd: fd.clone(),
-                handle: handle.clone(),
-                gen,
-            };
-            self.dirs.put(st.st_dev, st.st_ino, kept);
-        }
+        // Kept whether its text or the kernel's word put it under the root.
+        let kept = dirs::Cached {
+            fd: fd.clone(),
+            handle: handle.clone(),
+            gen,
+        };
+        self.dirs.put(st.st_dev, st.st_ino, kept);
         Some(Dir {
             fd,
             slot: idx,
