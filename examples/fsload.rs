@@ -329,13 +329,18 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
             let d = sh.a.dir.join(format!("t{tid}"));
             fs::create_dir_all(&d).expect("thread dir");
             let dfd = File::open(&d).expect("dir");
+            // At least one operation per thread, however long the set-up above took (under
+            // `pmstack run` its first namespace operation may write everything back): a
+            // short run must not end with nothing measured.
+            let started = std::cell::Cell::new(false);
+            let more = || !started.replace(true) || !stop();
             // create/mkdir: each thread keeps at most KEEP entries; the one made KEEP operations
             // earlier is removed (not synced) in the same operation, so long runs fit the image.
             const KEEP: u64 = 1000;
             match sh.a.personality.as_str() {
                 "meta-create" => {
                     let mut k = 0u64;
-                    while !stop() {
+                    while more() {
                         let f = File::create(d.join(format!("c{k}"))).expect("create");
                         f.write_all_at(&wbuf[..4096], 0).expect("write");
                         t.sync(|| f.sync_all().expect("fsync"));
@@ -349,7 +354,7 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
                 }
                 "meta-mkdir" => {
                     let mut k = 0u64;
-                    while !stop() {
+                    while more() {
                         fs::create_dir(d.join(format!("m{k}"))).expect("mkdir");
                         t.sync(|| dfd.sync_all().expect("fsync dir"));
                         if k >= KEEP {
@@ -362,7 +367,7 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
                     let (a, b) = (d.join("a"), d.join("b"));
                     File::create(&a).expect("create");
                     let mut flip = false;
-                    while !stop() {
+                    while more() {
                         let (x, y) = if flip { (&b, &a) } else { (&a, &b) };
                         fs::rename(x, y).expect("rename");
                         t.sync(|| dfd.sync_all().expect("fsync dir"));
@@ -376,7 +381,7 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
                         .flatten()
                         .map(|e| e.path())
                         .collect();
-                    while !stop() {
+                    while more() {
                         let Some(p) = names.pop() else { break };
                         fs::remove_file(&p).expect("unlink");
                         t.sync(|| dfd.sync_all().expect("fsync dir"));
