@@ -23,6 +23,18 @@ impl Replayer<'_> {
         // (or the end): each page's last record wins, and the pages go out sorted and
         // coalesced, a few system calls per megabyte instead of one per page.
         let mut pages = Pages::default();
+        // Long runs of them go to a local lower through a second descriptor with O_DIRECT.
+        let page_records = ops
+            .iter()
+            .filter(|(_, op)| matches!(op, FileOp::Page { .. }))
+            .count();
+        pages.direct = match &fd {
+            Some(f) if page_records >= DIRECT_MIN_PAGES && real::local_fs(f) => self
+                .lower
+                .reopen(node, libc::O_WRONLY | libc::O_DIRECT)
+                .ok(),
+            _ => None,
+        };
         for (_, op) in ops {
             self.sum.file_ops += 1;
             if let (FileOp::Page { off, page }, Some(_)) = (op, &fd) {
@@ -75,30 +87,64 @@ impl Replayer<'_> {
 
 /// Whole-page records waiting to be written: file offset -> log page.
 #[derive(Default)]
-struct Pages(BTreeMap<u64, u64>);
+struct Pages {
+    pages: BTreeMap<u64, u64>,
+    /// The file opened again with O_DIRECT (a local lower, and enough pages to be worth
+    /// it), until the lower refuses a direct write.
+    direct: Option<OwnedFd>,
+}
 
 /// Bytes written before the lower is asked to start writing them back.
 const START_WRITE_BACK: u64 = 8 << 20;
 
+/// Runs of at least this many whole pages are written with O_DIRECT where the lower allows
+/// it: the device reads them straight from the mapped log, instead of the kernel copying
+/// them into the page cache and writing them back at the fsync (measured on ext4 over a loop
+/// image: 1 GiB from a mapping in /dev/shm, written and fsynced, 0.44-0.57 s direct against
+/// 1.2-1.7 s buffered). Shorter runs stay buffered: a direct write waits for the device.
+const DIRECT_MIN_PAGES: usize = 16;
+
 impl Pages {
     fn add(&mut self, off: u64, page: u64) {
-        self.0.insert(off, page);
+        self.pages.insert(off, page);
     }
 
     /// Write the pages, runs of adjacent ones by one pwritev each, straight from the mapped
-    /// log (a region that is not mapped: page by page through a buffer); start the lower's
-    /// write-back every few megabytes, so that the final fsync overlaps the copying.
+    /// log (a region that is not mapped: page by page through a buffer); long runs with
+    /// O_DIRECT where the lower takes them, the others buffered, with the lower's write-back
+    /// started every few megabytes so that the final fsync overlaps the copying.
+    ///
+    /// Mixing the two on one file is safe: the kernel writes back and drops the cached pages
+    /// a direct write covers, and each page is written once per batch (its last record).
     fn write(&mut self, pm: &dyn Pmem, fd: i32, sum: &mut RecoverySummary) -> std::io::Result<()> {
-        let pages = std::mem::take(&mut self.0);
+        let pages = std::mem::take(&mut self.pages);
         let mut run: Vec<&[u8]> = Vec::new();
         let mut run_off = 0;
         let mut unsynced = (u64::MAX, 0u64); // range written since the last start_write_back
+        let direct = &mut self.direct;
         let mut flush = |run: &mut Vec<&[u8]>, run_off: u64| -> std::io::Result<()> {
             if run.is_empty() {
                 return Ok(());
             }
-            real::pwritev_all(fd, run, run_off)?;
             let len = (run.len() * PAGE) as u64;
+            if let Some(d) = direct.as_ref().filter(|_| direct_ok(run, run_off)) {
+                match real::pwritev_all(d.as_raw_fd(), run, run_off) {
+                    Ok(()) => {
+                        sum.bytes_replayed += len;
+                        sum.bytes_direct += len;
+                        run.clear();
+                        return Ok(());
+                    }
+                    // The lower (or the region's memory) does not take direct writes: the
+                    // run and every later one go buffered. Any other error is the lower's
+                    // answer to this write, reported as a buffered write's would be.
+                    Err(e) if DIRECT_REFUSED.contains(&e.raw_os_error().unwrap_or(0)) => {
+                        *direct = None;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            real::pwritev_all(fd, run, run_off)?;
             sum.bytes_replayed += len;
             unsynced = (unsynced.0.min(run_off), unsynced.1.max(run_off + len));
             if unsynced.1 - unsynced.0 >= START_WRITE_BACK {
@@ -128,6 +174,19 @@ impl Pages {
         }
         flush(&mut run, run_off)
     }
+}
+
+/// What a lower or the region's memory answers to a direct write it does not support.
+const DIRECT_REFUSED: [i32; 4] = [libc::EINVAL, libc::EOPNOTSUPP, libc::EFAULT, libc::ENOTSUP];
+
+/// Whether a run may go by O_DIRECT: long enough, and its offset and every buffer aligned to
+/// the page (the strictest logical block size of the lowers pmstack stacks over).
+fn direct_ok(run: &[&[u8]], off: u64) -> bool {
+    run.len() >= DIRECT_MIN_PAGES
+        && off % PAGE as u64 == 0
+        && run
+            .iter()
+            .all(|b| b.len() == PAGE && (b.as_ptr() as usize) % PAGE == 0)
 }
 
 #[cfg(test)]
@@ -229,6 +288,118 @@ mod tests {
             let (log, scan) = Log::open(pm).unwrap();
             let sum = recover(&log, &scan, &RealLower::open(&lower).unwrap(), &|_, _| {}).unwrap();
             assert!(sum.bytes_replayed > 100 * PAGE as u64, "{sum:?}");
+            assert!(
+                std::fs::read(lower.join("f")).unwrap() == model,
+                "replayed file differs"
+            );
+        });
+        cleanup();
+        if let Err(e) = r {
+            std::panic::resume_unwind(e);
+        }
+    }
+
+    /// Long runs of whole pages go to a local lower with O_DIRECT, mixed on the same pages
+    /// with buffered partial writes and truncates before and after them: the file comes back
+    /// exactly (the kernel must write back and drop the cached pages a direct write covers,
+    /// and a later buffered write must read what the direct one wrote).
+    #[test]
+    fn long_runs_replayed_with_o_direct_between_buffered_writes_are_what_was_written() {
+        let dir = std::path::PathBuf::from(format!(
+            "/var/tmp/pmstack-files-direct-{}",
+            std::process::id()
+        ));
+        let region = std::path::PathBuf::from(format!(
+            "/dev/shm/pmstack-files-direct-{}.pm",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let lower = dir.join("lower");
+        std::fs::create_dir_all(&lower).unwrap();
+        let cleanup = || {
+            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_file(&region);
+        };
+        let r = std::panic::catch_unwind(|| {
+            if !crate::lower::real::local_fs(std::fs::File::open(&lower).unwrap()) {
+                assert!(
+                    std::env::var("CI").is_err(),
+                    "/var/tmp is not on a local file system: O_DIRECT replay is not exercised"
+                );
+                eprintln!("SKIPPED: /var/tmp is not on a local file system");
+                return;
+            }
+            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::create(&region, 64 << 20).unwrap());
+            let log = Arc::new(Log::format(pm, [6; 16], 2).unwrap());
+            crate::lower::write_marker(&lower, [6; 16]).unwrap();
+            log.set_clean(false);
+            let opts = Options {
+                mode: Mode::Strict,
+                flush_interval: std::time::Duration::from_secs(3600),
+                ..Options::default()
+            };
+            let core = Core::new(RealLower::open(&lower).unwrap(), opts, Some(log)).unwrap();
+            let (i, _, fh) = core
+                .create(
+                    1,
+                    OsStr::new("f"),
+                    0o644,
+                    libc::O_RDWR | libc::O_CREAT,
+                    0,
+                    0,
+                )
+                .unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+            let mut model: Vec<u8> = Vec::new();
+            let mut put = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
+                core.write(fh, off as u64, data).unwrap();
+                if model.len() < off + data.len() {
+                    model.resize(off + data.len(), 0);
+                }
+                model[off..off + data.len()].copy_from_slice(data);
+            };
+            for n in 0..40usize {
+                // A run of 16 to 40 whole pages, written in a random order (replay sorts
+                // them), some pages twice.
+                let start = rng.gen_range(0..40usize);
+                let len = rng.gen_range(16..40usize);
+                let mut order: Vec<usize> = (start..start + len).collect();
+                order.extend((0..4).map(|_| rng.gen_range(start..start + len)));
+                for k in 0..order.len() {
+                    let j = rng.gen_range(k..order.len());
+                    order.swap(k, j);
+                }
+                for (k, p) in order.into_iter().enumerate() {
+                    let data = vec![(n * 31 + k) as u8 | 1; PAGE];
+                    put(&mut model, p * PAGE, &data);
+                }
+                // Then a partial write across pages of the run, or a truncate into it.
+                if rng.gen_bool(0.5) {
+                    let off = (start * PAGE) + rng.gen_range(0..len * PAGE - 2 * PAGE);
+                    let data = vec![(n * 7) as u8 | 2; rng.gen_range(1..2 * PAGE)];
+                    put(&mut model, off, &data);
+                } else {
+                    let size = (start * PAGE + rng.gen_range(0..len * PAGE)) as u64;
+                    core.setattr(i.ino, None, None, None, Some(size), None, None)
+                        .unwrap();
+                    model.resize(size as usize, 0);
+                }
+            }
+            drop(core);
+            std::fs::File::options()
+                .write(true)
+                .open(lower.join("f"))
+                .unwrap()
+                .set_len(0)
+                .unwrap();
+            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::open(&region, 0).unwrap());
+            let (log, scan) = Log::open(pm).unwrap();
+            let sum = recover(&log, &scan, &RealLower::open(&lower).unwrap(), &|_, _| {}).unwrap();
+            assert!(
+                sum.bytes_direct >= 20 * 16 * PAGE as u64,
+                "long runs were not written direct: {sum:?}"
+            );
+            assert!(sum.bytes_direct < sum.bytes_replayed, "{sum:?}");
             assert!(
                 std::fs::read(lower.join("f")).unwrap() == model,
                 "replayed file differs"

@@ -27,6 +27,9 @@ pub struct RecoverySummary {
     pub namespace_skipped: u64,
     pub file_ops: u64,
     pub bytes_replayed: u64,
+    /// Of `bytes_replayed`, those written with O_DIRECT (long runs of whole pages on a local
+    /// lower: `files::DIRECT_MIN_PAGES`).
+    pub bytes_direct: u64,
     pub files: u64,
     /// Files whose records had nothing to be replayed into: the object was deleted after
     /// them (by an acknowledged unlink or rename), checked against a lower whose handles
