@@ -351,7 +351,7 @@ mod tests {
                 .unwrap();
             let mut rng = rand::rngs::StdRng::seed_from_u64(11);
             let mut model: Vec<u8> = Vec::new();
-            let mut put = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
+            let put = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
                 core.write(fh, off as u64, data).unwrap();
                 if model.len() < off + data.len() {
                     model.resize(off + data.len(), 0);
