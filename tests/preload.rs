@@ -2583,7 +2583,10 @@ fn a_program_whose_allocator_makes_system_calls_while_it_starts_does_not_hang() 
 /// descriptor it inherited opens nothing the daemon's watch sees, and the library sees none
 /// of its writes: the parent's next sync must be real, however the child was started (fork
 /// and execl, posix_spawnp, system, popen, vfork and execve). (It was absorbed, logging none
-/// of the child's bytes: a power cut then lost them although the sync had returned.)
+/// of the child's bytes: a power cut then lost them although the sync had returned.) A vfork
+/// child borrows the parent's memory: one that writes, then closes the descriptor and every
+/// other before its exec must leave the parent's library as it was (the parent's syncs are
+/// absorbed again after the next real one; the vfork is a real vfork, `preload/src/spawn.rs`).
 #[test]
 fn a_sync_after_a_child_wrote_through_an_inherited_descriptor_is_real() {
     let Some((_d, exe, root, pm)) = c_program("spawn_inherit") else {
@@ -2616,7 +2619,7 @@ fn a_sync_after_a_child_wrote_through_an_inherited_descriptor_is_real() {
         let (_, r) = table.procs().into_iter().find(|(p, _)| *p == pid).unwrap();
         (r[P_FALLBACKS], r[P_ABSORBED_FSYNC])
     };
-    const HOW: [&str; 5] = ["fork", "spawn", "system", "popen", "vfork"];
+    const HOW: [&str; 6] = ["fork", "spawn", "system", "popen", "vfork-close", "vfork"];
     for how in HOW {
         // Until the file's syncs are absorbed (again: the daemon looks at its writers after
         // each child, and the sync after that is real).
@@ -3031,4 +3034,46 @@ fn a_write_only_file_synced_after_more_than_its_copy_is_logged_whole() {
         "recovery did not bring back every synced byte"
     );
     drop(s);
+}
+
+/// The library every program under `pmstack run` loads needs the C library and nothing else:
+/// not libgcc_s, whose constructor asks the CPU for its features at every program start (a
+/// hypervisor exit per question in a virtual machine; `preload/build.rs`). The unwinder linked
+/// in its place is hidden, so a program's own (C++ exceptions) stays the one it uses.
+#[test]
+fn the_preload_library_loads_nothing_but_the_c_library_and_exports_no_unwinder() {
+    common::preload_built();
+    let lib = std::path::Path::new(common::bin()).with_file_name("libpmstack_preload.so");
+    let out = |args: &[&str]| {
+        let o = Command::new(args[0])
+            .args(&args[1..])
+            .arg(&lib)
+            .output()
+            .unwrap_or_else(|e| panic!("{} (binutils) failed to start: {e}", args[0]));
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let needed: Vec<String> = out(&["readelf", "-d", "-W"])
+        .lines()
+        .filter(|l| l.contains("(NEEDED)"))
+        .filter_map(|l| Some(l.split('[').nth(1)?.trim_end_matches(']').to_string()))
+        .collect();
+    assert!(!needed.is_empty(), "no NEEDED entries found");
+    for n in &needed {
+        assert!(
+            n.starts_with("libc.so") || n.starts_with("ld-linux"),
+            "the preload library needs {n}: {needed:?}"
+        );
+    }
+    let exported = out(&["nm", "-D", "--defined-only"]);
+    assert!(
+        !exported.contains("_Unwind_"),
+        "the preload library exports an unwinder"
+    );
+    // The unwinder is there (a panic inside the library still prints its message).
+    assert!(out(&["nm"]).contains("_Unwind_RaiseException"));
 }

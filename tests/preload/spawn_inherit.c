@@ -10,6 +10,10 @@
 //   system  the same by system()
 //   popen   the same by popen()
 //   vfork   the same by vfork and execve
+//   vfork-close  vfork; before its exec the child appends its line itself, then closes the
+//           inherited descriptor and every other from 3 up (close, close_range), then execs
+//           /bin/true: none of that may change what the parent's library keeps (the child
+//           borrows the parent's memory)
 // Each child appends "FOREIGN <command>\n" through the inherited descriptor.
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -17,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -93,6 +98,24 @@ int main(int argc, char **argv) {
                 _exit(127);
             }
             waitpid(p, NULL, 0);
+        } else if (strcmp(line, "vfork-close") == 0) {
+            char **env = bare_env();
+            char *targs[] = {"true", NULL};
+            pid_t p = vfork();
+            if (p < 0)
+                die("vfork");
+            if (p == 0) {
+                static const char w[] = "FOREIGN vfork-close\n";
+                if (write(fd, w, sizeof w - 1) != (ssize_t)(sizeof w - 1))
+                    _exit(126);
+                close(fd);
+                syscall(SYS_close_range, 3, ~0U, 0);
+                execve("/bin/true", targs, env);
+                _exit(127);
+            }
+            int st;
+            if (waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+                die("vfork-close child");
         } else {
             fprintf(stderr, "unknown command %s\n", line);
             return 2;
