@@ -3077,3 +3077,86 @@ fn the_preload_library_loads_nothing_but_the_c_library_and_exports_no_unwinder()
     // The unwinder is there (a panic inside the library still prints its message).
     assert!(out(&["nm"]).contains("_Unwind_RaiseException"));
 }
+
+/// Over a lower whose directory change times are coarse (tmpfs here; ext4 and XFS on
+/// kernels before 6.13), the library cannot tell its own directory changes from a change
+/// another process made in the same clock tick (`front::ctime_fine`): the daemon says so in
+/// its stats, no directory fsync is absorbed and every namespace operation is written back
+/// by the lower's own syncs. The same program over ext4 (fine change times) has its
+/// directory fsyncs absorbed: the control.
+#[test]
+fn over_coarse_change_times_directory_fsyncs_are_real_and_namespace_changes_written_back() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let script = concat!(
+        "os.chdir(d)\n",
+        "os.mkdir('sub')\n",
+        "for i in range(5):\n",
+        "    os.close(os.open('sub/f%d' % i, os.O_CREAT | os.O_WRONLY))\n",
+        "    fd = os.open('sub', os.O_RDONLY)\n",
+        "    os.fsync(fd)\n",
+        "    os.close(fd)",
+    );
+    for (base, coarse) in [("/dev/shm", true), ("/var/tmp", false)] {
+        let d = tempfile::tempdir_in(base).unwrap();
+        let root = fs::canonicalize(d.path()).unwrap();
+        if pmstack::front::ctime_fine(&root).unwrap() == coarse {
+            // What this kernel gives: the test wants one lower of each kind.
+            assert!(
+                std::env::var("CI").is_err(),
+                "{base} does not have {} change times on this kernel",
+                if coarse { "coarse" } else { "fine" }
+            );
+            eprintln!("SKIPPED: {base} change times are not as expected here");
+            continue;
+        }
+        let pm = shm_region(if coarse { "coarse" } else { "fine" });
+        let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+        let st = s.wait_stats("stats", |v| v["ctime_fine"].is_boolean());
+        assert_eq!(st["ctime_fine"], !coarse, "{base}: {st}");
+        let mut a = Py::spawn(s.run(), &root);
+        let pid = a.pid();
+        a.exec(script);
+        a.exec("os.close(os.open('last', os.O_CREAT | os.O_WRONLY))");
+        // 7 namespace operations and 5 directory fsyncs: over coarse change times each is
+        // written back (none logged), over fine ones they are logged and absorbed (but the
+        // first change of each directory, which writes back what came before).
+        let done = |p: &serde_json::Value| {
+            let g = |k: &str| p[k].as_u64().unwrap_or(0);
+            if coarse {
+                g("ns_write_backs") >= 12
+            } else {
+                g("ns_ops") >= 5 && g("absorbed_dir_fsync") >= 5
+            }
+        };
+        let st = s.wait_stats("the program's stats", |v| {
+            proc_stats(v, pid).is_some_and(|p| done(&p))
+        });
+        let p = proc_stats(&st, pid).unwrap();
+        let g = |k: &str| p[k].as_u64().unwrap_or(0);
+        if coarse {
+            assert_eq!(
+                (g("absorbed_dir_fsync"), g("ns_ops")),
+                (0, 0),
+                "{base}: {p}"
+            );
+            assert_eq!(g("ns_write_backs"), 12, "{base}: {p}");
+        } else {
+            // The mkdir and the first creation in `sub` write back (each directory's first
+            // change under the daemon); the other 5 are logged.
+            assert_eq!(
+                (g("absorbed_dir_fsync"), g("ns_ops")),
+                (5, 5),
+                "{base}: {p}"
+            );
+            assert_eq!(g("ns_write_backs"), 2, "{base}: {p}");
+        }
+        drop(a);
+        s.stop();
+        let _ = fs::remove_file(&pm);
+        for i in 0..5 {
+            assert!(root.join(format!("sub/f{i}")).exists());
+        }
+    }
+}

@@ -269,14 +269,24 @@ impl Client {
         })
     }
 
-    /// Whether every change of `d` since it was last made durable was logged.
+    /// Whether every change of `d` since it was last made durable was logged. Never where
+    /// the lower's change times are coarse (`H_COARSE_CTIME`): there an unlogged change in
+    /// the same clock tick as the last logged one would go unseen.
     fn clean(&self, d: &Dir) -> bool {
+        if self.coarse_ctime() {
+            return false;
+        }
         let want = self
             .table
             .slot(d.slot)
             .w(S_DIR_CTIME)
             .load(Ordering::Acquire);
         want != 0 && ctime(d.fd.as_raw_fd()) == want
+    }
+
+    /// The lower's directory change times do not tell every change (`H_COARSE_CTIME`).
+    pub(in crate::front) fn coarse_ctime(&self) -> bool {
+        self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) != 0
     }
 
     fn set_clean(&self, d: &Dir) {

@@ -192,6 +192,23 @@ impl Daemon {
         table
             .w(H_PER_OBJECT)
             .store(!lower.syncfs_reliable() as u64, Ordering::Release);
+        // Before any process attaches: whether a directory's change time tells pmstack run's
+        // own changes from others'. Where it does not, namespace operations are written back
+        // (the lower's own syncs) instead of trusted to the log alone.
+        let fine = crate::front::ctime_fine(&opts.root).map_err(|source| ServeError::Path {
+            what: "probing the change times of",
+            path: opts.root.clone(),
+            source,
+        })?;
+        if !fine {
+            tracing::warn!(
+                root = %opts.root.display(),
+                "the lower's directory change times are coarse (a kernel before 6.13, or a file system without multigrain timestamps): pmstack run cannot tell its own directory changes from others' there, so each namespace operation is made durable by the lower's own syncs and directory fsyncs are not absorbed (file syncs still are)"
+            );
+        }
+        table
+            .w(H_COARSE_CTIME)
+            .store(!fine as u64, Ordering::Release);
         Ok(Daemon {
             log,
             lower,
@@ -510,6 +527,7 @@ impl Daemon {
             "writeback_us": s.writeback_us.load(Ordering::Relaxed),
             "objects_synced": s.objects_synced.load(Ordering::Relaxed),
             "syncfs_trusted": self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) == 0,
+            "ctime_fine": self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) == 0,
             "leases_reclaimed": s.leases_reclaimed.load(Ordering::Relaxed),
             "watching": self.group.is_some(),
             "watched_opens": s.watched_opens.load(Ordering::Relaxed),

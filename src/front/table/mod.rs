@@ -69,6 +69,20 @@ pub const RING: usize = 32;
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
 pub const H_RETIRED: usize = 48;
+/// 1 when the lower's directory change times are coarse (`front::ctime_fine`): a change
+/// made in the same clock tick as the change time recorded after a logged operation leaves
+/// it as it was, so no directory is taken for clean (every change since its last write-back
+/// logged). The last header word, after the retired counters (`COUNTERS` name process words
+/// below 14).
+pub const H_COARSE_CTIME: usize = 63;
+const _: () = {
+    let mut i = 0;
+    while i < COUNTERS.len() {
+        assert!(H_RETIRED + COUNTERS[i] < H_COARSE_CTIME);
+        i += 1;
+    }
+    assert!(H_COARSE_CTIME < PROCS_AT);
+};
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
 pub const PROCS_AT: usize = 64;
