@@ -130,6 +130,7 @@ pub const METRICS: &[Metric] = &[
     m("recovery.namespace_skipped", Gauge, Count, Both, "recovery at start: namespace records the lower already held"),
     m("recovery.file_ops", Gauge, Count, Both, "recovery at start: data and attribute records replayed"),
     m("recovery.bytes_replayed", Gauge, Bytes, Both, "recovery at start: bytes replayed onto the lower file system"),
+    m("recovery.bytes_direct", Gauge, Bytes, Both, "recovery at start: of the bytes replayed, those written with O_DIRECT (long runs of whole pages on a local lower)"),
     m("recovery.files", Gauge, Count, Both, "recovery at start: files replayed into"),
     m("recovery.unresolved_files", Gauge, Count, Both, "recovery at start: files deleted after their records (nothing to replay into)"),
     m("recovery.duration_ms", Gauge, Millis, Both, "recovery at start: how long it took (0: none was needed)"),

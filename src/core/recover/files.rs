@@ -202,29 +202,26 @@ mod tests {
     use std::ffi::OsStr;
     use std::sync::Arc;
 
-    /// Whole pages written in any order and overwritten, between partial writes and
-    /// truncates, come back exactly when replayed from a mapped region (runs of pages go to
-    /// the lower by pwritev straight from the mapping, each page's last record winning
-    /// within a run of page records), with the lower having lost every byte.
-    #[test]
-    fn pages_replayed_from_a_mapped_region_are_what_was_written() {
-        let dir =
-            std::path::PathBuf::from(format!("/var/tmp/pmstack-files-{}", std::process::id()));
-        let region =
-            std::path::PathBuf::from(format!("/dev/shm/pmstack-files-{}.pm", std::process::id()));
+    /// A strict core (every write logged before it returns) over a new lower in /var/tmp
+    /// with an emulated region, and one file `f` in it: `load(core, ino, fh)` writes into the
+    /// file and returns what it must hold. Then the lower loses every byte of the file (its
+    /// size too), recovery replays the mapped log, and its summary is returned with whether
+    /// the file holds exactly that. Everything made is removed, also on failure.
+    fn replayed_after_the_lower_lost_the_file(
+        tag: &str,
+        load: impl FnOnce(&Core, u64, u64) -> Vec<u8>,
+    ) -> (crate::core::recover::RecoverySummary, bool) {
+        let id = std::process::id();
+        let dir = std::path::PathBuf::from(format!("/var/tmp/pmstack-{tag}-{id}"));
+        let region = std::path::PathBuf::from(format!("/dev/shm/pmstack-{tag}-{id}.pm"));
         let _ = std::fs::remove_dir_all(&dir);
         let lower = dir.join("lower");
         std::fs::create_dir_all(&lower).unwrap();
-        let cleanup = || {
-            let _ = std::fs::remove_dir_all(&dir);
-            let _ = std::fs::remove_file(&region);
-        };
-        let r = std::panic::catch_unwind(|| {
-            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::create(&region, 32 << 20).unwrap());
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::create(&region, 64 << 20).unwrap());
             let log = Arc::new(Log::format(pm, [5; 16], 2).unwrap());
             crate::lower::write_marker(&lower, [5; 16]).unwrap();
             log.set_clean(false);
-            // strict: every write is logged before it returns.
             let opts = Options {
                 mode: Mode::Strict,
                 flush_interval: std::time::Duration::from_secs(3600),
@@ -241,6 +238,32 @@ mod tests {
                     0,
                 )
                 .unwrap();
+            let model = load(&core, i.ino, fh);
+            drop(core);
+            std::fs::File::options()
+                .write(true)
+                .open(lower.join("f"))
+                .unwrap()
+                .set_len(0)
+                .unwrap();
+            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::open(&region, 0).unwrap());
+            let (log, scan) = Log::open(pm).unwrap();
+            let sum = recover(&log, &scan, &RealLower::open(&lower).unwrap(), &|_, _| {}).unwrap();
+            let same = std::fs::read(lower.join("f")).unwrap() == model;
+            (sum, same)
+        }));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_file(&region);
+        r.unwrap_or_else(|e| std::panic::resume_unwind(e))
+    }
+
+    /// Whole pages written in any order and overwritten, between partial writes and
+    /// truncates, come back exactly when replayed from a mapped region (runs of pages go to
+    /// the lower by pwritev straight from the mapping, each page's last record winning
+    /// within a run of page records), with the lower having lost every byte.
+    #[test]
+    fn pages_replayed_from_a_mapped_region_are_what_was_written() {
+        let (sum, same) = replayed_after_the_lower_lost_the_file("files", |core, ino, fh| {
             let mut rng = rand::rngs::StdRng::seed_from_u64(7);
             let mut model: Vec<u8> = Vec::new();
             let (mut pages, mut partial, mut truncates) = (0, 0, 0);
@@ -261,7 +284,7 @@ mod tests {
                     _ => {
                         truncates += 1;
                         let size = rng.gen_range(0..48 * PAGE as u64);
-                        core.setattr(i.ino, None, None, None, Some(size), None, None)
+                        core.setattr(ino, None, None, None, Some(size), None, None)
                             .unwrap();
                         model.resize(size as usize, 0);
                         continue;
@@ -276,27 +299,10 @@ mod tests {
                 model[off as usize..end].copy_from_slice(&data);
             }
             assert!(pages > 300 && partial > 5 && truncates > 5);
-            drop(core);
-            // The lower lost every byte of the file (its size too).
-            std::fs::File::options()
-                .write(true)
-                .open(lower.join("f"))
-                .unwrap()
-                .set_len(0)
-                .unwrap();
-            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::open(&region, 0).unwrap());
-            let (log, scan) = Log::open(pm).unwrap();
-            let sum = recover(&log, &scan, &RealLower::open(&lower).unwrap(), &|_, _| {}).unwrap();
-            assert!(sum.bytes_replayed > 100 * PAGE as u64, "{sum:?}");
-            assert!(
-                std::fs::read(lower.join("f")).unwrap() == model,
-                "replayed file differs"
-            );
+            model
         });
-        cleanup();
-        if let Err(e) = r {
-            std::panic::resume_unwind(e);
-        }
+        assert!(sum.bytes_replayed > 100 * PAGE as u64, "{sum:?}");
+        assert!(same, "replayed file differs");
     }
 
     /// Long runs of whole pages go to a local lower with O_DIRECT, mixed on the same pages
@@ -305,109 +311,59 @@ mod tests {
     /// and a later buffered write must read what the direct one wrote).
     #[test]
     fn long_runs_replayed_with_o_direct_between_buffered_writes_are_what_was_written() {
-        let dir = std::path::PathBuf::from(format!(
-            "/var/tmp/pmstack-files-direct-{}",
-            std::process::id()
-        ));
-        let region = std::path::PathBuf::from(format!(
-            "/dev/shm/pmstack-files-direct-{}.pm",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        let lower = dir.join("lower");
-        std::fs::create_dir_all(&lower).unwrap();
-        let cleanup = || {
-            let _ = std::fs::remove_dir_all(&dir);
-            let _ = std::fs::remove_file(&region);
-        };
-        let r = std::panic::catch_unwind(|| {
-            if !crate::lower::real::local_fs(std::fs::File::open(&lower).unwrap()) {
-                assert!(
-                    std::env::var("CI").is_err(),
-                    "/var/tmp is not on a local file system: O_DIRECT replay is not exercised"
-                );
-                eprintln!("SKIPPED: /var/tmp is not on a local file system");
-                return;
-            }
-            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::create(&region, 64 << 20).unwrap());
-            let log = Arc::new(Log::format(pm, [6; 16], 2).unwrap());
-            crate::lower::write_marker(&lower, [6; 16]).unwrap();
-            log.set_clean(false);
-            let opts = Options {
-                mode: Mode::Strict,
-                flush_interval: std::time::Duration::from_secs(3600),
-                ..Options::default()
-            };
-            let core = Core::new(RealLower::open(&lower).unwrap(), opts, Some(log)).unwrap();
-            let (i, _, fh) = core
-                .create(
-                    1,
-                    OsStr::new("f"),
-                    0o644,
-                    libc::O_RDWR | libc::O_CREAT,
-                    0,
-                    0,
-                )
-                .unwrap();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-            let mut model: Vec<u8> = Vec::new();
-            let put = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
-                core.write(fh, off as u64, data).unwrap();
-                if model.len() < off + data.len() {
-                    model.resize(off + data.len(), 0);
-                }
-                model[off..off + data.len()].copy_from_slice(data);
-            };
-            for n in 0..40usize {
-                // A run of 16 to 40 whole pages, written in a random order (replay sorts
-                // them), some pages twice.
-                let start = rng.gen_range(0..40usize);
-                let len = rng.gen_range(16..40usize);
-                let mut order: Vec<usize> = (start..start + len).collect();
-                order.extend((0..4).map(|_| rng.gen_range(start..start + len)));
-                for k in 0..order.len() {
-                    let j = rng.gen_range(k..order.len());
-                    order.swap(k, j);
-                }
-                for (k, p) in order.into_iter().enumerate() {
-                    let data = vec![(n * 31 + k) as u8 | 1; PAGE];
-                    put(&mut model, p * PAGE, &data);
-                }
-                // Then a partial write across pages of the run, or a truncate into it.
-                if rng.gen_bool(0.5) {
-                    let off = (start * PAGE) + rng.gen_range(0..len * PAGE - 2 * PAGE);
-                    let data = vec![(n * 7) as u8 | 2; rng.gen_range(1..2 * PAGE)];
-                    put(&mut model, off, &data);
-                } else {
-                    let size = (start * PAGE + rng.gen_range(0..len * PAGE)) as u64;
-                    core.setattr(i.ino, None, None, None, Some(size), None, None)
-                        .unwrap();
-                    model.resize(size as usize, 0);
-                }
-            }
-            drop(core);
-            std::fs::File::options()
-                .write(true)
-                .open(lower.join("f"))
-                .unwrap()
-                .set_len(0)
-                .unwrap();
-            let pm: Arc<dyn Pmem> = Arc::new(MappedRegion::open(&region, 0).unwrap());
-            let (log, scan) = Log::open(pm).unwrap();
-            let sum = recover(&log, &scan, &RealLower::open(&lower).unwrap(), &|_, _| {}).unwrap();
+        if !crate::lower::real::local_fs(std::fs::File::open("/var/tmp").unwrap()) {
             assert!(
-                sum.bytes_direct >= 20 * 16 * PAGE as u64,
-                "long runs were not written direct: {sum:?}"
+                std::env::var("CI").is_err(),
+                "/var/tmp is not on a local file system: O_DIRECT replay is not exercised"
             );
-            assert!(sum.bytes_direct < sum.bytes_replayed, "{sum:?}");
-            assert!(
-                std::fs::read(lower.join("f")).unwrap() == model,
-                "replayed file differs"
-            );
-        });
-        cleanup();
-        if let Err(e) = r {
-            std::panic::resume_unwind(e);
+            eprintln!("SKIPPED: /var/tmp is not on a local file system");
+            return;
         }
+        let (sum, same) =
+            replayed_after_the_lower_lost_the_file("files-direct", |core, ino, fh| {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+                let mut model: Vec<u8> = Vec::new();
+                let put = |model: &mut Vec<u8>, off: usize, data: &[u8]| {
+                    core.write(fh, off as u64, data).unwrap();
+                    if model.len() < off + data.len() {
+                        model.resize(off + data.len(), 0);
+                    }
+                    model[off..off + data.len()].copy_from_slice(data);
+                };
+                for n in 0..40usize {
+                    // A run of 16 to 40 whole pages, written in a random order (replay sorts
+                    // them), some pages twice.
+                    let start = rng.gen_range(0..40usize);
+                    let len = rng.gen_range(16..40usize);
+                    let mut order: Vec<usize> = (start..start + len).collect();
+                    order.extend((0..4).map(|_| rng.gen_range(start..start + len)));
+                    for k in 0..order.len() {
+                        let j = rng.gen_range(k..order.len());
+                        order.swap(k, j);
+                    }
+                    for (k, p) in order.into_iter().enumerate() {
+                        let data = vec![(n * 31 + k) as u8 | 1; PAGE];
+                        put(&mut model, p * PAGE, &data);
+                    }
+                    // Then a partial write across pages of the run, or a truncate into it.
+                    if rng.gen_bool(0.5) {
+                        let off = (start * PAGE) + rng.gen_range(0..len * PAGE - 2 * PAGE);
+                        let data = vec![(n * 7) as u8 | 2; rng.gen_range(1..2 * PAGE)];
+                        put(&mut model, off, &data);
+                    } else {
+                        let size = (start * PAGE + rng.gen_range(0..len * PAGE)) as u64;
+                        core.setattr(ino, None, None, None, Some(size), None, None)
+                            .unwrap();
+                        model.resize(size as usize, 0);
+                    }
+                }
+                model
+            });
+        assert!(
+            sum.bytes_direct >= 20 * 16 * PAGE as u64,
+            "long runs were not written direct: {sum:?}"
+        );
+        assert!(sum.bytes_direct < sum.bytes_replayed, "{sum:?}");
+        assert!(same, "replayed file differs");
     }
 }
