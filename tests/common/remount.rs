@@ -90,6 +90,25 @@ for k in range(n):
 "#;
     let n = N.to_string();
     super::run_python(lower, script, &[work.as_os_str(), n.as_ref()]);
+    // The model below (the lower loses every new name and byte the log holds) needs the
+    // namespace operations logged, which needs the lower's directory change times fine
+    // (`front::ctime_fine`; JuiceFS: `--skip-dir-mtime 0`, as scripts/lowers mounts it).
+    let t0 = std::time::Instant::now();
+    let fine = loop {
+        if let Some(f) = super::served_stats(lower)["ctime_fine"].as_bool() {
+            break f;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "no stats from serve"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(
+        fine,
+        "{}: its directory change times are coarse (JuiceFS: mount it with --skip-dir-mtime 0)",
+        lower.display()
+    );
     served.kill9();
     lose_and_recover(lower, &work, &pm, remount);
     let out = Command::new(bin())
