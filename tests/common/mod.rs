@@ -117,7 +117,22 @@ impl Mount {
                 return pid;
             }
         }
-        panic!("no pmstack daemon for {}", self.mnt.display());
+        // Gone: what it last said (its log is removed with the mount's runtime files).
+        let said = fs::canonicalize(&self.mnt)
+            .map(|m| {
+                let id = pmstack::lower::id_of(&m);
+                fs::read_to_string(format!("/run/pmstack/{id}.log")).unwrap_or_default()
+            })
+            .unwrap_or_default();
+        let mut from = said.len().saturating_sub(3000);
+        while !said.is_char_boundary(from) {
+            from += 1;
+        }
+        let tail = &said[from..];
+        panic!(
+            "no pmstack daemon for {}; its log ends: {tail:?}",
+            self.mnt.display()
+        );
     }
 
     /// SIGKILL the daemon and detach the dead mount.
