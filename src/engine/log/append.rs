@@ -102,14 +102,19 @@ impl AreaGuard<'_> {
             0,
             "out-of-place entries are page aligned"
         );
-        // Make sure the entry will fit before taking a data page, so a full log never leaks one.
-        if self.a.off + SLOT * 2 > PAGE {
-            self.new_page(false)?;
-        }
+        // The data page first, then room for the entry: a log too full for either leaves the
+        // area as it was (the page goes back), never on a new log page with nothing on it
+        // while its tail is still on the page before (`commit` wants the tail on `cur`).
         let page = self.log.alloc(false).ok_or_else(|| {
             self.log.stats.full.fetch_add(1, Ordering::Relaxed);
             LogError::Full
         })?;
+        if self.a.off + SLOT * 2 > PAGE {
+            if let Err(e) = self.new_page(false) {
+                self.log.release([page]);
+                return Err(e);
+            }
+        }
         let at = page as usize * PAGE;
         self.log.pm.write_nt(at, data);
         if !self.log.pm.nt_durable_after_fence() {
@@ -192,23 +197,9 @@ impl AreaGuard<'_> {
         pm.fence(); // A: entries and data before the tail
                     // Paired with the scan's bounds check of the tail it reads back.
         let (tail_page, tail_off) = crate::engine::scan::decode_tail(self.a.end);
-        // The tail is on the current page, or on the one before it when the area took a new
-        // page and nothing went on it yet (an out-of-place page whose data page the full log
-        // could not give: `append_page`). That page is linked and has its header; a tail
-        // before it is what a crash right after `new_page` leaves too, and the next entry
-        // moves the tail onto it.
-        let before_cur = self
-            .a
-            .pages
-            .len()
-            .checked_sub(2)
-            .and_then(|i| self.a.pages.get(i))
-            .map(|p| p.page);
         assert!(
-            (tail_page == self.a.cur || Some(tail_page) == before_cur)
-                && (SLOT..=PAGE).contains(&tail_off)
-                && tail_off % SLOT == 0,
-            "committed tail {tail_page}:{tail_off} is not the end of the area's current page {} or of the one before it",
+            tail_page == self.a.cur && (SLOT..=PAGE).contains(&tail_off) && tail_off % SLOT == 0,
+            "committed tail {tail_page}:{tail_off} is not the end of the area's current page {}",
             self.a.cur
         );
         let tail = area_word(self.a.idx, AREA_TAIL);
