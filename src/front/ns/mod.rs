@@ -269,24 +269,19 @@ impl Client {
         })
     }
 
-    /// Whether every change of `d` since it was last made durable was logged. Never where
-    /// the lower's change times are coarse (`H_COARSE_CTIME`): there an unlogged change in
-    /// the same clock tick as the last logged one would go unseen.
+    /// Whether every change of `d` since it was last made durable was logged.
     fn clean(&self, d: &Dir) -> bool {
-        if self.coarse_ctime() {
-            return false;
-        }
-        let want = self
-            .table
-            .slot(d.slot)
-            .w(S_DIR_CTIME)
-            .load(Ordering::Acquire);
-        want != 0 && ctime(d.fd.as_raw_fd()) == want
+        self.logged_up_to(&self.table.slot(d.slot), ctime(d.fd.as_raw_fd()))
     }
 
-    /// The lower's directory change times do not tell every change (`H_COARSE_CTIME`).
-    pub(in crate::front) fn coarse_ctime(&self) -> bool {
-        self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) != 0
+    /// Whether `c`, the change time of the directory of `slot` read now, is the one recorded
+    /// after its last logged change: every change since it was last made durable was logged.
+    /// Never where the lower's change times are coarse (`H_COARSE_CTIME`): there an unlogged
+    /// change in the same clock tick as the last logged one would go unseen.
+    fn logged_up_to(&self, slot: &Slot<'_>, c: u64) -> bool {
+        c != 0
+            && self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) == 0
+            && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c
     }
 
     fn set_clean(&self, d: &Dir) {

@@ -395,7 +395,7 @@ impl Client {
         let slot = self.table.slot(idx);
         let _ns = self.table.ns_lock();
         let c0 = ctime(fd);
-        if c0 != 0 && !self.coarse_ctime() && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c0 {
+        if self.logged_up_to(&slot, c0) {
             self.count(P_DIR_FSYNC, 1);
             return Some(Ok(()));
         }
