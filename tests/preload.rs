@@ -2263,6 +2263,11 @@ fn c_program(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf, PathBuf
 
 /// Compile the C program `tests/preload/NAME.c` into `dir` (with `-pthread -ldl`).
 fn compile_c(name: &str, dir: &Path) -> PathBuf {
+    compile_c_with(name, dir, &[])
+}
+
+/// `compile_c`, linked with the libraries `libs` too.
+fn compile_c_with(name: &str, dir: &Path, libs: &[&str]) -> PathBuf {
     let exe = dir.join(name);
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/preload/{name}.c"));
     let st = Command::new("cc")
@@ -2270,6 +2275,7 @@ fn compile_c(name: &str, dir: &Path) -> PathBuf {
         .arg(&exe)
         .arg(&src)
         .arg("-ldl")
+        .args(libs)
         .status()
         .unwrap();
     assert!(st.success(), "compiling {}", src.display());
@@ -2700,6 +2706,99 @@ fn posix_aio_writes_keep_o_dsync_under_pmstack_run() {
             got[pg * 4096..(pg + 1) * 4096].iter().all(|&b| b == want),
             "page {pg} rolled back or lost"
         );
+    }
+}
+
+/// Writes through the kernel's asynchronous I/O are invisible to the library: Linux AIO
+/// (`io_submit`, through `syscall(2)` and through libaio) and io_uring (through liburing,
+/// which makes its system calls itself, and a ring inherited over exec). An fsync after such a
+/// write must be the lower's own: each one was absorbed with nothing logged (fio's libaio
+/// engine with fsync=1: 255,286 syncs absorbed, 0 bytes logged), and a power cut would have
+/// lost every acknowledged write. The program checks with cachestat(2) that the written page
+/// is clean after each fsync, once the file's ordinary syncs were absorbed.
+#[test]
+fn fsync_after_kernel_async_writes_is_real_under_pmstack_run() {
+    if !common::can_mount() || !have("cc") {
+        return;
+    }
+    if !Path::new("/usr/include/liburing.h").exists() {
+        assert!(
+            !ci(),
+            "CI: liburing-dev is required by tests/preload.rs (installed by .ci/run)"
+        );
+        eprintln!("skipped: no liburing.h (apt-get install liburing-dev)");
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let exe = compile_c_with("kernel_aio", d.path(), &["-luring"]);
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    // Every writer is attached: a new file's syncs are absorbed from the first.
+    let s = Serve::start(
+        &root,
+        &d.path().join("r.pm"),
+        &["--all-writers-attached", "--flush-interval-ms", "3600000"],
+    );
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let counts = |pid: u64| {
+        use pmstack::front::table::{P_ABSORBED_FSYNC, P_FALLBACKS};
+        table
+            .procs()
+            .into_iter()
+            .find(|(p, _)| *p == pid)
+            .map(|(_, r)| (r[P_FALLBACKS], r[P_ABSORBED_FSYNC]))
+    };
+    for how in ["io_submit", "libaio", "uring", "uring-exec"] {
+        let f = root.join(format!("f-{how}"));
+        let mut k = common::Reaped(vec![s
+            .run()
+            .arg(&exe)
+            .arg(how)
+            .arg(&f)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()]);
+        let pid = u64::from(k.0[0].id());
+        let mut input = k.0[0].stdin.take().unwrap();
+        let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
+        assert_eq!(
+            out.next().unwrap().unwrap(),
+            "absorbed-rounds done",
+            "{how}"
+        );
+        let (_, absorbed) = counts(pid).unwrap_or_else(|| panic!("{how}: pid {pid} not attached"));
+        if how == "uring-exec" {
+            // The program holds a ring from its start: nothing of it is absorbed.
+            assert_eq!(
+                absorbed, 0,
+                "{how}: a process holding a ring absorbed syncs"
+            );
+        } else {
+            assert!(
+                absorbed >= 3,
+                "{how}: the file's ordinary syncs were not absorbed ({absorbed})"
+            );
+        }
+        writeln!(input, "go").unwrap();
+        input.flush().unwrap();
+        let mut last = String::new();
+        for l in out.by_ref() {
+            last = l.unwrap();
+            if last == "done" || last.starts_with("dirty") {
+                break;
+            }
+        }
+        let st = k.0[0].wait().unwrap();
+        assert_eq!(last, "done", "{how}: {last} ({st})");
+        assert!(st.success(), "{how}: {st}");
+        let got = fs::read(&f).unwrap();
+        for (pg, want) in [(0usize, b'e'), (1, b'f'), (2, b'g'), (3, b'h')] {
+            assert!(
+                got[pg * 4096..(pg + 1) * 4096].iter().all(|&b| b == want),
+                "{how}: page {pg}"
+            );
+        }
     }
 }
 

@@ -287,13 +287,22 @@ pub(crate) fn client() -> Option<&'static Client> {
                             .filter_map(|e| e.file_name().to_str()?.parse().ok())
                             .collect();
                         for fd in fds {
-                            c.track(fd, true);
+                            if c.track(fd, true).is_none() && crate::kaio::is_ring(fd) {
+                                // A ring inherited over exec: its writes are invisible.
+                                c.go_blind();
+                            }
                         }
                     }
                 }
             }
             CLIENT.store(c as *const Client as *mut Client, Ordering::Release);
             CLIENT_GEN.store(gen, Ordering::Release);
+            // A ring set up before this attach (`kaio::ring_set_up`, which stores its flag and
+            // then looks for the client, as this stores the client and then looks at the flag).
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if crate::kaio::RING_SEEN.load(Ordering::SeqCst) {
+                c.go_blind();
+            }
             Some(c)
         }
         Err(e) => {

@@ -48,6 +48,7 @@ mod abi;
 mod attach;
 mod attrs;
 mod fds;
+mod kaio;
 mod namespace;
 mod open;
 mod places;

@@ -81,11 +81,11 @@ pub unsafe extern "C" fn syscall(
             libc::SYS_io_uring_setup => {
                 // Writes submitted through the ring are invisible: this process's syncs stay
                 // real, and so do everyone's syncs of the objects it has open.
-                if let Some(_g) = Inside::enter() {
-                    if let Some(c) = client_if_needed() {
-                        c.go_blind();
-                    }
-                }
+                crate::kaio::ring_set_up();
+            }
+            libc::SYS_io_submit => {
+                // Linux AIO (libaio makes its calls here): the objects written become unseen.
+                crate::kaio::before_io_submit(a2, a3 as *const c_void);
             }
             libc::SYS_openat2 => {
                 let r = kernel!(n, a1, a2, a3, a4, a5, a6);

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_long, c_uint, c_void, CStr};
 use libc::{off_t, size_t, ssize_t};
 use pmstack::front::client::{Client, Tracked};
 use pmstack::front::sys::{self, syscall6};
-use pmstack::front::table::{F_FALLBACK, F_MMAP};
+use pmstack::front::table::{F_FALLBACK, F_MMAP, F_UNSEEN};
 
 use crate::abi::*;
 use crate::attach::*;
@@ -116,6 +116,20 @@ pub(crate) fn unseen_write(fd: c_int) {
     })
 }
 
+/// An asynchronous write the library cannot see is about to be queued through `fd` (POSIX
+/// AIO, Linux AIO): the O_SYNC/O_DSYNC the program asked for goes back on the descriptor, the
+/// object's live entries are expired, and its syncs stay real for good (`F_UNSEEN`). Not only
+/// the next one (`unseen_write`): the write may land after a real sync has begun, and the
+/// sync after that one must cover it.
+pub(crate) fn unseen_async_write(fd: c_int) {
+    keep_errno(|| {
+        if let Some((_g, c, t)) = lookup(fd) {
+            restore_sync_flag(c, &t, fd);
+            c.flag(&t, fd, F_UNSEEN);
+        }
+    })
+}
+
 // ---------------- POSIX AIO (its writes happen inside the C library) ----------------
 
 pub(crate) type AioFn = unsafe extern "C" fn(*mut libc::aiocb) -> c_int;
@@ -125,7 +139,7 @@ pub(crate) type LioFn =
 pub(crate) unsafe fn aio_write_via(name: &CStr, cb: *mut libc::aiocb) -> c_int {
     if !cb.is_null() {
         // SAFETY: the program passes a valid control block (as the C library assumes).
-        unseen_write(unsafe { (*cb).aio_fildes });
+        unseen_async_write(unsafe { (*cb).aio_fildes });
     }
     match next::<AioFn>(name) {
         // SAFETY: forwarded as the program passed it.
@@ -152,7 +166,7 @@ pub(crate) unsafe fn lio_listio_via(
             // SAFETY: as above.
             if !cb.is_null() && unsafe { (*cb).aio_lio_opcode } == libc::LIO_WRITE {
                 // SAFETY: as above.
-                unseen_write(unsafe { (*cb).aio_fildes });
+                unseen_async_write(unsafe { (*cb).aio_fildes });
             }
         }
     }

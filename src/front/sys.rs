@@ -355,6 +355,54 @@ impl ProgramBytes {
     }
 }
 
+/// The descriptors that Linux AIO control blocks write through (IOCB_CMD_PWRITE and
+/// IOCB_CMD_PWRITEV), for `nr` blocks at `iocbs` (a program's arguments to io_submit), each
+/// once. Nothing the program passed is trusted: the array and the blocks are read through
+/// `process_vm_readv` (two system calls per 1,024 blocks), up to the first one the kernel
+/// could not read either (its io_submit stops there too).
+pub fn aio_write_fds(nr: libc::c_long, iocbs: *const u64) -> Vec<i32> {
+    // struct iocb (linux/aio_abi.h): the opcode (u16) at byte 16, the descriptor (u32) at 20.
+    const OPCODE_AT: usize = 16;
+    const IOCB_CMD_PWRITE: u16 = 1;
+    const IOCB_CMD_PWRITEV: u16 = 8;
+    const BATCH: usize = 1024; // IOV_MAX: remote iovecs per process_vm_readv
+    let mut fds: Vec<i32> = Vec::new();
+    let total = nr.clamp(0, libc::c_long::from(i32::MAX)) as usize;
+    let mut done = 0;
+    while done < total {
+        let k = (total - done).min(BATCH);
+        let at = iocbs.wrapping_add(done) as *const u8;
+        let Ok(raw) = ProgramBytes::new(at, k * 8).copy() else {
+            break;
+        };
+        let ptrs: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let remote: Vec<libc::iovec> = ptrs
+            .iter()
+            .map(|&p| libc::iovec {
+                iov_base: (p as usize).wrapping_add(OPCODE_AT) as *mut libc::c_void,
+                iov_len: 8,
+            })
+            .collect();
+        let mut out = vec![0u8; remote.len() * 8];
+        let n = read_own_memory(&mut out, &remote).unwrap_or(0);
+        for w in out[..n].chunks_exact(8) {
+            let op = u16::from_ne_bytes([w[0], w[1]]);
+            let fd = u32::from_ne_bytes([w[4], w[5], w[6], w[7]]) as i32;
+            if matches!(op, IOCB_CMD_PWRITE | IOCB_CMD_PWRITEV) && !fds.contains(&fd) {
+                fds.push(fd);
+            }
+        }
+        if n < out.len() || ptrs.len() < k {
+            break;
+        }
+        done += k;
+    }
+    fds
+}
+
 /// The bytes of `cnt` iovecs at `iov` (a program's arguments to writev and friends), copied
 /// without trusting either the array or the buffers it names: up to the first byte the
 /// program cannot read (the kernel's writev is short there too), EFAULT if that is the first
@@ -495,5 +543,41 @@ mod tests {
             errno(gather_program_iovecs(huge.as_ptr(), 2)),
             Some(libc::EINVAL)
         );
+    }
+
+    #[test]
+    fn aio_control_blocks_name_their_written_descriptors_up_to_the_first_unreadable_one() {
+        // struct iocb: 64 bytes, the opcode (u16) at 16, the descriptor (u32) at 20.
+        let block = |op: u16, fd: u32| {
+            let mut b = [0u64; 8];
+            b[2] = u64::from(op) | (u64::from(fd) << 32);
+            b
+        };
+        let blocks = [
+            block(1, 7),  // IOCB_CMD_PWRITE
+            block(0, 8),  // IOCB_CMD_PREAD: not a write
+            block(8, 9),  // IOCB_CMD_PWRITEV
+            block(1, 7),  // the same descriptor again: named once
+            block(2, 10), // IOCB_CMD_FSYNC: the kernel's own sync
+        ];
+        let ptrs: Vec<u64> = blocks.iter().map(|b| b.as_ptr() as u64).collect();
+        assert_eq!(aio_write_fds(5, ptrs.as_ptr()), vec![7, 9]);
+        assert_eq!(aio_write_fds(0, ptrs.as_ptr()), Vec::<i32>::new());
+        assert_eq!(aio_write_fds(-3, ptrs.as_ptr()), Vec::<i32>::new());
+        // A block the kernel cannot read ends the submission there: the ones before count.
+        let mut bad = ptrs.clone();
+        bad[2] = 8;
+        assert_eq!(aio_write_fds(5, bad.as_ptr()), vec![7]);
+        // So does an array it cannot read.
+        assert_eq!(
+            aio_write_fds(2, std::ptr::dangling::<u64>()),
+            Vec::<i32>::new()
+        );
+        // More blocks than one batch of reads.
+        let late = block(8, 11);
+        let mut many: Vec<u64> = (0..2500).map(|k| ptrs[k % 4]).collect();
+        many[2100] = late.as_ptr() as u64;
+        assert_eq!(aio_write_fds(2500, many.as_ptr()), vec![7, 9, 11]);
+        assert_eq!(aio_write_fds(2000, many.as_ptr()), vec![7, 9]);
     }
 }
