@@ -2802,6 +2802,78 @@ fn fsync_after_kernel_async_writes_is_real_under_pmstack_run() {
     }
 }
 
+/// A reflink clone (FICLONE, FICLONERANGE: `cp --reflink`, coreutils' default on XFS and
+/// Btrfs) gives a file another file's blocks inside the kernel, unseen by the library: the
+/// fsync after it was absorbed with nothing logged, so a power cut could lose the cloned
+/// bytes. It must be the lower's own (XFS on a loop image, through ioctl(3) and syscall(2)).
+#[test]
+fn fsync_after_a_reflink_clone_is_real_under_pmstack_run() {
+    if !common::can_mount() || !have("cc") || !have("mkfs.xfs") {
+        return;
+    }
+    let base = tempfile::tempdir_in("/var/tmp").unwrap();
+    let Some(xfs) = common::LoopFs::of("xfs", 512 << 20, base.path()) else {
+        return;
+    };
+    let exe = compile_c("clone_sync", base.path());
+    let root = xfs.dir.join("root");
+    fs::create_dir(&root).unwrap();
+    let src = root.join("src");
+    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+    fs::write(&src, &data).unwrap();
+    fs::File::open(&src).unwrap().sync_all().unwrap();
+    // Every writer is attached: a new file's syncs are absorbed from the first.
+    let mut s = Serve::start(
+        &root,
+        &base.path().join("r.pm"),
+        &["--all-writers-attached", "--flush-interval-ms", "3600000"],
+    );
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let counts = |pid: u64| {
+        use pmstack::front::table::{P_ABSORBED_FSYNC, P_FALLBACKS};
+        let (_, r) = table
+            .procs()
+            .into_iter()
+            .find(|(p, _)| *p == pid)
+            .expect("attached");
+        (r[P_FALLBACKS], r[P_ABSORBED_FSYNC])
+    };
+    for how in ["ficlone", "ficlonerange", "syscall"] {
+        let dst = root.join(format!("dst-{how}"));
+        let mut k = common::Reaped(vec![s
+            .run()
+            .arg(&exe)
+            .arg(&src)
+            .arg(&dst)
+            .arg(how)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()]);
+        let pid = u64::from(k.0[0].id());
+        let mut input = k.0[0].stdin.take().unwrap();
+        let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
+        assert_eq!(out.next().unwrap().unwrap(), "ready", "{how}");
+        let before = counts(pid);
+        assert!(
+            before.1 >= 3,
+            "{how}: the file's ordinary syncs were not absorbed: {before:?}"
+        );
+        input.write_all(b"g").unwrap();
+        input.flush().unwrap();
+        assert_eq!(out.next().unwrap().unwrap(), "cloned", "{how}");
+        let after = counts(pid);
+        assert!(
+            after.1 == before.1 && after.0 > before.0,
+            "{how}: the fsync after the clone was absorbed ({before:?} -> {after:?})"
+        );
+        drop(input);
+        assert!(k.0[0].wait().unwrap().success(), "{how}");
+        assert!(fs::read(&dst).unwrap() == data, "{how}: the clone's bytes");
+    }
+    s.stop();
+}
+
 /// `pmstack stat` of a served directory whose daemon died says so (it printed the dead
 /// daemon's numbers with exit 0).
 #[test]

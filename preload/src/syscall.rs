@@ -83,6 +83,13 @@ pub unsafe extern "C" fn syscall(
                 // real, and so do everyone's syncs of the objects it has open.
                 crate::kaio::ring_set_up();
             }
+            libc::SYS_ioctl if crate::unseen::ioctl_writes(a2 as std::ffi::c_ulong) => {
+                return forward!(crate::unseen::ioctl(
+                    a1 as c_int,
+                    a2 as std::ffi::c_ulong,
+                    a3 as std::ffi::c_ulong
+                )) as c_long;
+            }
             libc::SYS_io_submit => {
                 // Linux AIO (libaio makes its calls here): the objects written become unseen.
                 crate::kaio::before_io_submit(a2, a3 as *const c_void);

@@ -1,7 +1,7 @@
 //! Writes the library cannot follow (shared writable mappings, POSIX AIO, kernel copies):
 //! the O_SYNC a program asked for goes back on the descriptor and the next sync is real.
 
-use std::ffi::{c_char, c_int, c_long, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void, CStr};
 
 use libc::{off_t, size_t, ssize_t};
 use pmstack::front::client::{Client, Tracked};
@@ -287,4 +287,32 @@ pub unsafe extern "C" fn splice(
         len,
         flags
     ))
+}
+
+// ---------------- Reflink clones (the kernel shares another file's blocks) ----------------
+
+/// FICLONE and FICLONERANGE (linux/fs.h): the destination's bytes become another file's, in
+/// the kernel (`cp --reflink` on XFS and Btrfs, coreutils' default since 9.0).
+const FICLONE: u32 = 0x4004_9409;
+const FICLONERANGE: u32 = 0x4020_940d;
+
+/// Whether an ioctl request changes the bytes of its descriptor's file unseen. (FIDEDUPERANGE
+/// does not: it shares only blocks whose bytes are already equal.)
+pub(crate) fn ioctl_writes(request: c_ulong) -> bool {
+    // The kernel takes the request as 32 bits.
+    matches!(request as u32, FICLONE | FICLONERANGE)
+}
+
+/// ioctl: a reflink clone into `fd` is a kernel copy like copy_file_range's (`kernel_copy`):
+/// live entries expired before, the next sync real after. Every other request goes straight
+/// to the kernel.
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: c_ulong, arg: c_ulong) -> c_int {
+    if !ioctl_writes(request) {
+        return kernel!(libc::SYS_ioctl, fd, request, arg) as c_int;
+    }
+    unseen_write(fd);
+    let r = kernel!(libc::SYS_ioctl, fd, request, arg);
+    flag_fd(fd, F_FALLBACK);
+    r as c_int
 }

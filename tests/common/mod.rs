@@ -280,13 +280,20 @@ pub struct LoopFs {
 
 impl LoopFs {
     pub fn new(base: &Path) -> Option<LoopFs> {
+        LoopFs::of("ext4", 2 << 30, base)
+    }
+
+    /// A loop-mounted file system of type `fs` (its mkfs takes `-q -f`/`-q -F`) in an image
+    /// of `size` bytes (sparse) under `base`.
+    pub fn of(fs: &str, size: u64, base: &Path) -> Option<LoopFs> {
         let img = base.join("lower.img");
-        let dir = base.join("ext4");
+        let dir = base.join(fs);
         fs::create_dir_all(&dir).ok()?;
         let f = fs::File::create(&img).ok()?;
-        f.set_len(2 << 30).ok()?;
-        let ok = Command::new("mkfs.ext4")
-            .args(["-q", "-F"])
+        f.set_len(size).ok()?;
+        let force = if fs.starts_with("ext") { "-F" } else { "-f" };
+        let ok = Command::new(format!("mkfs.{fs}"))
+            .args(["-q", force])
             .arg(&img)
             .status()
             .ok()?
@@ -300,9 +307,9 @@ impl LoopFs {
                 .success();
         if !ok {
             if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("CI: cannot create a loop-mounted ext4 lower (mkfs.ext4 / mount -o loop failed)");
+                panic!("CI: cannot create a loop-mounted {fs} lower (mkfs.{fs} / mount -o loop failed)");
             }
-            eprintln!("note: no loop-mounted ext4 here; using a plain directory as the lower");
+            eprintln!("note: no loop-mounted {fs} here");
             return None;
         }
         Some(LoopFs { img, dir })
