@@ -111,3 +111,75 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
 pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
     forward!(fcntl(fd, cmd, arg))
 }
+
+// ---------------- Descriptors received in messages (SCM_RIGHTS) ----------------
+
+/// The descriptors a successful recvmsg put in `msg` (SCM_RIGHTS), tracked as an exec'd
+/// program's inherited ones are: each regular file under the root, with all its writes logged
+/// (its opener may have asked for O_SYNC, which the library keeps off the kernel's
+/// descriptor). Untracked, its writes would be invisible to everyone else's absorbed syncs of
+/// the object.
+fn received(msg: *const libc::msghdr) {
+    let mut fds: Vec<c_int> = Vec::new();
+    // SAFETY: the kernel just filled this header (and the control buffer it names, up to
+    // `msg_controllen`) for a call that succeeded; the CMSG_ macros stay inside that length.
+    unsafe {
+        if (*msg).msg_control.is_null()
+            || (*msg).msg_controllen < std::mem::size_of::<libc::cmsghdr>()
+        {
+            return;
+        }
+        let mut c = libc::CMSG_FIRSTHDR(msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let bytes = ((*c).cmsg_len as usize).saturating_sub(data as usize - c as usize);
+                for k in 0..bytes / std::mem::size_of::<c_int>() {
+                    fds.push(std::ptr::read_unaligned((data as *const c_int).add(k)));
+                }
+            }
+            c = libc::CMSG_NXTHDR(msg, c);
+        }
+    }
+    if fds.is_empty() {
+        return;
+    }
+    keep_errno(|| {
+        let Some(_g) = Inside::enter() else { return };
+        // Not attached yet: attaching tracks every descriptor under the root, these too.
+        if let Some(c) = client_if_needed() {
+            for fd in fds {
+                if c.tracked(fd).is_none() {
+                    c.track(fd, true);
+                }
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int) -> isize {
+    let r = kernel!(libc::SYS_recvmsg, fd, msg, flags);
+    if r >= 0 && !msg.is_null() {
+        received(msg);
+    }
+    r as isize
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    let r = kernel!(libc::SYS_recvmmsg, fd, msgs, n, flags, timeout);
+    if r > 0 && !msgs.is_null() {
+        for k in 0..r as usize {
+            // SAFETY: the kernel filled the first `r` entries for this successful call.
+            received(unsafe { &(*msgs.add(k)).msg_hdr });
+        }
+    }
+    r as c_int
+}

@@ -90,6 +90,22 @@ pub unsafe extern "C" fn syscall(
                     a3 as std::ffi::c_ulong
                 )) as c_long;
             }
+            libc::SYS_recvmsg => {
+                return forward!(crate::fds::recvmsg(
+                    a1 as c_int,
+                    a2 as *mut libc::msghdr,
+                    a3 as c_int
+                )) as c_long;
+            }
+            libc::SYS_recvmmsg => {
+                return forward!(crate::fds::recvmmsg(
+                    a1 as c_int,
+                    a2 as *mut libc::mmsghdr,
+                    a3 as c_uint,
+                    a4 as c_int,
+                    a5 as *mut libc::timespec
+                )) as c_long;
+            }
             libc::SYS_io_submit => {
                 // Linux AIO (libaio makes its calls here): the objects written become unseen.
                 crate::kaio::before_io_submit(a2, a3 as *const c_void);
