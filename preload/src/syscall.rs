@@ -90,6 +90,35 @@ pub unsafe extern "C" fn syscall(
                     a3 as std::ffi::c_ulong
                 )) as c_long;
             }
+            libc::SYS_copy_file_range | libc::SYS_splice => {
+                return forward!(crate::unseen::kernel_copy(
+                    n,
+                    a1 as c_int,
+                    a2 as *mut i64,
+                    a3 as c_int,
+                    a4 as *mut i64,
+                    a5 as size_t,
+                    a6 as c_uint
+                )) as c_long;
+            }
+            libc::SYS_sendfile => {
+                return forward!(crate::unseen::sendfile(
+                    a1 as c_int,
+                    a2 as c_int,
+                    a3 as *mut libc::off_t,
+                    a4 as size_t
+                )) as c_long;
+            }
+            libc::SYS_mmap => {
+                return forward!(crate::unseen::mmap(
+                    a1 as *mut c_void,
+                    a2 as size_t,
+                    a3 as c_int,
+                    a4 as c_int,
+                    a5 as c_int,
+                    a6
+                )) as c_long;
+            }
             libc::SYS_recvmsg => {
                 return forward!(crate::fds::recvmsg(
                     a1 as c_int,
