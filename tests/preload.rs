@@ -688,6 +688,14 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
         // sync is real too.
         3,
     ),
+    // A read-only shared mapping of the file (opened for writing) made writable by mprotect.
+    (
+        "mprotect",
+        true,
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\np = lc.mmap(None, 8192, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nassert lc.mprotect(ctypes.c_void_p(p), 8192, 3) == 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
+        2,
+        3,
+    ),
     // The same paths taken through syscall(2), as programs written before the C library had
     // a wrapper do.
     (

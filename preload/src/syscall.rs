@@ -119,6 +119,16 @@ pub unsafe extern "C" fn syscall(
                     a6
                 )) as c_long;
             }
+            libc::SYS_mprotect => {
+                return forward!(crate::unseen::mprotect(
+                    a1 as *mut c_void,
+                    a2 as size_t,
+                    a3 as c_int
+                )) as c_long;
+            }
+            libc::SYS_munmap => {
+                return forward!(crate::unseen::munmap(a1 as *mut c_void, a2 as size_t)) as c_long;
+            }
             libc::SYS_recvmsg => {
                 return forward!(crate::fds::recvmsg(
                     a1 as c_int,

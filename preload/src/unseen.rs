@@ -2,6 +2,7 @@
 //! the O_SYNC a program asked for goes back on the descriptor and the next sync is real.
 
 use std::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use libc::{off_t, size_t, ssize_t};
 use pmstack::front::client::{Client, Tracked};
@@ -40,10 +41,51 @@ pub unsafe extern "C" fn mmap(
     };
     if (-4095..0).contains(&r) {
         set_errno(-r as i32);
-        libc::MAP_FAILED
-    } else {
-        r as *mut c_void
+        return libc::MAP_FAILED;
     }
+    if fd >= 0 && flags & libc::MAP_SHARED != 0 && prot & libc::PROT_WRITE == 0 {
+        // mprotect may make it writable later (`mprotect`).
+        keep_errno(|| {
+            if let Some((_g, c, _t)) = lookup(fd) {
+                c.mapped_read_only(fd, r as usize, len);
+                RO_SHARED.store(true, Ordering::Relaxed);
+            }
+        })
+    }
+    r as *mut c_void
+}
+
+/// Some read-only shared mapping of a tracked file was made (`Client::mapped_read_only`): only
+/// then does mprotect ask the client anything.
+static RO_SHARED: AtomicBool = AtomicBool::new(false);
+
+#[no_mangle]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
+    if prot & libc::PROT_WRITE != 0 && RO_SHARED.load(Ordering::Relaxed) {
+        keep_errno(|| {
+            if let Some(_g) = Inside::enter() {
+                if let Some(c) = client_if_needed() {
+                    c.made_writable(addr as usize, len);
+                }
+            }
+        })
+    }
+    kernel!(libc::SYS_mprotect, addr, len, prot) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    let r = kernel!(libc::SYS_munmap, addr, len) as c_int;
+    if r == 0 && RO_SHARED.load(Ordering::Relaxed) {
+        keep_errno(|| {
+            if let Some(_g) = Inside::enter() {
+                if let Some(c) = client_if_needed() {
+                    c.unmapped(addr as usize, len);
+                }
+            }
+        })
+    }
+    r
 }
 
 #[no_mangle]

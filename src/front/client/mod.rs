@@ -36,6 +36,7 @@ use crate::pmem::Pmem;
 mod data;
 mod fdlock;
 mod logging;
+mod maps;
 mod spawn;
 
 pub use fdlock::{Exclusive, Held};
@@ -115,6 +116,8 @@ pub struct Client {
     synced: std::sync::atomic::AtomicBool,
     /// The directories of recent namespace operations, kept open (`ns::dirs`).
     pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
+    /// Read-only shared mappings of tracked files (`maps`).
+    ro_shared: Mutex<Vec<maps::ReadOnlyShared>>,
 }
 
 /// What the daemon tells an attaching process.
@@ -227,6 +230,7 @@ impl Client {
             blind: false.into(),
             synced: false.into(),
             dirs: crate::front::ns::dirs::DirCache::new(local),
+            ro_shared: Mutex::new(Vec::new()),
         })
     }
 

@@ -1,0 +1,79 @@
+//! Shared mappings of tracked files made without PROT_WRITE. Stores through a shared writable
+//! mapping are invisible to the library, so such a mapping makes the object's syncs real
+//! (`F_MMAP`, set when it is made). A read-only one can be made writable later by mprotect(2)
+//! (the file was opened for writing: only then is it tracked, and only then does the kernel
+//! allow it): the library remembers where those mappings are and flags their objects then.
+
+use super::*;
+
+/// A read-only shared mapping of a tracked file: its address range and the object's identity.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ReadOnlyShared {
+    start: usize,
+    end: usize,
+    dev: u64,
+    ino: u64,
+}
+
+impl Client {
+    /// `fd` was mapped shared without PROT_WRITE at `start..start + len`.
+    pub fn mapped_read_only(&self, fd: i32, start: usize, len: usize) {
+        if self.tracked(fd).is_none() {
+            return;
+        }
+        let Ok(st) = sys::fstat(fd) else { return };
+        self.ro_shared.lock().push(ReadOnlyShared {
+            start,
+            end: start.saturating_add(len),
+            dev: st.st_dev,
+            ino: st.st_ino,
+        });
+    }
+
+    /// `start..start + len` was unmapped: the mappings wholly inside it are gone (one only
+    /// partly unmapped is kept whole: flagging its object later does more than it must,
+    /// never less).
+    pub fn unmapped(&self, start: usize, len: usize) {
+        let end = start.saturating_add(len);
+        self.ro_shared
+            .lock()
+            .retain(|m| !(start <= m.start && m.end <= end));
+    }
+
+    /// mprotect is about to allow stores in `start..start + len`: each read-only shared
+    /// mapping there becomes a writable one. Its object is flagged as a writable mapping's is
+    /// (`F_MMAP`), its live entries expired first: by a real sync through a descriptor of it
+    /// this process tracks, else by the daemon's write-back (replay must never apply older
+    /// entries over stores made through the mapping).
+    pub fn made_writable(&self, start: usize, len: usize) {
+        let end = start.saturating_add(len);
+        let hit: Vec<ReadOnlyShared> = self
+            .ro_shared
+            .lock()
+            .iter()
+            .filter(|m| m.start < end && start < m.end)
+            .copied()
+            .collect();
+        for m in hit {
+            let Some(idx) = self.table.find(m.dev, m.ino) else {
+                // No slot: nothing of it is logged, and its first sync once tracked is real.
+                continue;
+            };
+            if let Some((fd, t)) = self
+                .tracked_all()
+                .into_iter()
+                .find(|(_, t)| t.ino.slot == idx)
+            {
+                self.flag(&t, fd, F_MMAP);
+                continue;
+            }
+            let slot = self.table.slot(idx);
+            slot.w(S_FLAGS).fetch_or(F_MMAP, Ordering::AcqRel);
+            if slot.live(self.log.checkpoint_lsn()) {
+                // Bounded; without a daemon serving, recovery at its next start replays what
+                // is live, and the mapping's stores reach the lower by its own write-back.
+                let _ = self.wait_for_write_back(self.log.lsn_now());
+            }
+        }
+    }
+}
