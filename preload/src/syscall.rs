@@ -5,6 +5,7 @@ use std::ffi::{c_char, c_int, c_long, c_uint, c_void};
 use libc::{iovec, size_t};
 use pmstack::front::sys::{self};
 
+use crate::abi::keep_errno;
 use crate::attach::*;
 use crate::attrs::*;
 use crate::fds::*;
@@ -149,17 +150,10 @@ pub unsafe extern "C" fn syscall(
                 // Linux AIO (libaio makes its calls here): the objects written become unseen.
                 crate::kaio::before_io_submit(a2, a3 as *const c_void);
             }
-            libc::SYS_openat2 => {
+            libc::SYS_openat2 | libc::SYS_open_by_handle_at => {
                 let r = kernel!(n, a1, a2, a3, a4, a5, a6);
                 if r >= 0 {
-                    let ours = sys::fd_path(r as i32).is_some_and(|p| under_root(&p));
-                    if let Some(_g) = Inside::enter().filter(|_| ours) {
-                        if let Some(c) = client() {
-                            // The O_SYNC flag (if any) stayed on the descriptor: writes are
-                            // durable in the lower file system; logging keeps them ordered.
-                            c.track(r as i32, false);
-                        }
-                    }
+                    keep_errno(|| opened_elsewhere(r as c_int));
                 }
                 return r as c_long;
             }
@@ -167,4 +161,29 @@ pub unsafe extern "C" fn syscall(
         }
     }
     kernel!(n, a1, a2, a3, a4, a5, a6) as c_long
+}
+
+/// `fd` was opened by a call the library does not plan (openat2, open_by_handle_at): tracked
+/// if it is a file under the root. The O_SYNC flag (if any) stayed on the descriptor: writes
+/// are durable in the lower file system; logging keeps them ordered.
+pub(crate) fn opened_elsewhere(fd: c_int) {
+    let ours = sys::fd_path(fd).is_some_and(|p| under_root(&p));
+    if let Some(_g) = Inside::enter().filter(|_| ours) {
+        if let Some(c) = client() {
+            c.track(fd, false);
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open_by_handle_at(
+    mount_fd: c_int,
+    handle: *mut c_void,
+    flags: c_int,
+) -> c_int {
+    let r = kernel!(libc::SYS_open_by_handle_at, mount_fd, handle, flags);
+    if r >= 0 {
+        keep_errno(|| opened_elsewhere(r as c_int));
+    }
+    r as c_int
 }

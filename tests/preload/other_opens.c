@@ -1,0 +1,61 @@
+/* A second descriptor of a file, opened by a call other than open(2)/openat(2): writes through
+ * it must be covered by an fsync through the first, as the kernel's fsync covers them. Writes
+ * page 1 through the second descriptor, fsyncs the first, prints whether page 1 is still dirty
+ * (cachestat(2); then only the log can hold it), waits for a byte on standard input and exits.
+ * usage: other_opens FILE HOW, HOW one of by_handle (open_by_handle_at(3)), by_handle_syscall
+ * (through syscall(2)), openat2 (through syscall(2)). */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct cs_range { uint64_t off, len; };
+struct cs { uint64_t cache, dirty, writeback, evicted, recently_evicted; };
+
+static void die(const char *what) { perror(what); exit(2); }
+
+int main(int argc, char **argv) {
+    if (argc < 3) return 2;
+    const char *how = argv[2];
+    int fd = open(argv[1], O_RDWR | O_CREAT, 0644);
+    if (fd < 0) die("open");
+    static char buf[4096];
+    memset(buf, 'a', sizeof buf);
+    for (int k = 0; k < 4; k++)
+        if (pwrite(fd, buf, sizeof buf, 0) != (ssize_t)sizeof buf || fsync(fd)) die("pwrite+fsync");
+    int g;
+    if (!strcmp(how, "openat2")) {
+        struct open_how oh;
+        memset(&oh, 0, sizeof oh);
+        oh.flags = O_RDWR;
+        g = (int)syscall(SYS_openat2, AT_FDCWD, argv[1], &oh, sizeof oh);
+    } else {
+        struct file_handle *h = malloc(sizeof *h + MAX_HANDLE_SZ);
+        h->handle_bytes = MAX_HANDLE_SZ;
+        int mount_id;
+        if (name_to_handle_at(AT_FDCWD, argv[1], h, &mount_id, 0)) die("name_to_handle_at");
+        /* Any descriptor on the file system will do as the mount's. */
+        if (!strcmp(how, "by_handle_syscall"))
+            g = (int)syscall(SYS_open_by_handle_at, fd, h, O_RDWR);
+        else
+            g = open_by_handle_at(fd, h, O_RDWR);
+    }
+    if (g < 0) die(how);
+    memset(buf, 'H', sizeof buf);
+    if (pwrite(g, buf, sizeof buf, 4096) != (ssize_t)sizeof buf) die("pwrite");
+    if (fsync(fd)) die("fsync");
+    struct cs_range r = { 4096, 4096 };
+    struct cs s;
+    memset(&s, 0, sizeof s);
+    if (syscall(451, fd, &r, &s, 0)) die("cachestat");
+    printf("%s\n", s.dirty || s.writeback ? "dirty" : "clean");
+    fflush(stdout);
+    char go;
+    if (read(0, &go, 1) < 0) die("read stdin");
+    return 0;
+}
