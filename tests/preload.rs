@@ -2975,6 +2975,54 @@ fn page_one_survives_the_fsync(name: &str, hows: &[&str], byte: u8) {
     drop(d);
 }
 
+/// A truncate by path (truncate(2), Python's `os.truncate`) of a file with live log entries
+/// ran natively: once the lower made the truncation durable, replay after a crash wrote the
+/// cut bytes back (NVLog's no-rollback rule broken). It is now logged as ftruncate's is.
+#[test]
+fn a_truncate_by_path_is_never_undone_by_replay() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap().join("root");
+    fs::create_dir(&root).unwrap();
+    let pm = d.path().join("r.pm");
+    let f = root.join("f");
+    // Every writer attached; the file's first sync is real (its directory was not clean), the
+    // next ones absorbed: its entries are live at the truncate.
+    let mut s = Serve::start(
+        &root,
+        &pm,
+        &["--all-writers-attached", "--flush-interval-ms", "3600000"],
+    );
+    let code = "import os, sys\nf = sys.argv[1]\nfd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)\nfor _ in range(3):\n    os.pwrite(fd, b'a' * 8192, 0)\n    os.fsync(fd)\nos.truncate(f, 50)\nprint('done', flush=True)\nsys.stdin.read(1)\n";
+    let mut k = common::Reaped(vec![s
+        .run()
+        .args(["python3", "-c", code])
+        .arg(&f)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()]);
+    let mut input = k.0[0].stdin.take().unwrap();
+    let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
+    assert_eq!(out.next().unwrap().unwrap(), "done");
+    // The crash: nothing written back (the program's exit would), the daemon killed. The
+    // lower keeps the truncation (as a journal commit would make it durable).
+    s.freeze();
+    input.write_all(b"g").unwrap();
+    drop(input);
+    assert!(k.0[0].wait().unwrap().success());
+    s.kill9();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(
+        fs::read(&f).unwrap(),
+        vec![b'a'; 50],
+        "replay undid a truncate the lower had made durable"
+    );
+}
+
 /// `pmstack stat` of a served directory whose daemon died says so (it printed the dead
 /// daemon's numbers with exit 0).
 #[test]

@@ -480,6 +480,16 @@ impl Client {
         Some(t)
     }
 
+    /// Whether the object `st` (found by identity) has log entries the checkpoint has not
+    /// expired: replay would apply them.
+    pub fn live_object(&self, st: &libc::stat) -> bool {
+        st.st_dev == self.root_dev
+            && self
+                .table
+                .find(st.st_dev, st.st_ino)
+                .is_some_and(|idx| self.live(&self.table.slot(idx)))
+    }
+
     /// Set flags on the slot of an object if it has one (found by identity). An object with
     /// no slot needs none: nothing is logged of it, and the first sync of it once tracked is
     /// real anyway (no baseline). So a chmod or utimes by path of every file an untar makes
