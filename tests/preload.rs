@@ -2977,7 +2977,8 @@ fn page_one_survives_the_fsync(name: &str, hows: &[&str], byte: u8) {
 
 /// A truncate by path (truncate(2), Python's `os.truncate`) of a file with live log entries
 /// ran natively: once the lower made the truncation durable, replay after a crash wrote the
-/// cut bytes back (NVLog's no-rollback rule broken). It is now logged as ftruncate's is.
+/// cut bytes back (NVLog's no-rollback rule broken). It is now logged as ftruncate's is; so
+/// is the truncation of a read-only O_TRUNC open (Linux truncates then too).
 #[test]
 fn a_truncate_by_path_is_never_undone_by_replay() {
     if !common::can_mount() || !have("python3") {
@@ -2995,7 +2996,7 @@ fn a_truncate_by_path_is_never_undone_by_replay() {
         &pm,
         &["--all-writers-attached", "--flush-interval-ms", "3600000"],
     );
-    let code = "import os, sys\nf = sys.argv[1]\nfd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)\nfor _ in range(3):\n    os.pwrite(fd, b'a' * 8192, 0)\n    os.fsync(fd)\nos.truncate(f, 50)\nprint('done', flush=True)\nsys.stdin.read(1)\n";
+    let code = "import os, sys\nf = sys.argv[1]\nfd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)\nfor _ in range(3):\n    os.pwrite(fd, b'a' * 8192, 0)\n    os.fsync(fd)\nos.truncate(f, 50)\ng = os.open(f + '.ro', os.O_RDWR | os.O_CREAT, 0o644)\nfor _ in range(3):\n    os.pwrite(g, b'b' * 8192, 0)\n    os.fsync(g)\nos.close(os.open(f + '.ro', os.O_RDONLY | os.O_TRUNC))\nprint('done', flush=True)\nsys.stdin.read(1)\n";
     let mut k = common::Reaped(vec![s
         .run()
         .args(["python3", "-c", code])
@@ -3020,6 +3021,11 @@ fn a_truncate_by_path_is_never_undone_by_replay() {
         fs::read(&f).unwrap(),
         vec![b'a'; 50],
         "replay undid a truncate the lower had made durable"
+    );
+    assert_eq!(
+        fs::read(root.join("f.ro")).unwrap(),
+        b"",
+        "replay undid a read-only O_TRUNC open's truncation"
     );
 }
 

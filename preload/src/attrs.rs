@@ -221,7 +221,7 @@ pub unsafe extern "C" fn fchownat(
 
 #[no_mangle]
 pub unsafe extern "C" fn truncate(path: *const c_char, len: off_t) -> c_int {
-    if let Some(r) = forward!(truncate_live(path, len)) {
+    if let Some(r) = forward!(truncate_live(libc::AT_FDCWD, path, len)) {
         return r;
     }
     let r = kernel!(libc::SYS_truncate, path, len);
@@ -229,25 +229,26 @@ pub unsafe extern "C" fn truncate(path: *const c_char, len: off_t) -> c_int {
     r as c_int
 }
 
-/// A truncate by path of an object with live log entries, done as ftruncate through a
+/// A truncate by path (`path` relative to `dirfd`) of an object with live log entries, done as
+/// ftruncate through a
 /// descriptor of it is (`Client::ftruncate`: a truncate record first, under the slot lock), so
 /// that replay never brings back the bytes it cut once the lower made it durable. None: the
 /// object has no live entries, or is no regular file under the root the library can open for
 /// writing (the caller truncates by path, and the object's next sync is real).
-unsafe fn truncate_live(path: *const c_char, len: off_t) -> Option<c_int> {
+pub(crate) unsafe fn truncate_live(dirfd: c_int, path: *const c_char, len: off_t) -> Option<c_int> {
     let _g = Inside::enter()?;
     let c = client()?;
     if path.is_null() || len < 0 {
         return None;
     }
     // truncate(2) follows a final symlink.
-    let st = sys::fstatat(libc::AT_FDCWD, path, 0).ok()?;
+    let st = sys::fstatat(dirfd, path, 0).ok()?;
     if st.st_mode & libc::S_IFMT != libc::S_IFREG || !c.live_object(&st) {
         return None;
     }
     // O_NONBLOCK: a FIFO put at the name since the stat must not block the open.
     let fd = sys::openat(
-        libc::AT_FDCWD,
+        dirfd,
         path,
         libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
         0,

@@ -23,6 +23,21 @@ pub(crate) unsafe fn do_open(
     // Reads first: most opens, and they need nothing else (not even the root).
     let plan = open::plan(flags);
     if !plan.track || root().is_none() {
+        if flags & libc::O_TRUNC != 0
+            && flags & libc::O_ACCMODE == libc::O_RDONLY
+            && flags & libc::O_PATH == 0
+            && root().is_some()
+        {
+            // Linux truncates on a read-only O_TRUNC open too: a file with live entries is
+            // truncated as by ftruncate first (a record replay orders with them), then the
+            // kernel's own O_TRUNC finds it empty.
+            drop(_g);
+            if let Some(r) = forward!(crate::attrs::truncate_live(dirfd, path, 0)) {
+                if r < 0 {
+                    return r;
+                }
+            }
+        }
         return plain(flags);
     }
     let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
