@@ -2904,7 +2904,12 @@ fn fsync_after_a_reflink_clone_is_real_under_pmstack_run() {
 /// write). Received descriptors are now tracked (recvmsg, recvmmsg, syscall(2)).
 #[test]
 fn writes_through_a_descriptor_received_over_a_socket_are_covered_by_the_senders_fsync() {
-    page_one_survives_the_fsync("fd_pass", &["recvmsg", "recvmmsg", "syscall"], b'B');
+    page_one_survives_the_fsync(
+        "fd_pass",
+        &["recvmsg", "recvmmsg", "syscall"],
+        b'B',
+        ALL_ATTACHED,
+    );
 }
 
 /// A descriptor opened by open_by_handle_at (the C library's, or through syscall(2)) or by
@@ -2916,27 +2921,42 @@ fn writes_through_descriptors_opened_by_handle_or_openat2_are_covered_by_fsync()
         "other_opens",
         &["by_handle", "by_handle_syscall", "openat2"],
         b'H',
+        ALL_ATTACHED,
     );
 }
+
+/// A program exec'd in place by an attached process (here: one that lost `LD_PRELOAD`) does
+/// not attach, and wrote through the descriptors it inherited unseen: another process's fsync
+/// of the file was absorbed without its write. Before an exec the library now makes such
+/// objects' syncs real (execve, execl, execvp: trampolines that keep a variadic call's
+/// arguments; syscall(2)). With the watch on: with every writer declared attached, such a
+/// program breaks the declaration.
+#[test]
+fn writes_of_a_program_execd_without_the_library_are_covered_by_fsync() {
+    page_one_survives_the_fsync(
+        "exec_unseen",
+        &["execve", "execl", "execvp", "syscall"],
+        b'W',
+        &["--flush-interval-ms", "3600000"],
+    );
+}
+
+/// Every writer attached (no watch): a new file's syncs are absorbed from the first, whatever
+/// the daemon's timing.
+const ALL_ATTACHED: &[&str] = &["--all-writers-attached", "--flush-interval-ms", "3600000"];
 
 /// Run the C program `name` with each of `hows`: it writes page 1 of its file (as `byte`s)
 /// through a path the library must see, then fsyncs the file and prints whether page 1 is
 /// still dirty. Shown end to end: the daemon is stopped and killed, the page is lost from
 /// the lower if it was not synced (as a power cut would lose it), and recovery must bring it
 /// back.
-fn page_one_survives_the_fsync(name: &str, hows: &[&str], byte: u8) {
+fn page_one_survives_the_fsync(name: &str, hows: &[&str], byte: u8, serve: &[&str]) {
     let Some((d, exe, root, pm)) = c_program(name) else {
         return;
     };
     for how in hows {
         let f = root.join(format!("f-{how}"));
-        // Every writer is attached (no watch): a new file's syncs are absorbed from the first,
-        // whatever the daemon's timing.
-        let mut s = Serve::start(
-            &root,
-            &pm,
-            &["--all-writers-attached", "--flush-interval-ms", "3600000"],
-        );
+        let mut s = Serve::start(&root, &pm, serve);
         let mut k = common::Reaped(vec![s
             .run()
             .arg(&exe)

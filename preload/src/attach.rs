@@ -140,6 +140,7 @@ pub(crate) fn fds_under_root() -> Vec<i32> {
 
 extern "C" fn init() {
     root();
+    crate::exec::resolve();
     // SAFETY: registering a plain function.
     unsafe {
         libc::pthread_atfork(

@@ -47,6 +47,7 @@ macro_rules! forward {
 mod abi;
 mod attach;
 mod attrs;
+mod exec;
 mod fds;
 mod kaio;
 mod namespace;

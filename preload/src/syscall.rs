@@ -130,6 +130,7 @@ pub unsafe extern "C" fn syscall(
             libc::SYS_munmap => {
                 return forward!(crate::unseen::munmap(a1 as *mut c_void, a2 as size_t)) as c_long;
             }
+            libc::SYS_execve | libc::SYS_execveat => crate::exec::before_exec_syscall(),
             libc::SYS_recvmsg => {
                 return forward!(crate::fds::recvmsg(
                     a1 as c_int,

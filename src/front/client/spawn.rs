@@ -60,6 +60,34 @@ impl Client {
         let _ = PREPARED.try_with(|p| p.borrow_mut().extend(took));
     }
 
+    /// This process is about to replace its program (exec): the new program may not attach
+    /// (a static binary, one whose environment lost `LD_PRELOAD`, a set-uid one) and write
+    /// unseen through the descriptors it inherits. Unlike a child started by fork or
+    /// posix_spawn, nothing of the library runs after the exec to ask the daemon to look at
+    /// the object's writers again: each object this process can write through an inheritable
+    /// descriptor, and that the watch covers, has its live entries expired (a real sync) and
+    /// its syncs made real for good (`F_UNSEEN`). (With every writer declared attached,
+    /// nothing: as for `spawn_prepare`.)
+    pub fn exec_prepare(&self) {
+        if !self.watching {
+            return;
+        }
+        let mut done: Vec<usize> = Vec::new();
+        for (fd, t) in self.tracked_all() {
+            if done.contains(&t.ino.slot) {
+                continue;
+            }
+            let inheritable =
+                sys::fcntl(fd, libc::F_GETFD, 0).is_ok_and(|f| f as i32 & libc::FD_CLOEXEC == 0);
+            let writable = sys::fcntl(fd, libc::F_GETFL, 0)
+                .is_ok_and(|f| f as i32 & libc::O_ACCMODE != libc::O_RDONLY);
+            if inheritable && writable {
+                self.flag(&t, fd, F_UNSEEN);
+                done.push(t.ino.slot);
+            }
+        }
+    }
+
     /// After `spawn_prepare`, once the child exists (or failed to start): the objects it
     /// took are vetted again by the daemon, and their next syncs are real.
     pub fn spawn_done(&self) {
