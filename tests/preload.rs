@@ -696,6 +696,14 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
         2,
         3,
     ),
+    // The same, the read-only mapping moved by mremap before mprotect makes it writable.
+    (
+        "mremap",
+        true,
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nlc.mremap.restype = ctypes.c_void_p\nlc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]\np = lc.mmap(None, 4096, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nq = lc.mremap(ctypes.c_void_p(p), 4096, 8192, 1)\nassert q and q != 2**64 - 1\nassert lc.mprotect(ctypes.c_void_p(q), 8192, 3) == 0\nctypes.memmove(q + 100, NEW[:100], 100)\nos.fsync(fd)",
+        2,
+        3,
+    ),
     // The same paths taken through syscall(2), as programs written before the C library had
     // a wrapper do.
     (
@@ -2919,7 +2927,7 @@ fn writes_through_a_descriptor_received_over_a_socket_are_covered_by_the_senders
 fn writes_through_descriptors_opened_by_handle_or_openat2_are_covered_by_fsync() {
     page_one_survives_the_fsync(
         "other_opens",
-        &["by_handle", "by_handle_syscall", "openat2"],
+        &["by_handle", "by_handle_syscall", "openat2", "pidfd_getfd"],
         b'H',
         ALL_ATTACHED,
     );

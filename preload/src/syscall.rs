@@ -151,7 +151,7 @@ pub unsafe extern "C" fn syscall(
                 // Linux AIO (libaio makes its calls here): the objects written become unseen.
                 crate::kaio::before_io_submit(a2, a3 as *const c_void);
             }
-            libc::SYS_openat2 | libc::SYS_open_by_handle_at => {
+            libc::SYS_openat2 | libc::SYS_open_by_handle_at | libc::SYS_pidfd_getfd => {
                 let r = kernel!(n, a1, a2, a3, a4, a5, a6);
                 if r >= 0 {
                     keep_errno(|| opened_elsewhere(r as c_int));
@@ -164,7 +164,8 @@ pub unsafe extern "C" fn syscall(
     kernel!(n, a1, a2, a3, a4, a5, a6) as c_long
 }
 
-/// `fd` was opened by a call the library does not plan (openat2, open_by_handle_at): tracked
+/// `fd` was opened by a call the library does not plan (openat2, open_by_handle_at), or taken
+/// from another process (pidfd_getfd): tracked
 /// if it is a file under the root. The O_SYNC flag (if any) stayed on the descriptor: writes
 /// are durable in the lower file system; logging keeps them ordered.
 pub(crate) fn opened_elsewhere(fd: c_int) {
@@ -183,6 +184,15 @@ pub unsafe extern "C" fn open_by_handle_at(
     flags: c_int,
 ) -> c_int {
     let r = kernel!(libc::SYS_open_by_handle_at, mount_fd, handle, flags);
+    if r >= 0 {
+        keep_errno(|| opened_elsewhere(r as c_int));
+    }
+    r as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pidfd_getfd(pidfd: c_int, target: c_int, flags: c_uint) -> c_int {
+    let r = kernel!(libc::SYS_pidfd_getfd, pidfd, target, flags);
     if r >= 0 {
         keep_errno(|| opened_elsewhere(r as c_int));
     }

@@ -73,6 +73,45 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
     kernel!(libc::SYS_mprotect, addr, len, prot) as c_int
 }
 
+/// mremap: a read-only shared mapping the library remembers moves with it (`mprotect` must
+/// still find it). Declared with the optional fifth argument (MREMAP_FIXED's new address), as
+/// the C library's variadic function receives it in a register.
+#[no_mangle]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: size_t,
+    new_len: size_t,
+    flags: c_int,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: as `kernel!` (the kernel checks the program's arguments).
+    let r = unsafe {
+        syscall6(
+            libc::SYS_mremap,
+            old as i64,
+            old_len as i64,
+            new_len as i64,
+            flags as i64,
+            new_addr as i64,
+            0,
+        )
+    };
+    if (-4095..0).contains(&r) {
+        set_errno(-r as i32);
+        return libc::MAP_FAILED;
+    }
+    if RO_SHARED.load(Ordering::Relaxed) {
+        keep_errno(|| {
+            if let Some(_g) = Inside::enter() {
+                if let Some(c) = client_if_needed() {
+                    c.remapped(old as usize, old_len, r as usize, new_len);
+                }
+            }
+        })
+    }
+    r as *mut c_void
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     let r = kernel!(libc::SYS_munmap, addr, len) as c_int;

@@ -1,9 +1,9 @@
-/* A second descriptor of a file, opened by a call other than open(2)/openat(2): writes through
+/* A second descriptor of a file, got by a call other than open(2)/openat(2): writes through
  * it must be covered by an fsync through the first, as the kernel's fsync covers them. Writes
  * page 1 through the second descriptor, fsyncs the first, prints whether page 1 is still dirty
  * (cachestat(2); then only the log can hold it), waits for a byte on standard input and exits.
  * usage: other_opens FILE HOW, HOW one of by_handle (open_by_handle_at(3)), by_handle_syscall
- * (through syscall(2)), openat2 (through syscall(2)). */
+ * (through syscall(2)), openat2 (through syscall(2)), pidfd_getfd (a child's descriptor). */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <linux/openat2.h>
@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/pidfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -29,7 +30,26 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 4; k++)
         if (pwrite(fd, buf, sizeof buf, 0) != (ssize_t)sizeof buf || fsync(fd)) die("pwrite+fsync");
     int g;
-    if (!strcmp(how, "openat2")) {
+    if (!strcmp(how, "pidfd_getfd")) {
+        /* A child opens the file and keeps it open; the parent takes its descriptor. */
+        int p[2], q[2];
+        if (pipe(p) || pipe(q)) die("pipe");
+        pid_t child = fork();
+        if (child < 0) die("fork");
+        if (child == 0) {
+            int c = open(argv[1], O_RDWR);
+            if (c < 0 || write(p[1], &c, sizeof c) != sizeof c) die("child");
+            char x;
+            if (read(q[0], &x, 1) < 0) die("child wait");
+            _exit(0);
+        }
+        int cfd;
+        if (read(p[0], &cfd, sizeof cfd) != sizeof cfd) die("read child fd");
+        int pidfd = (int)syscall(SYS_pidfd_open, child, 0);
+        if (pidfd < 0) die("pidfd_open");
+        g = pidfd_getfd(pidfd, cfd, 0);
+        if (write(q[1], "x", 1) != 1) die("release child");
+    } else if (!strcmp(how, "openat2")) {
         struct open_how oh;
         memset(&oh, 0, sizeof oh);
         oh.flags = O_RDWR;

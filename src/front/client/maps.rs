@@ -40,6 +40,24 @@ impl Client {
             .retain(|m| !(start <= m.start && m.end <= end));
     }
 
+    /// `old..old + old_len` was moved to `new..new + new_len` (mremap): a mapping that began
+    /// there moves with it (a copy kept by MREMAP_DONTUNMAP stays where it was, also
+    /// remembered).
+    pub fn remapped(&self, old: usize, old_len: usize, new: usize, new_len: usize) {
+        let end = old.saturating_add(old_len);
+        let mut m = self.ro_shared.lock();
+        let moved: Vec<ReadOnlyShared> = m
+            .iter()
+            .filter(|r| r.start < end && old < r.end)
+            .map(|r| ReadOnlyShared {
+                start: new,
+                end: new.saturating_add(new_len),
+                ..*r
+            })
+            .collect();
+        m.extend(moved);
+    }
+
     /// mprotect is about to allow stores in `start..start + len`: each read-only shared
     /// mapping there becomes a writable one. Its object is flagged as a writable mapping's is
     /// (`F_MMAP`), its live entries expired first: by a real sync through a descriptor of it
