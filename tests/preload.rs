@@ -2741,6 +2741,41 @@ fn posix_aio_writes_keep_o_dsync_under_pmstack_run() {
     }
 }
 
+/// A program started with its standard input and output piped: the guard that reaps it, its
+/// pid, its input, and its output's lines.
+struct Piped {
+    k: common::Reaped,
+    pid: u64,
+    input: std::process::ChildStdin,
+    out: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+fn piped(cmd: &mut Command) -> Piped {
+    let mut k = common::Reaped(vec![cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()]);
+    let pid = u64::from(k.0[0].id());
+    let input = k.0[0].stdin.take().unwrap();
+    let out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
+    Piped { k, pid, input, out }
+}
+
+impl Piped {
+    fn line(&mut self) -> String {
+        self.out.next().unwrap().unwrap()
+    }
+}
+
+/// (real syncs, absorbed fsyncs) of attached process `pid`, as the shared table counts them now
+/// (the daemon's stats lag).
+fn syncs_of(table: &pmstack::front::table::Table, pid: u64) -> (u64, u64) {
+    use pmstack::front::table::{P_ABSORBED_FSYNC, P_FALLBACKS};
+    let r = proc_counters(table, pid);
+    (r[P_FALLBACKS], r[P_ABSORBED_FSYNC])
+}
+
 /// Writes through the kernel's asynchronous I/O are invisible to the library: Linux AIO
 /// (`io_submit`, through `syscall(2)` and through libaio) and io_uring (through liburing,
 /// which makes its system calls itself, and a ring inherited over exec). An fsync after such a
@@ -2772,34 +2807,11 @@ fn fsync_after_kernel_async_writes_is_real_under_pmstack_run() {
         &["--all-writers-attached", "--flush-interval-ms", "3600000"],
     );
     let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
-    let counts = |pid: u64| {
-        use pmstack::front::table::{P_ABSORBED_FSYNC, P_FALLBACKS};
-        table
-            .procs()
-            .into_iter()
-            .find(|(p, _)| *p == pid)
-            .map(|(_, r)| (r[P_FALLBACKS], r[P_ABSORBED_FSYNC]))
-    };
     for how in ["io_submit", "libaio", "uring", "uring-exec"] {
         let f = root.join(format!("f-{how}"));
-        let mut k = common::Reaped(vec![s
-            .run()
-            .arg(&exe)
-            .arg(how)
-            .arg(&f)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap()]);
-        let pid = u64::from(k.0[0].id());
-        let mut input = k.0[0].stdin.take().unwrap();
-        let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
-        assert_eq!(
-            out.next().unwrap().unwrap(),
-            "absorbed-rounds done",
-            "{how}"
-        );
-        let (_, absorbed) = counts(pid).unwrap_or_else(|| panic!("{how}: pid {pid} not attached"));
+        let mut p = piped(s.run().arg(&exe).arg(how).arg(&f));
+        assert_eq!(p.line(), "absorbed-rounds done", "{how}");
+        let (_, absorbed) = syncs_of(&table, p.pid);
         if how == "uring-exec" {
             // The program holds a ring from its start: nothing of it is absorbed.
             assert_eq!(
@@ -2812,16 +2824,16 @@ fn fsync_after_kernel_async_writes_is_real_under_pmstack_run() {
                 "{how}: the file's ordinary syncs were not absorbed ({absorbed})"
             );
         }
-        writeln!(input, "go").unwrap();
-        input.flush().unwrap();
+        writeln!(p.input, "go").unwrap();
+        p.input.flush().unwrap();
         let mut last = String::new();
-        for l in out.by_ref() {
+        for l in p.out.by_ref() {
             last = l.unwrap();
             if last == "done" || last.starts_with("dirty") {
                 break;
             }
         }
-        let st = k.0[0].wait().unwrap();
+        let st = p.k.0[0].wait().unwrap();
         assert_eq!(last, "done", "{how}: {last} ({st})");
         assert!(st.success(), "{how}: {st}");
         let got = fs::read(&f).unwrap();
@@ -2861,46 +2873,25 @@ fn fsync_after_a_reflink_clone_is_real_under_pmstack_run() {
         &["--all-writers-attached", "--flush-interval-ms", "3600000"],
     );
     let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
-    let counts = |pid: u64| {
-        use pmstack::front::table::{P_ABSORBED_FSYNC, P_FALLBACKS};
-        let (_, r) = table
-            .procs()
-            .into_iter()
-            .find(|(p, _)| *p == pid)
-            .expect("attached");
-        (r[P_FALLBACKS], r[P_ABSORBED_FSYNC])
-    };
     for how in ["ficlone", "ficlonerange", "syscall"] {
         let dst = root.join(format!("dst-{how}"));
-        let mut k = common::Reaped(vec![s
-            .run()
-            .arg(&exe)
-            .arg(&src)
-            .arg(&dst)
-            .arg(how)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap()]);
-        let pid = u64::from(k.0[0].id());
-        let mut input = k.0[0].stdin.take().unwrap();
-        let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
-        assert_eq!(out.next().unwrap().unwrap(), "ready", "{how}");
-        let before = counts(pid);
+        let mut p = piped(s.run().arg(&exe).arg(&src).arg(&dst).arg(how));
+        assert_eq!(p.line(), "ready", "{how}");
+        let before = syncs_of(&table, p.pid);
         assert!(
             before.1 >= 3,
             "{how}: the file's ordinary syncs were not absorbed: {before:?}"
         );
-        input.write_all(b"g").unwrap();
-        input.flush().unwrap();
-        assert_eq!(out.next().unwrap().unwrap(), "cloned", "{how}");
-        let after = counts(pid);
+        p.input.write_all(b"g").unwrap();
+        p.input.flush().unwrap();
+        assert_eq!(p.line(), "cloned", "{how}");
+        let after = syncs_of(&table, p.pid);
         assert!(
             after.1 == before.1 && after.0 > before.0,
             "{how}: the fsync after the clone was absorbed ({before:?} -> {after:?})"
         );
-        drop(input);
-        assert!(k.0[0].wait().unwrap().success(), "{how}");
+        drop(p.input);
+        assert!(p.k.0[0].wait().unwrap().success(), "{how}");
         assert!(fs::read(&dst).unwrap() == data, "{how}: the clone's bytes");
     }
     s.stop();
@@ -2965,24 +2956,14 @@ fn page_one_survives_the_fsync(name: &str, hows: &[&str], byte: u8, serve: &[&st
     for how in hows {
         let f = root.join(format!("f-{how}"));
         let mut s = Serve::start(&root, &pm, serve);
-        let mut k = common::Reaped(vec![s
-            .run()
-            .arg(&exe)
-            .arg(&f)
-            .arg(how)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap()]);
-        let mut input = k.0[0].stdin.take().unwrap();
-        let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
-        let state = out.next().unwrap().unwrap();
+        let mut p = piped(s.run().arg(&exe).arg(&f).arg(how));
+        let state = p.line();
         assert!(state == "dirty" || state == "clean", "{how}: {state}");
         // Nothing more reaches the lower: no write-back when the program exits.
         s.freeze();
-        input.write_all(b"g").unwrap();
-        drop(input);
-        assert!(k.0[0].wait().unwrap().success(), "{how}");
+        p.input.write_all(b"g").unwrap();
+        drop(p.input);
+        assert!(p.k.0[0].wait().unwrap().success(), "{how}");
         s.kill9();
         if state == "dirty" {
             // The power cut loses the unsynced page (after the kill: an open of a watched
@@ -3025,23 +3006,14 @@ fn a_truncate_by_path_is_never_undone_by_replay() {
         &["--all-writers-attached", "--flush-interval-ms", "3600000"],
     );
     let code = "import os, sys\nf = sys.argv[1]\nfd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)\nfor _ in range(3):\n    os.pwrite(fd, b'a' * 8192, 0)\n    os.fsync(fd)\nos.truncate(f, 50)\ng = os.open(f + '.ro', os.O_RDWR | os.O_CREAT, 0o644)\nfor _ in range(3):\n    os.pwrite(g, b'b' * 8192, 0)\n    os.fsync(g)\nos.close(os.open(f + '.ro', os.O_RDONLY | os.O_TRUNC))\nprint('done', flush=True)\nsys.stdin.read(1)\n";
-    let mut k = common::Reaped(vec![s
-        .run()
-        .args(["python3", "-c", code])
-        .arg(&f)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap()]);
-    let mut input = k.0[0].stdin.take().unwrap();
-    let mut out = BufReader::new(k.0[0].stdout.take().unwrap()).lines();
-    assert_eq!(out.next().unwrap().unwrap(), "done");
+    let mut p = piped(s.run().args(["python3", "-c", code]).arg(&f));
+    assert_eq!(p.line(), "done");
     // The crash: nothing written back (the program's exit would), the daemon killed. The
     // lower keeps the truncation (as a journal commit would make it durable).
     s.freeze();
-    input.write_all(b"g").unwrap();
-    drop(input);
-    assert!(k.0[0].wait().unwrap().success());
+    p.input.write_all(b"g").unwrap();
+    drop(p.input);
+    assert!(p.k.0[0].wait().unwrap().success());
     s.kill9();
     let mut s2 = Serve::start(&root, &pm, &[]);
     s2.stop();

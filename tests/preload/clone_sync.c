@@ -14,7 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static void die(const char *what) { perror(what); exit(2); }
+#include "progs.h"
 
 /* Wait for one byte on standard input (or its end). */
 static void wait_line(void) {

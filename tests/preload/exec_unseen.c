@@ -18,10 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-struct cs_range { uint64_t off, len; };
-struct cs { uint64_t cache, dirty, writeback, evicted, recently_evicted; };
-
-static void die(const char *what) { perror(what); exit(2); }
+#include "progs.h"
 
 int main(int argc, char **argv) {
     if (argc < 3) return 2;
@@ -64,13 +61,6 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (fsync(fd)) die("fsync");
-    struct cs_range r = { 4096, 4096 };
-    struct cs s;
-    memset(&s, 0, sizeof s);
-    if (syscall(451, fd, &r, &s, 0)) die("cachestat");
-    printf("%s\n", s.dirty || s.writeback ? "dirty" : "clean");
-    fflush(stdout);
-    char go;
-    if (read(0, &go, 1) < 0) die("read stdin");
+    report_page_one_then_wait(fd);
     return 0;
 }

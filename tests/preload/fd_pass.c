@@ -16,21 +16,31 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-struct cs_range { uint64_t off, len; };
-struct cs { uint64_t cache, dirty, writeback, evicted, recently_evicted; };
+#include "progs.h"
 
-static void die(const char *what) { perror(what); exit(2); }
+/* Room for one descriptor's control message. */
+union cbuf {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+};
+
+/* A message of the one byte at `byte`, with `u` as its control buffer. */
+static void one_byte_msg(struct msghdr *m, struct iovec *iov, char *byte, union cbuf *u) {
+    iov->iov_base = byte;
+    iov->iov_len = 1;
+    memset(m, 0, sizeof *m);
+    m->msg_iov = iov;
+    m->msg_iovlen = 1;
+    m->msg_control = u->buf;
+    m->msg_controllen = sizeof u->buf;
+}
 
 static int receive_fd(int sock, const char *how) {
     char byte;
-    struct iovec iov = { &byte, 1 };
-    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } u;
+    struct iovec iov;
+    union cbuf u;
     struct msghdr m;
-    memset(&m, 0, sizeof m);
-    m.msg_iov = &iov;
-    m.msg_iovlen = 1;
-    m.msg_control = u.buf;
-    m.msg_controllen = sizeof u.buf;
+    one_byte_msg(&m, &iov, &byte, &u);
     long r;
     if (!strcmp(how, "recvmmsg")) {
         struct mmsghdr mm;
@@ -53,14 +63,10 @@ static int receive_fd(int sock, const char *how) {
 
 static void send_fd(int sock, int fd) {
     char byte = 'f';
-    struct iovec iov = { &byte, 1 };
-    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } u;
+    struct iovec iov;
+    union cbuf u;
     struct msghdr m;
-    memset(&m, 0, sizeof m);
-    m.msg_iov = &iov;
-    m.msg_iovlen = 1;
-    m.msg_control = u.buf;
-    m.msg_controllen = sizeof u.buf;
+    one_byte_msg(&m, &iov, &byte, &u);
     struct cmsghdr *c = CMSG_FIRSTHDR(&m);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
@@ -101,15 +107,7 @@ int main(int argc, char **argv) {
     char ack;
     if (read(sv[0], &ack, 1) != 1) die("read ack");
     if (fsync(fd)) die("fsync");
-    struct cs_range r = { 4096, 4096 };
-    struct cs s;
-    memset(&s, 0, sizeof s);
-    if (syscall(451, fd, &r, &s, 0)) die("cachestat");
-    /* Whether the child's page is still unsynced (then only the log holds it durably). */
-    printf("%s\n", s.dirty || s.writeback ? "dirty" : "clean");
-    fflush(stdout);
-    char go;
-    if (read(0, &go, 1) < 0) die("read stdin");
+    report_page_one_then_wait(fd);
     if (write(sv[0], "q", 1) != 1) die("quit");
     waitpid(pid, NULL, 0);
     return 0;

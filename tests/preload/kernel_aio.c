@@ -25,23 +25,16 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "progs.h"
+
 #define PAGE 4096
 #define ROUNDS 8
 
-struct cs_range { uint64_t off, len; };
-struct cs { uint64_t cache, dirty, writeback, evicted, recently_evicted; };
-
 static char buf[PAGE];
-
-static void die(const char *what) { perror(what); exit(2); }
 
 /* The page at `off` is clean after an acknowledged fsync, or the program fails. */
 static void check_clean(int fd, off_t off, int round) {
-    struct cs_range r = { (uint64_t)off, PAGE };
-    struct cs s;
-    memset(&s, 0, sizeof s);
-    if (syscall(451, fd, &r, &s, 0)) die("cachestat");
-    if (s.dirty || s.writeback) {
+    if (page_unsynced(fd, (uint64_t)off)) {
         printf("dirty after acknowledged fsync %d\n", round);
         fflush(stdout);
         exit(1);
