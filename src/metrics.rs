@@ -112,6 +112,7 @@ pub const METRICS: &[Metric] = &[
     m("ns_write_backs", Counter, Count, Serve, "directory syncs made by writing the namespace back (a change the log did not see)"),
     m("ns_dir_write_backs", Counter, Count, Serve, "namespace write-backs that synced only the directories concerned (no live namespace record named them), not the whole file system"),
     m("name_syncs", Counter, Count, Serve, "real syncs of new files that also fsynced directories of their path whose names may not have been durable (a lower that ignores syncfs, whose fsync of a file may leave its name behind)"),
+    m("unlogged_ns_ops", Counter, Count, Serve, "namespace operations not logged (a rename or link across the served directory's boundary, a path with a trailing slash, a descriptor linked, a flag not modelled) made durable by fsyncing their directories under it"),
     m("unserved", Counter, Count, Serve, "operations of attached processes that found the daemon not serving and ran on the lower file system alone"),
     m("attaches", Counter, Count, Serve, "processes that attached"),
     m("attaches_refused", Counter, Count, Serve, "attach requests refused (another user, no free append area)"),

@@ -3029,6 +3029,45 @@ fn a_truncate_by_path_is_never_undone_by_replay() {
     );
 }
 
+/// Namespace operations under the root that the log cannot name ran natively and were not
+/// durable on return: a rename or hard link between the root and a directory outside it, a
+/// path with a trailing slash, a link of a descriptor (O_TMPFILE and linkat AT_EMPTY_PATH).
+/// Each is now made durable as it returns (its directories under the root fsynced after the
+/// namespace records that could undo it were written back) and counted (`unlogged_ns_ops`).
+#[test]
+fn namespace_operations_the_log_cannot_name_are_durable_on_return() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let base = fs::canonicalize(d.path()).unwrap();
+    let (root, outside) = (base.join("root"), base.join("outside"));
+    fs::create_dir(&root).unwrap();
+    fs::create_dir(&outside).unwrap();
+    let s = Serve::start(&root, &d.path().join("r.pm"), &[]);
+    let code = "import ctypes, os, sys\nroot, out = sys.argv[1], sys.argv[2]\nfor n in ('x', 'y'):\n    with open(os.path.join(out, n), 'w') as f:\n        f.write(n)\nos.rename(os.path.join(out, 'x'), os.path.join(root, 'x'))\nos.link(os.path.join(out, 'y'), os.path.join(root, 'y'))\nos.mkdir(os.path.join(root, 'd') + '/')\nos.rename(os.path.join(root, 'y'), os.path.join(out, 'z'))\nfd = os.open(root, os.O_TMPFILE | os.O_RDWR, 0o644)\nos.write(fd, b't')\nlc = ctypes.CDLL(None, use_errno=True)\nassert lc.linkat(fd, b'', -100, os.path.join(root, 't').encode(), 0x1000) == 0, ctypes.get_errno()\nprint('done', flush=True)\nsys.stdin.read(1)\n";
+    let mut p = piped(
+        s.run()
+            .args(["python3", "-c", code])
+            .arg(&root)
+            .arg(&outside),
+    );
+    assert_eq!(p.line(), "done");
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let unlogged = proc_counters(&table, p.pid)[pmstack::front::table::P_UNLOGGED_NS];
+    p.input.write_all(b"g").unwrap();
+    drop(p.input);
+    assert!(p.k.0[0].wait().unwrap().success());
+    assert_eq!(
+        unlogged, 5,
+        "rename in, link in, mkdir with a trailing slash, rename out, linkat of a descriptor"
+    );
+    assert_eq!(fs::read(root.join("x")).unwrap(), b"x");
+    assert_eq!(fs::read(root.join("t")).unwrap(), b"t");
+    assert!(root.join("d").is_dir() && !root.join("y").exists());
+    assert_eq!(fs::read(outside.join("z")).unwrap(), b"y");
+}
+
 /// `pmstack stat` of a served directory whose daemon died says so (it printed the dead
 /// daemon's numbers with exit 0).
 #[test]

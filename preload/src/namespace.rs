@@ -54,7 +54,8 @@ pub(crate) fn ns_targets(
     Some((c, ts))
 }
 
-/// A namespace call: through the client when ours, else `native`.
+/// A namespace call: through the client when ours (logged), else `native`, made durable on
+/// return where it changes a directory under the root (`unlogged`).
 pub(crate) fn ns_call(
     paths: &[(c_int, *const c_char)],
     native: impl FnOnce() -> c_int,
@@ -65,8 +66,57 @@ pub(crate) fn ns_call(
     };
     match ns_targets(paths) {
         Some((c, ts)) => unit_ret(f(c, &ts)),
-        None => native(),
+        None => unlogged(paths, native),
     }
+}
+
+/// A namespace call that is not logged (a rename or link between the root and a directory
+/// outside it, a path with a trailing slash, a link of a descriptor, a flag not modelled) but
+/// may change directories under the root: run natively, and durable on return as logged ones
+/// are, by the lower's own means (`Client::unlogged_durable`: the namespace records that could
+/// undo it written back first, its directories under the root fsynced). Paths that name no
+/// directory under the root: just `native`. Caller is `Inside`.
+pub(crate) fn unlogged(paths: &[(c_int, *const c_char)], native: impl FnOnce() -> c_int) -> c_int {
+    let mut under: Vec<pmstack::front::ns::Target> = Vec::new();
+    let mut client_of: Option<&'static Client> = None;
+    for &(d, p) in paths {
+        let Some(mut given) = user_cstr(p) else {
+            continue;
+        };
+        // The directory that holds the entry, whatever the trailing slashes ask of it.
+        while given.len() > 1 && given.ends_with(b"/") {
+            given.pop();
+        }
+        if given.is_empty() || given == b"/" {
+            continue;
+        }
+        let Some((c, ts)) = ns_targets_of(d, &given) else {
+            continue;
+        };
+        client_of = Some(c);
+        under.extend(ts);
+    }
+    match client_of {
+        Some(c) if !under.is_empty() => unit_ret(c.unlogged_durable(&under, || {
+            let r = native();
+            if r < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        })),
+        _ => native(),
+    }
+}
+
+/// `ns_targets` of one path given as bytes (the client, attaching if its directory is under
+/// the root, and its target).
+fn ns_targets_of(
+    d: c_int,
+    given: &[u8],
+) -> Option<(&'static Client, Vec<pmstack::front::ns::Target>)> {
+    let c = std::ffi::CString::new(given).ok()?;
+    ns_targets(&[(d, c.as_ptr())])
 }
 
 #[no_mangle]
@@ -97,9 +147,12 @@ pub unsafe extern "C" fn renameat2(
     flags: c_uint,
 ) -> c_int {
     let native = || kernel!(libc::SYS_renameat2, od, old, nd, new, flags) as c_int;
-    // RENAME_WHITEOUT (overlay file systems) is not modelled.
+    // RENAME_WHITEOUT (overlay file systems) is not modelled: durable, not logged.
     if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
-        return native();
+        let Some(_g) = Inside::enter() else {
+            return native();
+        };
+        return unlogged(&[(od, old), (nd, new)], native);
     }
     ns_call(&[(od, old), (nd, new)], native, |c, t| {
         c.rename(&t[0], &t[1], flags)
@@ -152,7 +205,12 @@ pub unsafe extern "C" fn linkat(
 ) -> c_int {
     let native = || kernel!(libc::SYS_linkat, od, old, nd, new, flags) as c_int;
     if flags & !libc::AT_SYMLINK_FOLLOW != 0 {
-        return native(); // AT_EMPTY_PATH: a descriptor, not a name
+        // AT_EMPTY_PATH: a descriptor (an O_TMPFILE file, say), not a name: the new name is
+        // durable, not logged.
+        let Some(_g) = Inside::enter() else {
+            return native();
+        };
+        return unlogged(&[(nd, new)], native);
     }
     ns_call(&[(od, old), (nd, new)], native, |c, t| {
         c.link(&t[0], &t[1], flags & libc::AT_SYMLINK_FOLLOW != 0)

@@ -480,6 +480,22 @@ impl Client {
         Ok(out)
     }
 
+    /// A namespace operation `op` that is not logged but changes the directories of
+    /// `inside` (under the root): run on the lower under the namespace lock and durable on
+    /// return by the lower's own means, as one run while the daemon does not serve (`alone`):
+    /// the namespace records that could undo it written back first, its directories fsynced.
+    /// The directories are not clean afterwards (their next logged change writes back first).
+    pub fn unlogged_durable(
+        &self,
+        inside: &[Target],
+        op: impl FnOnce() -> io::Result<()>,
+    ) -> io::Result<()> {
+        let dirs: Vec<&Dir> = inside.iter().map(|t| &*t.dir).collect();
+        self.alone(&dirs, op)?;
+        self.count(P_UNLOGGED_NS, 1);
+        Ok(())
+    }
+
     /// Run a creation `op` natively and log it after (`log(out, append)`: Ok(true) logged, or
     /// changed without appending when `append` is false; Ok(false) nothing changed; Err:
     /// could not log).

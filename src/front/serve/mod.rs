@@ -496,6 +496,7 @@ impl Daemon {
                 "ns_write_backs": c[P_NS_SYNCS],
                 "ns_dir_write_backs": c[P_NS_DIR_SYNCS],
                 "name_syncs": c[P_NAME_SYNCS],
+                "unlogged_ns_ops": c[P_UNLOGGED_NS],
                 "unserved": c[P_UNSERVED],
             })
         };

@@ -73,7 +73,7 @@ pub const H_RETIRED: usize = 48;
 /// made in the same clock tick as the change time recorded after a logged operation leaves
 /// it as it was, so no directory is taken for clean (every change since its last write-back
 /// logged). The last header word, after the retired counters (`COUNTERS` name process words
-/// below 14).
+/// below 15).
 pub const H_COARSE_CTIME: usize = 63;
 const _: () = {
     let mut i = 0;
@@ -114,8 +114,13 @@ pub const P_NS_DIR_SYNCS: usize = 12;
 /// Real syncs of new files that also synced directories of their path whose names may not
 /// have been durable (the lower ignores syncfs: `F_BORN_UNSYNCED`).
 pub const P_NAME_SYNCS: usize = 13;
+/// Namespace operations that were not logged but changed directories under the root (a
+/// rename or link across the root's boundary, a path with a trailing slash, a descriptor
+/// linked, a flag not modelled), made durable by fsyncing those directories
+/// (`Client::unlogged_durable`).
+pub const P_UNLOGGED_NS: usize = 14;
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
-pub const COUNTERS: [usize; 11] = [
+pub const COUNTERS: [usize; 12] = [
     P_ABSORBED_FSYNC,
     P_ABSORBED_OSYNC,
     P_BYTES_LOGGED,
@@ -127,6 +132,7 @@ pub const COUNTERS: [usize; 11] = [
     P_UNSERVED,
     P_NS_DIR_SYNCS,
     P_NAME_SYNCS,
+    P_UNLOGGED_NS,
 ];
 const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
 
