@@ -709,14 +709,14 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
     (
         "copy_file_range_syscall",
         true,
-        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nsrc = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\noi = ctypes.c_int64(0)\noo = ctypes.c_int64(100)\nassert lc.syscall(326, src, ctypes.byref(oi), fd, ctypes.byref(oo), 100, 0) == 100\nos.fsync(fd)",
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nsrc = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\noi = ctypes.c_int64(0)\noo = ctypes.c_int64(100)\nL = ctypes.c_long\nassert lc.syscall(L(326), L(src), ctypes.byref(oi), L(fd), ctypes.byref(oo), L(100), L(0)) == 100\nos.fsync(fd)",
         2,
         3,
     ),
     (
         "mmap_syscall",
         true,
-        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.syscall.restype = ctypes.c_long\np = lc.syscall(9, None, 8192, 3, 1, fd, 0)\nassert p > 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.syscall.restype = ctypes.c_long\nL = ctypes.c_long\np = lc.syscall(L(9), None, L(8192), L(3), L(1), L(fd), L(0))\nassert p > 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
         2,
         3,
     ),

@@ -90,6 +90,11 @@ pub(crate) fn unlogged(paths: &[(c_int, *const c_char)], native: impl FnOnce() -
         if given.is_empty() || given == b"/" {
             continue;
         }
+        // An absolute path outside the root, by its text (most of them: a program's files
+        // elsewhere): nothing more to ask.
+        if given.starts_with(b"/") && root().is_none_or(|r| !given.starts_with(r)) {
+            continue;
+        }
         let Some((c, ts)) = ns_targets_of(d, &given) else {
             continue;
         };
