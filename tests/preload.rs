@@ -692,7 +692,7 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
     (
         "mprotect",
         true,
-        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\np = lc.mmap(None, 8192, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nassert lc.mprotect(ctypes.c_void_p(p), 8192, 3) == 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\np = lc.mmap(None, 8192, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nlc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\nassert lc.mprotect(p, 8192, 3) == 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
         2,
         3,
     ),
@@ -700,7 +700,7 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
     (
         "mremap",
         true,
-        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nlc.mremap.restype = ctypes.c_void_p\nlc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]\np = lc.mmap(None, 4096, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nq = lc.mremap(ctypes.c_void_p(p), 4096, 8192, 1)\nassert q and q != 2**64 - 1\nassert lc.mprotect(ctypes.c_void_p(q), 8192, 3) == 0\nctypes.memmove(q + 100, NEW[:100], 100)\nos.fsync(fd)",
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nlc.mremap.restype = ctypes.c_void_p\nlc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]\np = lc.mmap(None, 4096, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nq = lc.mremap(p, 4096, 8192, 1)\nassert q and q != 2**64 - 1\nlc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\nassert lc.mprotect(q, 8192, 3) == 0\nctypes.memmove(q + 100, NEW[:100], 100)\nos.fsync(fd)",
         2,
         3,
     ),
@@ -732,7 +732,9 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
     (
         "other_process",
         false,
-        "pid = os.fork()\nif pid == 0:\n    g = os.open(os.path.join(d, 'f'), os.O_RDWR)\n    os.pwrite(g, OLD, 0)\n    os.pwrite(g, NEW[:100], 100)\n    os._exit(0)\nos.waitpid(pid, 0)\nos.fsync(fd)",
+        // The writer stays alive until the sync returned: once it exits, the daemon may write
+        // back what it wrote before the sync, which is then absorbed.
+        "r, w = os.pipe()\nr2, w2 = os.pipe()\npid = os.fork()\nif pid == 0:\n    g = os.open(os.path.join(d, 'f'), os.O_RDWR)\n    os.pwrite(g, OLD, 0)\n    os.pwrite(g, NEW[:100], 100)\n    os.write(w, b'x')\n    os.read(r2, 1)\n    os._exit(0)\nos.read(r, 1)\nos.fsync(fd)\nos.write(w2, b'x')\nos.waitpid(pid, 0)",
         0,
         2,
     ),
