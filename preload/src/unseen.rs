@@ -59,16 +59,26 @@ pub unsafe extern "C" fn mmap(
 /// then does mprotect ask the client anything.
 static RO_SHARED: AtomicBool = AtomicBool::new(false);
 
+/// `f` with the client, inside the library, errno kept, once some read-only shared mapping of
+/// a tracked file exists (`RO_SHARED`; free otherwise): what mprotect, mremap and munmap tell
+/// it.
+fn with_maps(f: impl FnOnce(&Client)) {
+    if !RO_SHARED.load(Ordering::Relaxed) {
+        return;
+    }
+    keep_errno(|| {
+        if let Some(_g) = Inside::enter() {
+            if let Some(c) = client_if_needed() {
+                f(c);
+            }
+        }
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
-    if prot & libc::PROT_WRITE != 0 && RO_SHARED.load(Ordering::Relaxed) {
-        keep_errno(|| {
-            if let Some(_g) = Inside::enter() {
-                if let Some(c) = client_if_needed() {
-                    c.made_writable(addr as usize, len);
-                }
-            }
-        })
+    if prot & libc::PROT_WRITE != 0 {
+        with_maps(|c| c.made_writable(addr as usize, len));
     }
     kernel!(libc::SYS_mprotect, addr, len, prot) as c_int
 }
@@ -100,29 +110,15 @@ pub unsafe extern "C" fn mremap(
         set_errno(-r as i32);
         return libc::MAP_FAILED;
     }
-    if RO_SHARED.load(Ordering::Relaxed) {
-        keep_errno(|| {
-            if let Some(_g) = Inside::enter() {
-                if let Some(c) = client_if_needed() {
-                    c.remapped(old as usize, old_len, r as usize, new_len);
-                }
-            }
-        })
-    }
+    with_maps(|c| c.remapped(old as usize, old_len, r as usize, new_len));
     r as *mut c_void
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     let r = kernel!(libc::SYS_munmap, addr, len) as c_int;
-    if r == 0 && RO_SHARED.load(Ordering::Relaxed) {
-        keep_errno(|| {
-            if let Some(_g) = Inside::enter() {
-                if let Some(c) = client_if_needed() {
-                    c.unmapped(addr as usize, len);
-                }
-            }
-        })
+    if r == 0 {
+        with_maps(|c| c.unmapped(addr as usize, len));
     }
     r
 }

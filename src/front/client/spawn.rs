@@ -36,17 +36,7 @@ impl Client {
             return; // every writer is declared attached (`--all-writers-attached`)
         }
         let mut took = Vec::new();
-        for (fd, t) in self.tracked_all() {
-            let inheritable =
-                sys::fcntl(fd, libc::F_GETFD, 0).is_ok_and(|f| f as i32 & libc::FD_CLOEXEC == 0);
-            if !inheritable || took.iter().any(|&(s, g)| (s, g) == (t.ino.slot, t.ino.gen)) {
-                continue;
-            }
-            let writable = sys::fcntl(fd, libc::F_GETFL, 0)
-                .is_ok_and(|f| f as i32 & libc::O_ACCMODE != libc::O_RDONLY);
-            if !writable {
-                continue;
-            }
+        for (fd, t) in self.inheritable_writers() {
             let slot = self.table.slot(t.ino.slot);
             let _g = slot.lock();
             if slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen || slot.flags() & F_MARKED == 0 {
@@ -72,20 +62,32 @@ impl Client {
         if !self.watching {
             return;
         }
-        let mut done: Vec<usize> = Vec::new();
+        for (fd, t) in self.inheritable_writers() {
+            self.flag(&t, fd, F_UNSEEN);
+        }
+    }
+
+    /// The tracked descriptors a new program would inherit (no FD_CLOEXEC) and could write
+    /// through (not read-only), one per object.
+    fn inheritable_writers(&self) -> Vec<(i32, Arc<Tracked>)> {
+        let mut out: Vec<(i32, Arc<Tracked>)> = Vec::new();
         for (fd, t) in self.tracked_all() {
-            if done.contains(&t.ino.slot) {
+            if out
+                .iter()
+                .any(|(_, o)| (o.ino.slot, o.ino.gen) == (t.ino.slot, t.ino.gen))
+            {
                 continue;
             }
             let inheritable =
                 sys::fcntl(fd, libc::F_GETFD, 0).is_ok_and(|f| f as i32 & libc::FD_CLOEXEC == 0);
-            let writable = sys::fcntl(fd, libc::F_GETFL, 0)
-                .is_ok_and(|f| f as i32 & libc::O_ACCMODE != libc::O_RDONLY);
-            if inheritable && writable {
-                self.flag(&t, fd, F_UNSEEN);
-                done.push(t.ino.slot);
+            if inheritable
+                && sys::fcntl(fd, libc::F_GETFL, 0)
+                    .is_ok_and(|f| f as i32 & libc::O_ACCMODE != libc::O_RDONLY)
+            {
+                out.push((fd, t));
             }
         }
+        out
     }
 
     /// After `spawn_prepare`, once the child exists (or failed to start): the objects it
