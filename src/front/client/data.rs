@@ -214,6 +214,7 @@ impl Client {
             _ => None,
         };
         let slot = self.table.slot(t.ino.slot);
+        self.vet_before_a_tear(&slot, t, fd, &rec);
         let _g = slot.lock();
         let mut p = t.ino.p.lock();
         let will_log = self.loggable(slot.flags()) && self.serving();
@@ -262,6 +263,55 @@ impl Client {
             }
         }
         Ok(())
+    }
+
+    /// Before a change the lower may leave half made (`policy::lower_may_tear`) of an object
+    /// the daemon has not vetted yet: have it vetted, and wait for that (without the slot
+    /// lock: a foreign writer found takes it), so that the change can be logged and recovery
+    /// can complete it. Unvetted, nothing about the object may be logged (a writer from before
+    /// the watch could be rolled back by replay), and the change would go to the lower alone:
+    /// a cut inside it leaves the old size over a zeroed tail, acknowledged bytes gone and the
+    /// change not made (seen by the VM rig: an object idle since its last write-back is
+    /// unwatched at its last close, so every later open for writing starts unvetted).
+    ///
+    /// Only for a process that syncs (`sync_expected`): one that never does is promised
+    /// nothing a sync would give, and its truncates go on at the lower's speed. The wait ends
+    /// when the daemon has looked (vetted, or found a writer it does not see: then the change
+    /// is the lower's alone, as for any such object), stops serving, or after `VET_WAIT_MAX`
+    /// (a daemon stuck in a long write-back): the change then goes unlogged, as before.
+    fn vet_before_a_tear(&self, slot: &Slot<'_>, t: &Tracked, fd: i32, rec: &AttrOp) {
+        let settled = |f: u64| f & (F_VETTED | F_NOT_SEEN) != 0;
+        if !self.watching
+            || settled(slot.flags())
+            || self.blind.load(Ordering::Relaxed)
+            || !self.sync_expected(t.sync)
+        {
+            return;
+        }
+        let tears = sys::fstat(fd).is_ok_and(|st| {
+            crate::policy::lower_may_tear(rec, st.st_size as u64, st.st_blksize as u64)
+        });
+        if !tears || !self.serving() {
+            return;
+        }
+        {
+            let _g = slot.lock();
+            if slot.flags() & F_MARKED == 0 {
+                self.mark_for_watch(slot, fd);
+            } else {
+                // Marked earlier and not vetted: the daemon's next round looks at it; wake it.
+                sys::futex_wake(self.table.w(H_NEW_MARKS));
+            }
+            if slot.flags() & F_MARKED == 0 {
+                return; // the watch refused the mark: never vetted
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let mut nap = Duration::from_micros(50);
+        while !settled(slot.flags()) && t0.elapsed() < VET_WAIT_MAX && self.serving() {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
     }
 
     /// The tracked descriptors and their O_SYNC flags, unless the table is locked (after a

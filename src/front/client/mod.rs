@@ -46,6 +46,11 @@ pub use logging::{mark_unseen, Born};
 /// A daemon whose heartbeat is older than this is taken for dead.
 pub const DAEMON_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Longest wait for the daemon to vet an object before a change the lower may tear
+/// (`Client::vet_before_a_tear`): it vets within milliseconds unless a long write-back holds
+/// it up.
+const VET_WAIT_MAX: Duration = Duration::from_secs(2);
+
 #[derive(Default)]
 struct Private {
     /// This process's unlogged writes (with their copy).
