@@ -750,6 +750,15 @@ const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
         2,
         3,
     ),
+    // The same, made writable by a forked child (which has the parent's mappings): the
+    // parent's sync after the child's stores is real.
+    (
+        "mprotect_in_a_child",
+        true,
+        "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nlc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\np = lc.mmap(None, 8192, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\npid = os.fork()\nif pid == 0:\n    ok = lc.mprotect(p, 8192, 3) == 0\n    if ok:\n        ctypes.memmove(p + 100, NEW[:100], 100)\n    os._exit(0 if ok else 1)\nassert os.waitpid(pid, 0)[1] == 0\nos.fsync(fd)",
+        2,
+        2,
+    ),
     // The same paths taken through syscall(2), as programs written before the C library had
     // a wrapper do.
     (

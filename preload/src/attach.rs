@@ -271,6 +271,10 @@ pub(crate) fn client() -> Option<&'static Client> {
     let out = match r {
         Ok(c) => {
             let c: &'static Client = Box::leak(Box::new(c));
+            if let Some(p) = parent {
+                // A forked child: the parent's read-only shared mappings are its own too.
+                c.inherit_maps(p);
+            }
             match inherited {
                 Some(Some(fds)) => {
                     for (fd, sync, asked) in fds {

@@ -30,6 +30,18 @@ impl Client {
         });
     }
 
+    /// After a fork, in the child's new client: the child has the parent's mappings, so it
+    /// remembers the parent's read-only shared ones (an mprotect in the child makes them
+    /// writable as well). If another thread of the parent held the list at the fork, it
+    /// cannot be read (its lock stays held in the child): the child's syncs all become real
+    /// (`go_blind`), as for any writer it may not see.
+    pub fn inherit_maps(&self, parent: &Client) {
+        match parent.ro_shared.try_lock() {
+            Some(m) => self.ro_shared.lock().extend(m.iter().copied()),
+            None => self.go_blind(),
+        }
+    }
+
     /// `start..start + len` was unmapped: the mappings wholly inside it are gone (one only
     /// partly unmapped is kept whole: flagging its object later does more than it must,
     /// never less).
