@@ -617,32 +617,47 @@ fn a_truncate_into_a_block_of_a_file_not_yet_vetted_is_completed_by_recovery() {
     let pm = root.join("region.pm");
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let old: Vec<u8> = (0..20480u32).map(|i| (i % 251) as u8 + 1).collect();
-    let mut f = fs::File::create(root.join("torn")).unwrap();
-    f.write_all(&old).unwrap();
-    f.sync_all().unwrap();
-    drop(f); // a writer the daemon does not see would rightly keep the file unlogged
+    // Through a descriptor, by path, and by path through syscall(2).
+    let names = ["torn", "by-path", "by-syscall"];
+    for name in names {
+        let mut f = fs::File::create(root.join(name)).unwrap();
+        f.write_all(&old).unwrap();
+        f.sync_all().unwrap();
+        // Closed here: a writer the daemon does not see would rightly keep it unlogged.
+    }
     fs::File::open(&root).unwrap().sync_all().unwrap();
     let mut a = Py::spawn(s.run(), &root);
-    // A program that syncs (so its truncates are worth a record), then opens the file and
-    // truncates it at once: the daemon vets at most every 10 ms.
+    // A program that syncs (so its truncates are worth a record), then truncates files it
+    // opens just before (the daemon vets at most every 10 ms) or never opened.
     a.exec(concat!(
+        "import ctypes\n",
         "dfd = os.open(d, os.O_RDONLY)\n",
         "os.fsync(dfd)\n",
         "fd = os.open(os.path.join(d, 'torn'), os.O_WRONLY)\n",
-        "os.ftruncate(fd, 2482)",
+        "os.ftruncate(fd, 2482)\n",
+        "os.truncate(os.path.join(d, 'by-path'), 2482)\n",
+        "lc = ctypes.CDLL(None, use_errno=True)\n",
+        "L = ctypes.c_long\n",
+        "assert lc.syscall(L(76), ctypes.c_char_p(os.path.join(d, 'by-syscall').encode()), L(2482)) == 0",
     ));
     s.kill9();
     drop(a);
+    // As the lower leaves them after a cut before its journal commits: the old size, the
+    // new last block zeroed from the new end.
     let mut torn = old.clone();
     torn[2482..4096].fill(0);
-    fs::write(root.join("torn"), &torn).unwrap();
+    for name in names {
+        fs::write(root.join(name), &torn).unwrap();
+    }
     let mut s2 = Serve::start(&root, &pm, &[]);
     s2.stop();
-    assert_eq!(
-        fs::read(root.join("torn")).unwrap(),
-        old[..2482],
-        "recovery left the truncate the lower tore half made"
-    );
+    for name in names {
+        assert_eq!(
+            fs::read(root.join(name)).unwrap(),
+            old[..2482],
+            "{name}: recovery left the truncate the lower tore half made"
+        );
+    }
     drop(s);
 }
 

@@ -229,12 +229,13 @@ pub unsafe extern "C" fn truncate(path: *const c_char, len: off_t) -> c_int {
     r as c_int
 }
 
-/// A truncate by path (`path` relative to `dirfd`) of an object with live log entries, done as
-/// ftruncate through a
+/// A truncate by path (`path` relative to `dirfd`) of an object with live log entries, or one
+/// the lower may leave half made (`Client::truncate_wants_record`), done as ftruncate through a
 /// descriptor of it is (`Client::ftruncate`: a truncate record first, under the slot lock), so
-/// that replay never brings back the bytes it cut once the lower made it durable. None: the
-/// object has no live entries, or is no regular file under the root the library can open for
-/// writing (the caller truncates by path, and the object's next sync is real).
+/// that replay never brings back the bytes it cut once the lower made it durable, and
+/// completes a truncate the lower tore. None: neither, or no regular file under the root the
+/// library can open for writing (the caller truncates by path, and the object's next sync is
+/// real).
 pub(crate) unsafe fn truncate_live(dirfd: c_int, path: *const c_char, len: off_t) -> Option<c_int> {
     let _g = Inside::enter()?;
     let c = client()?;
@@ -243,7 +244,7 @@ pub(crate) unsafe fn truncate_live(dirfd: c_int, path: *const c_char, len: off_t
     }
     // truncate(2) follows a final symlink.
     let st = sys::fstatat(dirfd, path, 0).ok()?;
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG || !c.live_object(&st) {
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG || !c.truncate_wants_record(&st, len as u64) {
         return None;
     }
     // O_NONBLOCK: a FIFO put at the name since the stat must not block the open.

@@ -72,6 +72,9 @@ pub unsafe extern "C" fn syscall(
                 )) as c_long
             }
             libc::SYS_ftruncate => return forward!(ftruncate(a1 as c_int, a2)) as c_long,
+            libc::SYS_truncate => {
+                return forward!(crate::attrs::truncate(a1 as *const c_char, a2)) as c_long
+            }
             libc::SYS_fallocate => {
                 return forward!(fallocate(a1 as c_int, a2 as c_int, a3, a4)) as c_long
             }

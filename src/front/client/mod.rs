@@ -495,6 +495,23 @@ impl Client {
                 .is_some_and(|idx| self.live(&self.table.slot(idx)))
     }
 
+    /// Whether a truncate by path of the object `st` to `len` must go through a descriptor
+    /// (`Client::ftruncate`) to get its record: the object has live entries (replay must
+    /// apply it in order with them), or the lower may leave it half made
+    /// (`policy::lower_may_tear`) and this process syncs (as `Client::attr_op` logs such a
+    /// change through a descriptor).
+    pub fn truncate_wants_record(&self, st: &libc::stat, len: u64) -> bool {
+        self.live_object(st)
+            || st.st_dev == self.root_dev
+                && self.serving()
+                && self.sync_expected(false)
+                && crate::policy::lower_may_tear(
+                    &AttrOp::Truncate(len),
+                    st.st_size as u64,
+                    st.st_blksize as u64,
+                )
+    }
+
     /// Set flags on the slot of an object if it has one (found by identity). An object with
     /// no slot needs none: nothing is logged of it, and the first sync of it once tracked is
     /// real anyway (no baseline). So a chmod or utimes by path of every file an untar makes
