@@ -3140,6 +3140,51 @@ fn namespace_operations_the_log_cannot_name_are_durable_on_return() {
     assert_eq!(fs::read(outside.join("z")).unwrap(), b"y");
 }
 
+/// Namespace calls made through `syscall(2)` (as programs written before the C library had a
+/// wrapper, or runtimes that make their own calls, do) are logged as their C library calls
+/// are: before, they ran natively, not durable on return, and a logged creation replayed
+/// after a crash brought back a file unlinked that way.
+#[test]
+fn namespace_calls_through_syscall_are_logged_and_never_undone_by_replay() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let (_d, root, pm, mut s) = quiet_serve();
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    a.exec(concat!(
+        "import ctypes\n",
+        "lc = ctypes.CDLL(None, use_errno=True)\n",
+        "L = ctypes.c_long\n",
+        "P = lambda n: ctypes.c_char_p(os.path.join(d, n).encode())\n",
+        "for n in ('a', 'b'):\n",
+        "    open(os.path.join(d, n), 'w').close()\n",
+    ));
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let ns_ops = || proc_counters(&table, pid)[pmstack::front::table::P_NS_OPS];
+    let before = ns_ops();
+    a.exec(concat!(
+        "assert lc.syscall(L(87), P('a')) == 0\n",
+        "assert lc.syscall(L(82), P('b'), P('c')) == 0\n",
+        "assert lc.syscall(L(83), P('e'), L(0o755)) == 0\n",
+        "assert lc.syscall(L(88), P('c'), P('l')) == 0",
+    ));
+    let logged = ns_ops() - before;
+    s.kill9();
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(
+        logged, 4,
+        "unlink, rename, mkdir and symlink through syscall(2)"
+    );
+    assert!(!root.join("a").exists(), "an unlink was undone by replay");
+    assert!(!root.join("b").exists() && root.join("c").is_file());
+    assert!(root.join("e").is_dir());
+    assert_eq!(fs::read_link(root.join("l")).unwrap(), root.join("c"));
+    drop(s);
+}
+
 /// `pmstack stat` of a served directory whose daemon died says so (it printed the dead
 /// daemon's numbers with exit 0).
 #[test]

@@ -9,6 +9,7 @@ use crate::abi::keep_errno;
 use crate::attach::*;
 use crate::attrs::*;
 use crate::fds::*;
+use crate::namespace as ns;
 use crate::open::*;
 use crate::sync::*;
 use crate::write::*;
@@ -74,6 +75,124 @@ pub unsafe extern "C" fn syscall(
             libc::SYS_ftruncate => return forward!(ftruncate(a1 as c_int, a2)) as c_long,
             libc::SYS_truncate => {
                 return forward!(crate::attrs::truncate(a1 as *const c_char, a2)) as c_long
+            }
+            // Namespace and attribute calls, as their C library functions are interposed:
+            // logged (or made durable on return), and the object's next sync real.
+            libc::SYS_unlink => return forward!(ns::unlink(a1 as *const c_char)) as c_long,
+            libc::SYS_unlinkat => {
+                return forward!(ns::unlinkat(a1 as c_int, a2 as *const c_char, a3 as c_int))
+                    as c_long
+            }
+            libc::SYS_rmdir => return forward!(ns::rmdir(a1 as *const c_char)) as c_long,
+            libc::SYS_rename => {
+                return forward!(ns::rename(a1 as *const c_char, a2 as *const c_char)) as c_long
+            }
+            libc::SYS_renameat => {
+                return forward!(ns::renameat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as c_int,
+                    a4 as *const c_char
+                )) as c_long
+            }
+            libc::SYS_renameat2 => {
+                return forward!(ns::renameat2(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as c_int,
+                    a4 as *const c_char,
+                    a5 as c_uint
+                )) as c_long
+            }
+            libc::SYS_mkdir => {
+                return forward!(ns::mkdir(a1 as *const c_char, a2 as libc::mode_t)) as c_long
+            }
+            libc::SYS_mkdirat => {
+                return forward!(ns::mkdirat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as libc::mode_t
+                )) as c_long
+            }
+            libc::SYS_symlink => {
+                return forward!(ns::symlink(a1 as *const c_char, a2 as *const c_char)) as c_long
+            }
+            libc::SYS_symlinkat => {
+                return forward!(ns::symlinkat(
+                    a1 as *const c_char,
+                    a2 as c_int,
+                    a3 as *const c_char
+                )) as c_long
+            }
+            libc::SYS_link => {
+                return forward!(ns::link(a1 as *const c_char, a2 as *const c_char)) as c_long
+            }
+            libc::SYS_linkat => {
+                return forward!(ns::linkat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as c_int,
+                    a4 as *const c_char,
+                    a5 as c_int
+                )) as c_long
+            }
+            libc::SYS_creat => {
+                return forward!(creat(a1 as *const c_char, a2 as libc::mode_t)) as c_long
+            }
+            libc::SYS_fchmod => return forward!(fchmod(a1 as c_int, a2 as libc::mode_t)) as c_long,
+            libc::SYS_fchown => {
+                return forward!(fchown(a1 as c_int, a2 as libc::uid_t, a3 as libc::gid_t))
+                    as c_long
+            }
+            libc::SYS_chmod => {
+                return forward!(chmod(a1 as *const c_char, a2 as libc::mode_t)) as c_long
+            }
+            libc::SYS_fchmodat => {
+                return forward!(fchmodat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as libc::mode_t,
+                    0
+                )) as c_long
+            }
+            libc::SYS_fchmodat2 => {
+                return forward!(fchmodat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as libc::mode_t,
+                    a4 as c_int
+                )) as c_long
+            }
+            libc::SYS_chown => {
+                return forward!(chown(
+                    a1 as *const c_char,
+                    a2 as libc::uid_t,
+                    a3 as libc::gid_t
+                )) as c_long
+            }
+            libc::SYS_lchown => {
+                return forward!(lchown(
+                    a1 as *const c_char,
+                    a2 as libc::uid_t,
+                    a3 as libc::gid_t
+                )) as c_long
+            }
+            libc::SYS_fchownat => {
+                return forward!(fchownat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as libc::uid_t,
+                    a4 as libc::gid_t,
+                    a5 as c_int
+                )) as c_long
+            }
+            libc::SYS_utimensat => {
+                return forward!(utimensat(
+                    a1 as c_int,
+                    a2 as *const c_char,
+                    a3 as *const libc::timespec,
+                    a4 as c_int
+                )) as c_long
             }
             libc::SYS_fallocate => {
                 return forward!(fallocate(a1 as c_int, a2 as c_int, a3, a4)) as c_long
