@@ -661,6 +661,66 @@ fn a_truncate_into_a_block_of_a_file_not_yet_vetted_is_completed_by_recovery() {
     drop(s);
 }
 
+/// A write logged before it reaches the lower (an O_DSYNC write) whose thread is preempted
+/// between its record and the write itself: the daemon's write-back must not expire the
+/// record meanwhile. Its syncfs ran before the write, so a checkpoint past the record was
+/// not earned; a power cut then lost the acknowledged write. The write-back now waits for
+/// operations in flight (`client::InFlight`, `Daemon::wait_in_flight`). The preemption is a
+/// pause the library takes on a test hook; the daemon writes back every 20 ms. While the
+/// write is paused, the daemon is frozen and everything killed: the record must still be
+/// live, and recovery shows the write whole.
+#[test]
+fn a_write_back_never_expires_a_record_whose_write_has_not_happened() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = root.join("region.pm");
+    let mut s = Serve::start(
+        &root,
+        &pm,
+        &["--flush-interval-ms", "20", "--all-writers-attached"],
+    );
+    let code = "import os, sys\nfd = os.open(os.path.join(sys.argv[1], 'f'), os.O_WRONLY | os.O_CREAT | os.O_DSYNC, 0o644)\nprint('start', flush=True)\nos.pwrite(fd, b'n' * 4096, 0)\nprint('written', flush=True)\n";
+    let mut p = piped(
+        s.run()
+            .env("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS", "30000")
+            .args(["python3", "-c", code])
+            .arg(&root),
+    );
+    assert_eq!(p.line(), "start");
+    // Write-backs every 20 ms while the write waits between its record and the lower.
+    std::thread::sleep(Duration::from_millis(500));
+    s.freeze();
+    drop(p);
+    s.kill9();
+    let out = Command::new(common::bin())
+        .args(["recover", "--pm"])
+        .arg(&pm)
+        .arg(&root)
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let ops: u64 = said
+        .split(" file ops")
+        .next()
+        .and_then(|h| h.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no file ops count in: {said}"));
+    assert!(
+        ops >= 1,
+        "the write's record was expired before the write happened: {said}"
+    );
+    assert_eq!(
+        fs::read(root.join("f")).unwrap(),
+        vec![b'n'; 4096],
+        "{said}"
+    );
+}
+
 #[test]
 fn daemon_death_makes_programs_fall_back_and_finish() {
     if !common::can_mount() || !have("python3") {

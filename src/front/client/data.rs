@@ -40,11 +40,19 @@ impl Client {
             // The log's copy: a buffer the program cannot read fails here, as the kernel
             // would fail the write, before anything is logged or written.
             let buf = src.copy()?;
-            let logged = self.log_data(&slot, &t.ino, start, &buf).is_ok();
-            let n = match off {
-                Some(o) => sys::pwrite(fd, &buf, o)?,
-                None => sys::write(fd, &buf)?,
+            let n = {
+                let _f = self.in_flight();
+                let logged = self.log_data(&slot, &t.ino, start, &buf).is_ok();
+                if let Some(d) = self.pause_logged_write {
+                    std::thread::sleep(d);
+                }
+                let n = match off {
+                    Some(o) => sys::pwrite(fd, &buf, o),
+                    None => sys::write(fd, &buf),
+                };
+                (logged, n)
             };
+            let (logged, n) = (n.0, n.1?);
             p.dirty.overwritten(start, &buf[..n]);
             if !logged {
                 self.real_sync(&slot, fd, &mut p)?;
@@ -235,10 +243,17 @@ impl Client {
             })
         };
         if will_log && (live || tears()) {
+            // From before the record takes its LSN until the change is made (`InFlight`);
+            // not over a real sync after it, which may wait for the daemon's write-back.
+            let f = self.in_flight();
             crate::policy::change_attribute(
                 &mut *p,
                 |_| self.log_attr(&slot, &t.ino, rec).is_ok(),
-                |_| op(),
+                move |_| {
+                    let r = op();
+                    drop(f);
+                    r
+                },
                 |p| self.real_sync(&slot, fd, p),
                 |p| self.real_sync(&slot, fd, p),
             )?;

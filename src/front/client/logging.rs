@@ -4,7 +4,43 @@
 
 use super::*;
 
+/// An operation that appends a record before its change reaches the lower file system (a
+/// write logged first, a logged attribute change, a namespace intent), registered for the
+/// daemon's write-back from before its record takes its LSN until its change is made (or
+/// refused). The write-back takes its horizon, flips the phase and waits for the operations
+/// registered in the old phase (`Daemon::wait_in_flight`): a record below the horizon then
+/// has its change in the lower's page cache before syncfs runs, so the checkpoint never
+/// expires a record whose change the lower could still lose. (The mount's core has the same
+/// rule in its `gate`.)
+pub(in crate::front) struct InFlight<'a> {
+    w: &'a std::sync::atomic::AtomicU64,
+    unit: u64,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.w.fetch_sub(self.unit, Ordering::SeqCst);
+    }
+}
+
 impl Client {
+    /// Register an operation that logs before it changes the lower (`InFlight`), in the
+    /// write-back phase current when it registered (checked again after: one registered in a
+    /// phase the write-back already flipped away from could escape its wait).
+    pub(in crate::front) fn in_flight(&self) -> InFlight<'_> {
+        let w = self.table.proc_word(self.rec, P_IN_FLIGHT);
+        let phase = self.table.w(H_WB_PHASE);
+        loop {
+            let p = phase.load(Ordering::SeqCst) & 1;
+            let unit = if p == 0 { 1 } else { 1 << 32 };
+            w.fetch_add(unit, Ordering::SeqCst);
+            if phase.load(Ordering::SeqCst) & 1 == p {
+                return InFlight { w, unit };
+            }
+            w.fetch_sub(unit, Ordering::SeqCst);
+        }
+    }
+
     /// The object has entries the checkpoint has not expired.
     pub(super) fn live(&self, slot: &Slot<'_>) -> bool {
         slot.live(self.log.checkpoint_lsn())

@@ -123,6 +123,10 @@ pub struct Client {
     pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
     /// Read-only shared mappings of tracked files (`maps`).
     ro_shared: Mutex<Vec<maps::ReadOnlyShared>>,
+    /// A test hook (`PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS`): sleep this long between a write's
+    /// record and the write itself, as a preempted thread would, so that tests can put the
+    /// daemon's write-back in between (`InFlight`).
+    pub(super) pause_logged_write: Option<Duration>,
 }
 
 /// What the daemon tells an attaching process.
@@ -236,6 +240,10 @@ impl Client {
             synced: false.into(),
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
+            pause_logged_write: std::env::var("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis),
         })
     }
 

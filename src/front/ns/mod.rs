@@ -557,10 +557,17 @@ impl Client {
             }
         }
         let p = pre();
-        let lsn = match log(p) {
-            Ok(Intent::Logged(lsn)) => Some(lsn),
-            Ok(Intent::Nothing) => return op(),
+        // From before the intent takes its LSN until the call is made (`InFlight`); not over
+        // a namespace write-back, which may wait for the daemon's.
+        let f = self.in_flight();
+        let (lsn, f) = match log(p) {
+            Ok(Intent::Logged(lsn)) => (Some(lsn), Some(f)),
+            Ok(Intent::Nothing) => {
+                drop(f);
+                return op();
+            }
             Ok(Intent::NotFound) => {
+                drop(f);
                 // The call fails, unless the name appeared since: then it is made durable.
                 op()?;
                 self.write_back_namespace(&fds)?;
@@ -569,12 +576,16 @@ impl Client {
                 }
                 return Ok(());
             }
-            Err(NotLogged) => None,
+            Err(NotLogged) => (None, None),
         };
         let write_back = || self.write_back_namespace(&fds);
         crate::policy::change_namespace(
             || lsn,
-            op,
+            move || {
+                let r = op();
+                drop(f);
+                r
+            },
             |lsn, applied| {
                 let r = crate::policy::log_outcome(&self.log, lsn, applied);
                 self.table

@@ -2,9 +2,10 @@
 //! serves, write-back, reclaiming what dead processes leased), creates the shared table, and
 //! hands attaching processes the region and table through a Unix socket.
 //!
-//! Write-back needs no lock against the attached processes: every entry is appended after its
-//! data reached the lower file's page cache (see `client`), so "take the LSN counter, syncfs,
-//! checkpoint" expires only what syncfs made durable.
+//! Write-back takes no lock the attached processes take: an entry appended after its change
+//! reached the lower file's page cache is covered by "take the LSN counter, syncfs,
+//! checkpoint", and one appended before its change (the write rule) is waited for between
+//! the horizon and the syncfs (`writeback::wait_in_flight`, `client::InFlight`).
 
 use std::collections::HashMap;
 use std::collections::HashSet;
@@ -151,6 +152,9 @@ pub struct Daemon {
     group: Option<Arc<Group>>,
     /// One write-back at a time (the loop's, and one before a foreign writer's open).
     wb: Mutex<()>,
+    /// A write-back gave up waiting for operations in flight (`wait_in_flight`): those of
+    /// both phases are waited for until none is left.
+    in_flight_stuck: AtomicBool,
     /// Slots the daemon flagged foreign.
     foreign: Mutex<HashSet<usize>>,
     /// Processes that are not registered but run with the library for this daemon:
@@ -217,6 +221,7 @@ impl Daemon {
             stats: Default::default(),
             group,
             wb: Mutex::new(()),
+            in_flight_stuck: AtomicBool::new(false),
             foreign: Mutex::new(HashSet::new()),
             preloaded: Mutex::new(HashMap::new()),
         })

@@ -6,6 +6,10 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{Daemon, Result, ServeError};
+
+/// Longest a write-back waits for attached processes' operations in flight
+/// (`Daemon::wait_in_flight`).
+const IN_FLIGHT_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 use crate::front::table::*;
 
 impl Daemon {
@@ -25,6 +29,7 @@ impl Daemon {
                 self.log.lsn_now()
             },
             || {
+                self.wait_in_flight()?;
                 if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
                     self.sync_noted()
                 } else {
@@ -47,6 +52,56 @@ impl Daemon {
             .writeback_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(upto)
+    }
+
+    /// After the write-back took its horizon, before it makes the lower durable: flip the
+    /// phase (`H_WB_PHASE`) and wait until no attached process has an operation of the old
+    /// phase in flight (`client::InFlight`: its record appended, its change not yet made).
+    /// Every record below the horizon took its LSN in the old phase, so its change is then
+    /// in the lower's page cache, and syncfs covers it; without the wait, a write logged first
+    /// whose process was preempted before its pwrite had its record expired by a checkpoint
+    /// that syncfs had not earned, and a power cut lost the acknowledged write. Operations of
+    /// the new phase are not waited for (a busy program cannot hold write-back off). A process
+    /// that died, or exec'd another program, finishes nothing: not waited for. After
+    /// `IN_FLIGHT_WAIT_MAX` this write-back gives up (nothing expires); the phases have moved
+    /// on, so the next write-backs wait for both until none is left in flight.
+    fn wait_in_flight(&self) -> io::Result<()> {
+        let old = self.table.w(H_WB_PHASE).fetch_xor(1, Ordering::SeqCst) & 1;
+        let mask = if self.in_flight_stuck.load(Ordering::Relaxed) {
+            u64::MAX
+        } else {
+            0xffff_ffff << (32 * old)
+        };
+        let t0 = Instant::now();
+        for rec in 0..MAX_PROCS {
+            let mut nap = std::time::Duration::from_micros(20);
+            loop {
+                let pid = self.table.proc_word(rec, P_PID).load(Ordering::SeqCst);
+                let n = self
+                    .table
+                    .proc_word(rec, P_IN_FLIGHT)
+                    .load(Ordering::SeqCst)
+                    & mask;
+                if pid == 0 || n == 0 {
+                    break;
+                }
+                let exe = self.table.proc_word(rec, P_EXE).load(Ordering::Acquire);
+                if !alive(pid) || crate::front::watch::exe_ident(pid) != exe {
+                    break;
+                }
+                if t0.elapsed() > IN_FLIGHT_WAIT_MAX {
+                    self.in_flight_stuck.store(true, Ordering::Relaxed);
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("process {pid} has had an operation between its log record and its change for {} s; nothing is expired until it finishes", IN_FLIGHT_WAIT_MAX.as_secs()),
+                    ));
+                }
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(std::time::Duration::from_millis(1));
+            }
+        }
+        self.in_flight_stuck.store(false, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The write-back's sync where syncfs does not reach the lower (`H_PER_OBJECT`): fsync

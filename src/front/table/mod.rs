@@ -119,6 +119,17 @@ pub const P_NAME_SYNCS: usize = 13;
 /// linked, a flag not modelled), made durable by fsyncing those directories
 /// (`Client::unlogged_durable`).
 pub const P_UNLOGGED_NS: usize = 14;
+/// Operations of the process that have appended (or are about to append) a record before
+/// their change reaches the lower (a write logged first, a logged attribute change, a
+/// namespace intent) and have not finished that change: the low 32 bits count those that
+/// began in write-back phase 0, the high 32 bits phase 1 (`H_WB_PHASE`). Not a counter.
+pub const P_IN_FLIGHT: usize = 15;
+/// The phase (bit 0) operations that log before they change the lower register in
+/// (`P_IN_FLIGHT`). The daemon's write-back flips it after it took its horizon and waits for
+/// the operations of the old phase to finish: every record below the horizon then has its
+/// change in the lower before syncfs runs (`Daemon::wait_in_flight`). A header word that the
+/// retired counters leave unused (`P_PID` is no counter).
+pub const H_WB_PHASE: usize = H_RETIRED + P_PID;
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
 pub const COUNTERS: [usize; 12] = [
     P_ABSORBED_FSYNC,
@@ -135,6 +146,14 @@ pub const COUNTERS: [usize; 12] = [
     P_UNLOGGED_NS,
 ];
 const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
+const _: () = {
+    let mut i = 0;
+    while i < COUNTERS.len() {
+        assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
+        i += 1;
+    }
+    assert!(P_IN_FLIGHT < PROC_WORDS);
+};
 
 /// Slots start at this word; each has `SLOT_WORDS` words.
 pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
@@ -430,6 +449,9 @@ impl Table {
             let w = self.w(PROCS_AT + i * PROC_WORDS + P_PID);
             let cur = w.load(Ordering::Acquire);
             if cur == pid {
+                // This process's record from before an exec (or a dead holder's whose pid
+                // came back): none of that image's operations is in flight any more.
+                self.proc_word(i, P_IN_FLIGHT).store(0, Ordering::SeqCst);
                 return Some(i);
             }
             if (cur == 0 || !alive(cur))
