@@ -561,32 +561,17 @@ fn a_truncate_into_a_block_that_the_lower_tore_is_completed_by_recovery() {
     if !common::can_mount() || !have("python3") {
         return;
     }
-    let (_d, root, pm, mut s) = quiet_serve();
-    let old: Vec<u8> = (0..20480u32).map(|i| (i % 251) as u8 + 1).collect();
-    for name in ["torn", "aligned"] {
-        let mut f = fs::File::create(root.join(name)).unwrap();
-        f.write_all(&old).unwrap();
-        f.sync_all().unwrap();
-    }
-    fs::File::open(&root).unwrap().sync_all().unwrap();
-    let mut a = Py::spawn(s.run(), &root);
-    a.exec(concat!(
-        "fd = os.open(os.path.join(d, 'torn'), os.O_WRONLY)\n",
-        "os.ftruncate(fd, 2503)\n",
-        "fd2 = os.open(os.path.join(d, 'aligned'), os.O_WRONLY)\n",
-        "os.ftruncate(fd2, 8192)",
-    ));
-    s.kill9();
-    drop(a);
-    // As ext4 -o dax leaves it after a cut before the commit: the old size, the new last
-    // block zeroed from the new end, the blocks after it as they were. The aligned truncate
-    // as a cut before its commit leaves it: not made.
-    let mut torn = old.clone();
-    torn[2503..4096].fill(0);
-    fs::write(root.join("torn"), &torn).unwrap();
-    fs::write(root.join("aligned"), &old).unwrap();
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
+    let (_d, root, old) = truncates_cut(
+        &["--all-writers-attached"],
+        concat!(
+            "fd = os.open(os.path.join(d, 'torn'), os.O_WRONLY)\n",
+            "os.ftruncate(fd, 2503)\n",
+            "fd2 = os.open(os.path.join(d, 'aligned'), os.O_WRONLY)\n",
+            "os.ftruncate(fd2, 8192)",
+        ),
+        // The aligned truncate as a cut before its commit leaves it: not made.
+        &[("torn", Some(2503)), ("aligned", None)],
+    );
     assert_eq!(
         fs::read(root.join("torn")).unwrap(),
         old[..2503],
@@ -597,7 +582,49 @@ fn a_truncate_into_a_block_that_the_lower_tore_is_completed_by_recovery() {
         old,
         "a truncate to a block boundary was logged (the lower keeps it whole or not at all)"
     );
+}
+
+/// Files of 20,480 bytes made and synced outside `pmstack run` (and closed: a writer the
+/// daemon does not see would rightly keep them unlogged), then truncated by `code` (Python,
+/// the root in `d`) under a daemon started with `serve_args` (and no write-back). The program
+/// and the daemon are killed; each file of `files` is then left as ext4 -o dax leaves a
+/// truncate to `Some(len)` cut before its commit (the old size, the new last block zeroed from
+/// the new end, the blocks after it as they were), or with its old bytes (`None`); and the
+/// daemon started again recovers. Returns the directory (removed on drop), the root and the
+/// old bytes.
+fn truncates_cut(
+    serve_args: &[&str],
+    code: &str,
+    files: &[(&str, Option<usize>)],
+) -> (tempfile::TempDir, PathBuf, Vec<u8>) {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = root.join("region.pm");
+    let mut args = vec!["--flush-interval-ms", "3600000"];
+    args.extend_from_slice(serve_args);
+    let mut s = Serve::start(&root, &pm, &args);
+    let old: Vec<u8> = (0..20480u32).map(|i| (i % 251) as u8 + 1).collect();
+    for (name, _) in files {
+        let mut f = fs::File::create(root.join(name)).unwrap();
+        f.write_all(&old).unwrap();
+        f.sync_all().unwrap();
+    }
+    fs::File::open(&root).unwrap().sync_all().unwrap();
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(code);
+    s.kill9();
+    drop(a);
+    for (name, len) in files {
+        let mut now = old.clone();
+        if let Some(len) = len {
+            now[*len..(*len).next_multiple_of(4096)].fill(0);
+        }
+        fs::write(root.join(name), &now).unwrap();
+    }
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
     drop(s);
+    (d, root, old)
 }
 
 /// The same truncate under a daemon that watches for writers outside `pmstack run` (its
@@ -612,45 +639,25 @@ fn a_truncate_into_a_block_of_a_file_not_yet_vetted_is_completed_by_recovery() {
     if !common::can_mount() || !have("python3") {
         return;
     }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = root.join("region.pm");
-    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
-    let old: Vec<u8> = (0..20480u32).map(|i| (i % 251) as u8 + 1).collect();
-    // Through a descriptor, by path, and by path through syscall(2).
+    // Through a descriptor, by path, and by path through syscall(2), by a program that syncs
+    // (so its truncates are worth a record), of files it opens just before (the daemon vets
+    // at most every 10 ms) or never opened.
     let names = ["torn", "by-path", "by-syscall"];
-    for name in names {
-        let mut f = fs::File::create(root.join(name)).unwrap();
-        f.write_all(&old).unwrap();
-        f.sync_all().unwrap();
-        // Closed here: a writer the daemon does not see would rightly keep it unlogged.
-    }
-    fs::File::open(&root).unwrap().sync_all().unwrap();
-    let mut a = Py::spawn(s.run(), &root);
-    // A program that syncs (so its truncates are worth a record), then truncates files it
-    // opens just before (the daemon vets at most every 10 ms) or never opened.
-    a.exec(concat!(
-        "import ctypes\n",
-        "dfd = os.open(d, os.O_RDONLY)\n",
-        "os.fsync(dfd)\n",
-        "fd = os.open(os.path.join(d, 'torn'), os.O_WRONLY)\n",
-        "os.ftruncate(fd, 2482)\n",
-        "os.truncate(os.path.join(d, 'by-path'), 2482)\n",
-        "lc = ctypes.CDLL(None, use_errno=True)\n",
-        "L = ctypes.c_long\n",
-        "assert lc.syscall(L(76), ctypes.c_char_p(os.path.join(d, 'by-syscall').encode()), L(2482)) == 0",
-    ));
-    s.kill9();
-    drop(a);
-    // As the lower leaves them after a cut before its journal commits: the old size, the
-    // new last block zeroed from the new end.
-    let mut torn = old.clone();
-    torn[2482..4096].fill(0);
-    for name in names {
-        fs::write(root.join(name), &torn).unwrap();
-    }
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
+    let (_d, root, old) = truncates_cut(
+        &[],
+        concat!(
+            "import ctypes\n",
+            "dfd = os.open(d, os.O_RDONLY)\n",
+            "os.fsync(dfd)\n",
+            "fd = os.open(os.path.join(d, 'torn'), os.O_WRONLY)\n",
+            "os.ftruncate(fd, 2482)\n",
+            "os.truncate(os.path.join(d, 'by-path'), 2482)\n",
+            "lc = ctypes.CDLL(None, use_errno=True)\n",
+            "L = ctypes.c_long\n",
+            "assert lc.syscall(L(76), ctypes.c_char_p(os.path.join(d, 'by-syscall').encode()), L(2482)) == 0",
+        ),
+        &names.map(|n| (n, Some(2482))),
+    );
     for name in names {
         assert_eq!(
             fs::read(root.join(name)).unwrap(),
@@ -658,7 +665,6 @@ fn a_truncate_into_a_block_of_a_file_not_yet_vetted_is_completed_by_recovery() {
             "{name}: recovery left the truncate the lower tore half made"
         );
     }
-    drop(s);
 }
 
 /// A write logged before it reaches the lower (an O_DSYNC write) whose thread is preempted
