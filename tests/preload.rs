@@ -464,14 +464,16 @@ fn kill9_of_programs_and_daemon_with_power_loss_keeps_every_acknowledged_write()
 /// A daemon over a fresh directory in /var/tmp (its region inside) that never writes back by
 /// itself and takes every writer for attached: the log keeps what a test puts in it.
 fn quiet_serve() -> (tempfile::TempDir, PathBuf, PathBuf, Serve) {
+    serve_with(&["--flush-interval-ms", "3600000", "--all-writers-attached"])
+}
+
+/// A daemon started with `args` on a fresh directory under /var/tmp (removed on drop): the
+/// directory, the root (its canonical path) and the region file in it.
+fn serve_with(args: &[&str]) -> (tempfile::TempDir, PathBuf, PathBuf, Serve) {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
     let pm = root.join("region.pm");
-    let s = Serve::start(
-        &root,
-        &pm,
-        &["--flush-interval-ms", "3600000", "--all-writers-attached"],
-    );
+    let s = Serve::start(&root, &pm, args);
     (d, root, pm, s)
 }
 
@@ -597,12 +599,9 @@ fn truncates_cut(
     code: &str,
     files: &[(&str, Option<usize>)],
 ) -> (tempfile::TempDir, PathBuf, Vec<u8>) {
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = root.join("region.pm");
     let mut args = vec!["--flush-interval-ms", "3600000"];
     args.extend_from_slice(serve_args);
-    let mut s = Serve::start(&root, &pm, &args);
+    let (d, root, pm, mut s) = serve_with(&args);
     let old: Vec<u8> = (0..20480u32).map(|i| (i % 251) as u8 + 1).collect();
     for (name, _) in files {
         let mut f = fs::File::create(root.join(name)).unwrap();
@@ -680,14 +679,8 @@ fn a_write_back_never_expires_a_record_whose_write_has_not_happened() {
     if !common::can_mount() || !have("python3") {
         return;
     }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = root.join("region.pm");
-    let mut s = Serve::start(
-        &root,
-        &pm,
-        &["--flush-interval-ms", "20", "--all-writers-attached"],
-    );
+    let (_d, root, pm, mut s) =
+        serve_with(&["--flush-interval-ms", "20", "--all-writers-attached"]);
     let code = "import os, sys\nfd = os.open(os.path.join(sys.argv[1], 'f'), os.O_WRONLY | os.O_CREAT | os.O_DSYNC, 0o644)\nprint('start', flush=True)\nos.pwrite(fd, b'n' * 4096, 0)\nprint('written', flush=True)\n";
     let mut p = piped(
         s.run()
