@@ -17,7 +17,8 @@ Configurations, all running at once, so that one power cut hits all of them:
   m-fsdax    pmstack mount (sync mode), region in a file on the fsdax mount (MAP_SYNC)
   s-fsdax    pmstack mount --mode strict, region in a file on the fsdax mount: its writers
              never sync (a write is durable when it returns; so is every namespace operation)
-  r-fsdax    pmstack serve + pmstack run, region in a file on the fsdax mount
+  r-fsdax    pmstack serve + pmstack run, region in a file on the fsdax mount; its two
+             writers are threads of one process (the others' are a process each)
   control    the plain lower, no syncs at all (shows the cut loses what was not synced)
 
 Everything it reports goes to the console as @@...@@ lines the host parses.
@@ -38,6 +39,10 @@ CONFIGS = ["m-devdax", "r-devdax", "m-fsdax", "r-fsdax", "s-fsdax"]
 # Writers per configuration, each in its own directory ("m-devdax.0" writes c<boot>w0): their
 # operations interleave in one log.
 WRITERS_PER_CONFIG = 2
+
+
+# Configurations whose writers run as threads of one process (the others: a process each).
+THREADED = {"r-fsdax"}
 
 
 def writers(c):
@@ -208,11 +213,15 @@ def write(job, pms):
             )
             wait_served(lower, serve, log_path)
             top, prefix = lower, [PMSTACK, "run", "--require-daemon", "--root", lower, "--"]
-        for w, dname in writers(c):
-            d = os.path.join(top, dname % k)
-            sync = "0" if mount_mode(c) == "strict" and is_mount(c) else "1"
-            cmd = prefix + ["python3", WORKLOAD, "write", w, d, str(job["seeds"][w]), sync, secs, CONSOLE]
-            procs.append(subprocess.Popen(cmd))
+        sync = "0" if mount_mode(c) == "strict" and is_mount(c) else "1"
+        ws = [(w, os.path.join(top, dname % k), str(job["seeds"][w])) for w, dname in writers(c)]
+        if c in THREADED:
+            cmd = prefix + ["python3", WORKLOAD, "write-threads", sync, secs, CONSOLE]
+            procs.append(subprocess.Popen(cmd + [x for w in ws for x in w]))
+        else:
+            for w, d, seed in ws:
+                cmd = prefix + ["python3", WORKLOAD, "write", w, d, seed, sync, secs, CONSOLE]
+                procs.append(subprocess.Popen(cmd))
         # What a running front end says about its region (the mount's stats, serve's).
         st = json.loads(sh(PMSTACK, "stat", mountpoint(c) if is_mount(c) else lower, "--json"))
         say("STAT %s kind=%s flush=%s" % (c, st.get("pm_kind"), st.get("flush")))

@@ -54,6 +54,21 @@ class Checker(unittest.TestCase):
         ok, msg = w.check(self.d, 7, len(acks))
         self.assertTrue(ok, msg)
 
+    def test_writers_as_threads_of_one_process_each_pass(self):
+        shutil.rmtree(self.d)
+        console = os.path.join(self.tmp, "console")
+        dirs = {n: os.path.join(self.tmp, n) for n in ("a", "b")}
+        args = ["1", "0.3", console] + [x for n, seed in (("a", 7), ("b", 8)) for x in (n, dirs[n], str(seed))]
+        self.assertEqual(w.main(["workload.py", "write-threads"] + args), 0)
+        with open(console) as f:
+            lines = f.read().split("\n")
+        for n, seed in (("a", 7), ("b", 8)):
+            acks = [l for l in lines if l.startswith("@@ACK %s " % n)]
+            self.assertGreater(len(acks), 5, n)
+            self.assertIn("@@WRITER-END %s@@" % n, lines)
+            ok, msg = w.check(dirs[n], seed, len(acks))
+            self.assertTrue(ok, "%s: %s" % (n, msg))
+
     def test_an_acknowledged_operation_lost_fails(self):
         # For every prefix, a directory one acknowledged operation short must fail unless
         # that operation changed nothing.

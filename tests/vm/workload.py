@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import termios
+import threading
 import time
 
 PAGE = 4096
@@ -378,12 +379,40 @@ def main(argv):
         name, d, seed, sync, secs, console = argv[2:8]
         writer(name, d, int(seed), sync == "1", float(secs), console)
         return 0
+    if len(argv) >= 2 and argv[1] == "write-threads":
+        # workload.py write-threads SYNC(0|1) SECONDS CONSOLE NAME DIR SEED [NAME DIR SEED ...]:
+        # the writers as threads of one process, whose system calls run at once (Python lets
+        # go of its lock around each): the library's and the daemon's concurrency within a
+        # process, under power cuts.
+        sync, secs, console = argv[2:5]
+        rest = argv[5:]
+        if not rest or len(rest) % 3:
+            print("usage: workload.py write-threads SYNC SECONDS CONSOLE NAME DIR SEED [...]", file=sys.stderr)
+            return 2
+        failed = []
+
+        def run(name, d, seed):
+            try:
+                writer(name, d, int(seed), sync == "1", float(secs), console)
+            except BaseException as e:
+                failed.append("%s: %r" % (name, e))
+                raise
+
+        ts = [threading.Thread(target=run, args=w) for w in zip(rest[0::3], rest[1::3], rest[2::3])]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if failed:
+            print("writers failed: %s" % "; ".join(failed), file=sys.stderr)
+            return 1
+        return 0
     if len(argv) >= 2 and argv[1] == "check":
         # workload.py check DIR SEED ACKED
         ok, msg = check(argv[2], int(argv[3]), int(argv[4]))
         print(("ok " if ok else "FAIL ") + msg)
         return 0 if ok else 1
-    print("usage: workload.py write NAME DIR SEED SYNC SECONDS CONSOLE | check DIR SEED ACKED", file=sys.stderr)
+    print("usage: workload.py write NAME DIR SEED SYNC SECONDS CONSOLE | write-threads SYNC SECONDS CONSOLE NAME DIR SEED [...] | check DIR SEED ACKED", file=sys.stderr)
     return 2
 
 
