@@ -666,6 +666,46 @@ fn a_truncate_into_a_block_of_a_file_not_yet_vetted_is_completed_by_recovery() {
     }
 }
 
+/// An O_SYNC write is logged before it reaches the lower; when the lower then takes only part
+/// of it (a short write) or none (an error), the record must not stand: replayed after a
+/// crash, it wrote bytes the program was told were not written, past a file size limit here
+/// (RLIMIT_FSIZE: the kernel writes up to the limit, then fails with EFBIG).
+#[test]
+fn bytes_a_write_did_not_write_are_never_replayed() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let (_d, root, pm, mut s) = quiet_serve();
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(concat!(
+        "import resource, signal, errno\n",
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n",
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY))\n",
+        "fd = os.open(os.path.join(d, 'f'), os.O_WRONLY | os.O_CREAT | os.O_SYNC, 0o644)\n",
+        "assert os.pwrite(fd, b'a' * 4096, 0) == 4096\n",
+        "assert os.pwrite(fd, b'b' * 8192, 4096) == 4096\n",
+        "try:\n",
+        "    os.pwrite(fd, b'c' * 4096, 8192)\n",
+        "    raise SystemExit('a write past the limit succeeded')\n",
+        "except OSError as e:\n",
+        "    assert e.errno == errno.EFBIG, e",
+    ));
+    s.kill9();
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    let mut want = vec![b'a'; 4096];
+    want.extend_from_slice(&[b'b'; 4096]);
+    let got = fs::read(root.join("f")).unwrap();
+    assert!(
+        got == want,
+        "replay wrote bytes the lower refused: {} bytes ({} 'b', {} 'c'), want 4096 'a' then 4096 'b'",
+        got.len(),
+        got.iter().filter(|&&b| b == b'b').count(),
+        got.iter().filter(|&&b| b == b'c').count(),
+    );
+}
+
 /// A write logged before it reaches the lower (an O_DSYNC write) whose thread is preempted
 /// between its record and the write itself: the daemon's write-back must not expire the
 /// record meanwhile. Its syncfs ran before the write, so a checkpoint past the record was

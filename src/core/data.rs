@@ -222,7 +222,18 @@ impl Core {
                         if let Some(p) = st.predictor.as_mut() {
                             p.logged(first..=last);
                         }
-                        let n = real::pwrite_all(fd, data, off)?;
+                        let n = match real::pwrite_all(fd, data, off) {
+                            Ok(n) => n,
+                            Err(e) => {
+                                // The record holds bytes the lower refused (no space, an I/O
+                                // error), some perhaps written: replay must never write what
+                                // the program is told was not written. The file is made durable
+                                // as the lower has it, which expires the record, as for an
+                                // attribute change the lower refused.
+                                self.write_back_file(owed, log, i, &mut st)?;
+                                return Err(e);
+                            }
+                        };
                         st.dirty.overwritten(off, &data[..n]);
                         self.stats.eager_writes.fetch_add(1, Ordering::Relaxed);
                         if self.pm_low(log) {

@@ -52,7 +52,23 @@ impl Client {
                 };
                 (logged, n)
             };
-            let (logged, n) = (n.0, n.1?);
+            let (logged, n) = match n {
+                (true, Ok(k)) if k < buf.len() => {
+                    // The record holds more than the lower took (a short write: no space, a
+                    // file size limit) or than it took at all (an error): replay must never
+                    // write bytes the program was told were not written. The object is made
+                    // durable as the lower has it, which expires the record, as for an
+                    // attribute change the lower refused (`policy::change_attribute`).
+                    p.dirty.overwritten(start, &buf[..k]);
+                    self.real_sync(&slot, fd, &mut p)?;
+                    return Ok(k);
+                }
+                (true, Err(e)) => {
+                    self.real_sync(&slot, fd, &mut p)?;
+                    return Err(e);
+                }
+                (logged, r) => (logged, r?),
+            };
             p.dirty.overwritten(start, &buf[..n]);
             if !logged {
                 self.real_sync(&slot, fd, &mut p)?;
