@@ -719,18 +719,44 @@ fn a_write_back_never_expires_a_record_whose_write_has_not_happened() {
     if !common::can_mount() || !have("python3") {
         return;
     }
+    // Write-backs every 20 ms while the write waits between its record and the lower.
+    stalled_write_survives(|_| std::thread::sleep(Duration::from_millis(500)));
+}
+
+/// The same write stalled for longer than a write-back waits (5 s): the write-back gives up
+/// (`writeback_errors`), expiring nothing, and so do the ones after it, although the phase
+/// they wait for has moved on.
+#[test]
+fn a_write_back_that_gives_up_on_a_stalled_write_expires_nothing() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    stalled_write_survives(|s| {
+        s.wait_stats("a write-back gave up", |v| {
+            v["writeback_errors"].as_u64() >= Some(1)
+        });
+        // The next write-backs (every 20 ms) must wait for both phases: one that waited only
+        // for the phase after the flip would pass the stalled record.
+        std::thread::sleep(Duration::from_millis(300));
+    });
+}
+
+/// An O_DSYNC write stalled (the test hook) between its record and the lower while the
+/// daemon writes back every 20 ms; `meanwhile` runs during the stall, then the daemon is
+/// frozen and everything killed: the record must still be live (recovery replays it) and
+/// the write shows whole.
+fn stalled_write_survives(meanwhile: impl FnOnce(&Serve)) {
     let (_d, root, pm, mut s) =
         serve_with(&["--flush-interval-ms", "20", "--all-writers-attached"]);
     let code = "import os, sys\nfd = os.open(os.path.join(sys.argv[1], 'f'), os.O_WRONLY | os.O_CREAT | os.O_DSYNC, 0o644)\nprint('start', flush=True)\nos.pwrite(fd, b'n' * 4096, 0)\nprint('written', flush=True)\n";
     let mut p = piped(
         s.run()
-            .env("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS", "30000")
+            .env("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS", "60000")
             .args(["python3", "-c", code])
             .arg(&root),
     );
     assert_eq!(p.line(), "start");
-    // Write-backs every 20 ms while the write waits between its record and the lower.
-    std::thread::sleep(Duration::from_millis(500));
+    meanwhile(&s);
     s.freeze();
     drop(p);
     s.kill9();

@@ -10,6 +10,13 @@ use super::{Daemon, Result, ServeError};
 /// Longest a write-back waits for attached processes' operations in flight
 /// (`Daemon::wait_in_flight`).
 const IN_FLIGHT_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `Daemon::wait_in_flight` gave up on process `pid`.
+#[derive(Debug, thiserror::Error)]
+#[error("process {pid} has had an operation between its log record and its change for {} s; nothing is expired until it finishes", IN_FLIGHT_WAIT_MAX.as_secs())]
+struct InFlightStuck {
+    pid: u64,
+}
 use crate::front::table::*;
 
 impl Daemon {
@@ -43,7 +50,12 @@ impl Daemon {
             Ok(upto) => upto,
             Err(e) => {
                 self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries; check the lower file system (free space, I/O errors in dmesg)");
+                if e.get_ref().is_some_and(|i| i.is::<InFlightStuck>()) {
+                    // `wait_in_flight` gave up: the lower is not at fault.
+                    tracing::warn!("write-back postponed: {e}; entries stay live in PM and write-back retries (a program stopped in the middle of a write, a debugger?)");
+                } else {
+                    tracing::warn!("write-back to the lower file system failed ({e}); entries stay live in PM and write-back retries; check the lower file system (free space, I/O errors in dmesg)");
+                }
                 return Err(ServeError::WriteBack(e));
             }
         };
@@ -93,7 +105,7 @@ impl Daemon {
                     self.in_flight_stuck.store(true, Ordering::Relaxed);
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
-                        format!("process {pid} has had an operation between its log record and its change for {} s; nothing is expired until it finishes", IN_FLIGHT_WAIT_MAX.as_secs()),
+                        InFlightStuck { pid },
                     ));
                 }
                 std::thread::sleep(nap);
