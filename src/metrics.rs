@@ -80,7 +80,7 @@ pub const METRICS: &[Metric] = &[
     m("ns_ops", Counter, Count, Both, "namespace operations logged (create, unlink, rename, link, ...)"),
     m("real_syncs", Counter, Count, Both, "syncs made by the lower file system's own fsync instead of the log (PM full; under pmstack run also writes the library cannot see)"),
     m("writebacks", Counter, Count, Both, "write-back rounds (lower syncfs + checkpoint + GC)"),
-    m("writeback_errors", Counter, Count, Both, "failed write-back rounds (retried): the lower refused a sync, or (serve) an attached process stayed 5 s between a log record and its change"),
+    m("writeback_errors", Counter, Count, Both, "failed write-back rounds (retried)"),
     m("writeback_us", Counter, Micros, Both, "time spent in write-back"),
     m("objects_synced", Counter, Count, Serve, "objects the write-back fsynced one by one (a lower that ignores syncfs)"),
     m("active_sync_switches", Counter, Count, Mount, "files switched to eager logging by active sync"),
