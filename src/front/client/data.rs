@@ -40,20 +40,20 @@ impl Client {
             // The log's copy: a buffer the program cannot read fails here, as the kernel
             // would fail the write, before anything is logged or written.
             let buf = src.copy()?;
-            let n = {
+            let (logged, written) = {
                 let _f = self.in_flight();
                 let logged = self.log_data(&slot, &t.ino, start, &buf).is_ok();
                 if let Some(d) = self.pause_logged_write {
                     std::thread::sleep(d);
                 }
-                let n = match off {
+                let written = match off {
                     Some(o) => sys::pwrite(fd, &buf, o),
                     None => sys::write(fd, &buf),
                 };
-                (logged, n)
+                (logged, written)
             };
-            let (logged, n) = match n {
-                (true, Ok(k)) if k < buf.len() => {
+            let n = match written {
+                Ok(k) if logged && k < buf.len() => {
                     // The record holds more than the lower took (a short write: no space, a
                     // file size limit) or than it took at all (an error): replay must never
                     // write bytes the program was told were not written. The object is made
@@ -63,11 +63,11 @@ impl Client {
                     self.real_sync(&slot, fd, &mut p)?;
                     return Ok(k);
                 }
-                (true, Err(e)) => {
+                Err(e) if logged => {
                     self.real_sync(&slot, fd, &mut p)?;
                     return Err(e);
                 }
-                (logged, r) => (logged, r?),
+                r => r?,
             };
             p.dirty.overwritten(start, &buf[..n]);
             if !logged {

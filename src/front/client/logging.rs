@@ -32,7 +32,7 @@ impl Client {
         let phase = self.table.w(H_WB_PHASE);
         loop {
             let p = phase.load(Ordering::SeqCst) & 1;
-            let unit = if p == 0 { 1 } else { 1 << 32 };
+            let unit = in_flight_unit(p);
             w.fetch_add(unit, Ordering::SeqCst);
             if phase.load(Ordering::SeqCst) & 1 == p {
                 return InFlight { w, unit };

@@ -82,7 +82,7 @@ impl Daemon {
         let mask = if self.in_flight_stuck.load(Ordering::Relaxed) {
             u64::MAX
         } else {
-            0xffff_ffff << (32 * old)
+            in_flight_mask(old)
         };
         let t0 = Instant::now();
         for rec in 0..MAX_PROCS {

@@ -79,9 +79,12 @@ const _: () = {
     let mut i = 0;
     while i < COUNTERS.len() {
         assert!(H_RETIRED + COUNTERS[i] < H_COARSE_CTIME);
+        // `H_WB_PHASE` is the retired word of `P_PID`; `P_IN_FLIGHT` is not summed either.
+        assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
         i += 1;
     }
     assert!(H_COARSE_CTIME < PROCS_AT);
+    assert!(P_IN_FLIGHT < PROC_WORDS);
 };
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
@@ -130,6 +133,16 @@ pub const P_IN_FLIGHT: usize = 15;
 /// change in the lower before syncfs runs (`Daemon::wait_in_flight`). A header word that the
 /// retired counters leave unused (`P_PID` is no counter).
 pub const H_WB_PHASE: usize = H_RETIRED + P_PID;
+
+/// What one operation in flight adds to `P_IN_FLIGHT` in write-back phase `phase` (0 or 1).
+pub fn in_flight_unit(phase: u64) -> u64 {
+    1 << (32 * (phase & 1))
+}
+
+/// The bits of `P_IN_FLIGHT` that count the operations of write-back phase `phase`.
+pub fn in_flight_mask(phase: u64) -> u64 {
+    0xffff_ffff << (32 * (phase & 1))
+}
 /// The process words that count (summed into `H_RETIRED` when a record is reused).
 pub const COUNTERS: [usize; 12] = [
     P_ABSORBED_FSYNC,
@@ -146,14 +159,6 @@ pub const COUNTERS: [usize; 12] = [
     P_UNLOGGED_NS,
 ];
 const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
-const _: () = {
-    let mut i = 0;
-    while i < COUNTERS.len() {
-        assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
-        i += 1;
-    }
-    assert!(P_IN_FLIGHT < PROC_WORDS);
-};
 
 /// Slots start at this word; each has `SLOT_WORDS` words.
 pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
