@@ -365,14 +365,18 @@ impl Daemon {
         a
     }
 
+    /// Bytes logged by attached processes since the table was made (those gone included).
     fn logged_bytes(&self) -> u64 {
-        (0..MAX_PROCS)
-            .map(|i| {
-                self.table
-                    .proc_word(i, P_BYTES_LOGGED)
-                    .load(Ordering::Relaxed)
-            })
-            .sum()
+        self.table
+            .w(H_RETIRED + P_BYTES_LOGGED)
+            .load(Ordering::Relaxed)
+            + (0..MAX_PROCS)
+                .map(|i| {
+                    self.table
+                        .proc_word(i, P_BYTES_LOGGED)
+                        .load(Ordering::Relaxed)
+                })
+                .sum::<u64>()
     }
 
     /// Tell attached processes that the daemon lives, until `stop`: a thread of its own, so
@@ -396,8 +400,15 @@ impl Daemon {
         let mut marks_seen = 0u64;
         let mut last_full_vet = Instant::now();
         let mut last_vet = Instant::now() - VET_EVERY;
+        let mut last_reclaim = Instant::now();
         let me = my_pid();
         while !stop.load(Ordering::Relaxed) {
+            // Free the records of processes that are gone before the next process to attach
+            // needs one (else it cleans one itself: a sweep over the whole table).
+            if last_reclaim.elapsed() >= Duration::from_millis(10) {
+                self.table.reclaim_dead();
+                last_reclaim = Instant::now();
+            }
             if self.group.is_some() {
                 let marks = self.table.w(H_NEW_MARKS).load(Ordering::Acquire);
                 // Every second, every slot: a ring entry may have been read before its

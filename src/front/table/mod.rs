@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 mod lock;
 mod slot;
 
-pub use lock::{alive, forget_pid, my_pid, now_ns, PidLock};
+pub use lock::{alive, forget_pid, my_pid, now_ns, reaped, PidLock};
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
@@ -93,6 +93,8 @@ pub const MAX_PROCS: usize = 128;
 pub const PROC_WORDS: usize = 16;
 /// Process record words.
 pub const P_PID: usize = 0;
+/// `P_PID` of a record being freed (`Table::reclaim_dead`): nobody's, and not free yet.
+pub const CLEANING: u64 = u64::MAX;
 pub const P_ABSORBED_FSYNC: usize = 1;
 pub const P_ABSORBED_OSYNC: usize = 2;
 pub const P_BYTES_LOGGED: usize = 3;
@@ -448,41 +450,91 @@ impl Table {
         (e >> 24 == n & ((1 << 40) - 1) && e & 0xff_ffff != 0).then(|| (e & 0xff_ffff) as usize - 1)
     }
 
-    /// Register this process in the process list; its record index.
+    /// Register this process in the process list; its record index. Its own record (from
+    /// before an exec) if it has one, else a free one (the daemon frees the records of
+    /// processes that are gone: `reclaim_dead`), else one whose process is gone, which this
+    /// process then cleans itself (a sweep over every slot: milliseconds, which is why the
+    /// daemon does it ahead of time).
     pub fn register(&self, pid: u64) -> Option<usize> {
+        let mut free = None;
         for i in 0..MAX_PROCS {
-            let w = self.w(PROCS_AT + i * PROC_WORDS + P_PID);
-            let cur = w.load(Ordering::Acquire);
+            let cur = self.proc_word(i, P_PID).load(Ordering::Acquire);
             if cur == pid {
                 // This process's record from before an exec (or a dead holder's whose pid
                 // came back): none of that image's operations is in flight any more.
                 self.proc_word(i, P_IN_FLIGHT).store(0, Ordering::SeqCst);
                 return Some(i);
             }
-            if (cur == 0 || !alive(cur))
+            if cur == 0 && free.is_none() {
+                free = Some(i);
+            }
+        }
+        // A free record holds nothing and counts nothing (whoever freed it saw to that).
+        for i in free.into_iter().chain(0..MAX_PROCS) {
+            if self
+                .proc_word(i, P_PID)
+                .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Some(i);
+            }
+        }
+        for i in 0..MAX_PROCS {
+            let w = self.proc_word(i, P_PID);
+            let cur = w.load(Ordering::Acquire);
+            if cur != 0
+                && cur != CLEANING
+                && !alive(cur)
                 && w.compare_exchange(cur, pid, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
             {
-                // The previous holder's counters go to the totals (it can no longer count:
-                // it is gone, and the record is ours now).
-                for k in 1..PROC_WORDS {
-                    let v = self
-                        .w(PROCS_AT + i * PROC_WORDS + k)
-                        .swap(0, Ordering::AcqRel);
-                    if cur != 0 && COUNTERS.contains(&k) {
-                        self.w(H_RETIRED + k).fetch_add(v, Ordering::AcqRel);
-                    }
-                }
-                if cur != 0 {
-                    // What the dead process held open it holds no more.
-                    for s in 0..self.nslots() {
-                        self.slot(s).unhold(i);
-                    }
-                }
+                self.clean_record(i);
                 return Some(i);
             }
         }
         None
+    }
+
+    /// The daemon's part of `register`: free the records of processes that are gone (reaped:
+    /// one system call per record in use), so that the next process to attach finds a clean
+    /// one. The number freed.
+    pub fn reclaim_dead(&self) -> usize {
+        let mut n = 0;
+        for i in 0..MAX_PROCS {
+            let w = self.proc_word(i, P_PID);
+            let cur = w.load(Ordering::Acquire);
+            // CLEANING keeps a registering process off the record while it is swept.
+            if cur != 0
+                && cur != CLEANING
+                && reaped(cur)
+                && w.compare_exchange(cur, CLEANING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                self.clean_record(i);
+                w.store(0, Ordering::Release);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Record `i` was just taken from a process that is gone: its counters go to the totals
+    /// (it can no longer count), and what it held open it holds no more.
+    fn clean_record(&self, i: usize) {
+        for k in 1..PROC_WORDS {
+            let v = self.proc_word(i, k).swap(0, Ordering::AcqRel);
+            if COUNTERS.contains(&k) {
+                self.w(H_RETIRED + k).fetch_add(v, Ordering::AcqRel);
+            }
+        }
+        let bit = 1u64 << (i % 64);
+        for s in 0..self.nslots() {
+            let w = self.slot(s).w(S_HOLDERS + i / 64);
+            // Read first: a write would dirty (and allocate) every page of the table.
+            if w.load(Ordering::Acquire) & bit != 0 {
+                w.fetch_and(!bit, Ordering::AcqRel);
+            }
+        }
     }
 
     pub fn proc_word(&self, rec: usize, k: usize) -> &AtomicU64 {
@@ -611,5 +663,41 @@ mod tests {
             .fetch_add(5, Ordering::Relaxed);
         assert_eq!(t.totals()[P_ABSORBED_FSYNC], before[P_ABSORBED_FSYNC] + 5);
         assert_eq!(t.totals()[P_BYTES_LOGGED], before[P_BYTES_LOGGED]);
+    }
+
+    #[test]
+    fn the_daemon_frees_the_records_of_gone_processes_so_attaching_sweeps_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Table::create(&d.path().join("t"), 64, None).unwrap();
+        let gone = i32::MAX as u64 - 9;
+        assert!(reaped(gone) && !alive(gone));
+        assert!(!alive(CLEANING) && !reaped(CLEANING), "a marker is no pid");
+        // Two records of a gone process, each holding slot 5, with counts.
+        let s = t.find_or_insert(1, 2).unwrap();
+        for i in [0, 1] {
+            t.proc_word(i, P_PID).store(gone, Ordering::Relaxed);
+            t.proc_word(i, P_ABSORBED_FSYNC).store(3, Ordering::Relaxed);
+            t.slot(s).hold(i);
+        }
+        let before = t.totals();
+        // A free record is taken before a gone process's: the gone one is left alone (its
+        // sweep is the daemon's), not swept by the attaching process.
+        let rec = t.register(my_pid()).unwrap();
+        assert_eq!(rec, 2);
+        assert_eq!(t.proc_word(0, P_PID).load(Ordering::Relaxed), gone);
+        assert_eq!(t.slot(s).holders().collect::<Vec<_>>(), vec![0, 1]);
+        // The daemon frees both: nothing held, the counts kept in the totals.
+        assert_eq!(t.reclaim_dead(), 2);
+        assert_eq!(t.reclaim_dead(), 0);
+        for i in [0, 1] {
+            assert_eq!(t.proc_word(i, P_PID).load(Ordering::Relaxed), 0);
+            assert_eq!(t.proc_word(i, P_ABSORBED_FSYNC).load(Ordering::Relaxed), 0);
+        }
+        assert_eq!(t.slot(s).holders().count(), 0);
+        assert_eq!(t.totals(), before);
+        // This process's own record survives a sweep (it is alive), and registering again
+        // (after an exec) finds it.
+        assert_eq!(t.proc_word(rec, P_PID).load(Ordering::Relaxed), my_pid());
+        assert_eq!(t.register(my_pid()), Some(rec));
     }
 }
