@@ -71,7 +71,15 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
     if p.is_null() {
         return None;
     }
-    if let Some(end) = on_my_stack(p as usize).or_else(|| in_main_heap(p as usize)) {
+    // Finding where the stack and the heap lie costs more (a read of /proc/self/maps and one
+    // of /proc/self/stat: tens of microseconds) than reading a few paths through the kernel:
+    // a program that names few paths (most run for a moment, to make one file) never pays
+    // it; one that names many pays it once.
+    if let Some(end) = (PATHS_READ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        >= IN_PLACE_AFTER)
+        .then(|| on_my_stack(p as usize).or_else(|| in_main_heap(p as usize)))
+        .flatten()
+    {
         // Mapped for certain up to `end` (see `on_my_stack`, `in_main_heap`): read in place,
         // as the kernel would, without the cost of process_vm_readv (2.4 µs here, a sixth of
         // a logged unlink's cost).
@@ -146,6 +154,11 @@ fn on_my_stack(p: usize) -> Option<usize> {
         .ok()?;
     (low <= sp && sp < p && p < top).then_some(top)
 }
+
+/// Paths read so far (`user_cstr`); after `IN_PLACE_AFTER` of them, read in place where
+/// that is safe.
+static PATHS_READ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+const IN_PLACE_AFTER: usize = 16;
 
 /// The start of the program's break heap (`start_brk`, field 47 of /proc/self/stat; read
 /// once): 0 not read yet, 1 unknown.

@@ -127,15 +127,31 @@ pub(crate) fn mark_unseen(fds: &[i32]) {
     }
 }
 
-/// The descriptors of this process under the root.
+/// The descriptors of this process under the root. Only those on the root's file system are
+/// asked their path (an fstat each is cheaper than reading the name of every descriptor).
 pub(crate) fn fds_under_root() -> Vec<i32> {
     let Ok(rd) = std::fs::read_dir("/proc/self/fd") else {
         return Vec::new();
     };
+    let dev = root_dev();
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&fd| dev.is_none_or(|d| sys::fstat(fd).is_ok_and(|st| st.st_dev == d)))
         .filter(|&fd| sys::fd_path(fd).is_some_and(|p| under_root(&p)))
         .collect()
+}
+
+/// The device of the served root (None: it cannot be read now; then nothing is filtered by
+/// it). Read once.
+fn root_dev() -> Option<u64> {
+    static DEV: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *DEV.get_or_init(|| {
+        let r = root()?;
+        let path = std::ffi::CString::new(&r[..r.len() - 1]).ok()?;
+        sys::fstatat(libc::AT_FDCWD, path.as_ptr(), 0)
+            .ok()
+            .map(|st| st.st_dev)
+    })
 }
 
 extern "C" fn init() {

@@ -248,9 +248,22 @@ pub fn exe_ident(pid: u64) -> u64 {
 /// When process `pid` started (clock ticks since boot; 0 if unreadable): with the pid, it
 /// names one process even after pids are reused.
 pub fn start_time(pid: u64) -> u64 {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    // One read into a buffer that holds the whole line (std's read_to_string reads it in
+    // six growing pieces; every attaching process asks this once).
+    let Ok(mut f) = std::fs::File::open(format!("/proc/{pid}/stat")) else {
         return 0;
     };
+    let mut buf = [0u8; 2048];
+    let mut n = 0;
+    while n < buf.len() {
+        match std::io::Read::read(&mut f, &mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return 0,
+        }
+    }
+    let s = String::from_utf8_lossy(&buf[..n]);
     // The command name (field 2) may hold spaces and parentheses: count after the last ')'.
     let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else {
         return 0;

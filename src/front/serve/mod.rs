@@ -322,10 +322,10 @@ impl Daemon {
                                 return;
                             }
                             stats.attaches.fetch_add(1, Ordering::Relaxed);
-                            tracing::info!(pid, "process attached");
-                            let mut sink = Vec::new();
-                            let _ = std::io::Read::read_to_end(&mut r, &mut sink);
-                            tracing::info!(pid, "process detached");
+                            // Debug, not info: a build or a script attaches a process per
+                            // file it makes. The connection ends here (the process's record
+                            // in the table, not the socket, says whether it lives).
+                            tracing::debug!(pid, "process attached");
                         });
                 }
             })?;
