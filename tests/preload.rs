@@ -3767,3 +3767,51 @@ fn over_coarse_change_times_directory_fsyncs_are_real_and_namespace_changes_writ
         }
     }
 }
+
+/// The daemon answers a process attaching on the thread that accepts connections (no thread
+/// of its own: the attaching process would wait for one to start). A peer that connects and
+/// says nothing, or stalls in the middle of its line, must not hold up anybody else's
+/// attach: programs started meanwhile attach and finish.
+#[test]
+fn a_silent_or_stalled_peer_of_the_daemon_holds_up_no_attach() {
+    if !common::can_mount() {
+        return;
+    }
+    use std::io::Write;
+    let (_d, root, _pm, s) = quiet_serve();
+    let sock = pmstack::front::paths(&root).0;
+    let _silent = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let mut stalled = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    stalled.write_all(b"atta").unwrap();
+    let before = s.stats()["attaches"].as_u64().unwrap();
+    for i in 0..3 {
+        let mut c = s
+            .run()
+            .arg("sh")
+            .arg("-c")
+            .arg(format!("echo {i} > {}/f{i}", root.display()))
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                break st;
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                let _ = c.kill();
+                panic!("program {i} did not finish: its attach is held up");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "program {i}: {status}");
+    }
+    s.wait_stats("three more attached", |v| {
+        v["attaches"].as_u64().is_some_and(|n| n >= before + 3)
+    });
+    for i in 0..3 {
+        assert_eq!(
+            fs::read_to_string(root.join(format!("f{i}"))).unwrap(),
+            format!("{i}\n")
+        );
+    }
+}

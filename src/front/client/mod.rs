@@ -146,7 +146,12 @@ impl Client {
     /// Attach through the daemon's socket.
     pub fn connect(sock: &Path) -> io::Result<Client> {
         let mut s = UnixStream::connect(sock)?;
-        writeln!(s, "attach {}", my_pid())?;
+        // A daemon that does not answer (stopped, hung) must not hang the program: it then
+        // runs unattached, as when no daemon serves the root.
+        s.set_read_timeout(Some(DAEMON_TIMEOUT))?;
+        s.set_write_timeout(Some(DAEMON_TIMEOUT))?;
+        // One write: the daemon answers at once a line it finds whole.
+        s.write_all(format!("attach {}\n", my_pid()).as_bytes())?;
         let (line, group) = recv_hello(&s)?;
         if let Some(why) = line.strip_prefix("refused ") {
             return Err(io::Error::new(
