@@ -3815,3 +3815,89 @@ fn a_silent_or_stalled_peer_of_the_daemon_holds_up_no_attach() {
         );
     }
 }
+
+/// A lock word of the shared table holds its owner's pid, which an exec keeps: a thread that
+/// execs while another thread of its process holds the namespace lock must not leave that
+/// lock held by the new program (every attached process would wait for it as long as that
+/// program runs). The exec waits for the other thread's operation; another program's
+/// namespace operation then completes while the new program still runs.
+#[test]
+fn an_exec_while_another_thread_holds_the_namespace_lock_leaves_it_free() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    use std::io::Write;
+    let (_d, root, _pm, s) = quiet_serve();
+    let script = concat!(
+        "import os, sys, threading\n",
+        "root = sys.argv[1]\n",
+        "open(os.path.join(root, 'warm'), 'w').close()\n",
+        "print('attached', flush=True)\n",
+        "t = threading.Thread(target=lambda: os.mkdir(os.path.join(root, 'made')))\n",
+        "t.start()\n",
+        "sys.stdin.readline()\n",
+        "os.execv('/bin/sleep', ['sleep', '60'])\n",
+    );
+    let mut p = s
+        .run()
+        .arg("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&root)
+        .env("PMSTACK_TEST_PAUSE_NS_MS", "1500")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(p.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "attached");
+    // Wait until the thread's mkdir holds the namespace lock, then let the program exec.
+    let t = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let pid = p.id() as u64;
+    let t0 = Instant::now();
+    while t
+        .w(pmstack::front::table::H_NS_LOCK)
+        .load(std::sync::atomic::Ordering::Acquire)
+        & 0x3fff_ffff
+        != pid
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the mkdir never took the lock"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    p.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    // Another program's namespace operation, while the new program (sleep 60) runs.
+    let mut c = s
+        .run()
+        .arg("mkdir")
+        .arg(root.join("other"))
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = c.kill();
+            let _ = p.kill();
+            panic!("another program's mkdir is held up by the lock the exec kept");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success());
+    assert!(
+        p.try_wait().unwrap().is_none(),
+        "the exec'd program still runs"
+    );
+    assert!(
+        root.join("made").is_dir(),
+        "the other thread's mkdir completed before the exec"
+    );
+    let _ = p.kill();
+    let _ = p.wait();
+}

@@ -127,6 +127,9 @@ pub struct Client {
     /// record and the write itself, as a preempted thread would, so that tests can put the
     /// daemon's write-back in between (`InFlight`).
     pub(super) pause_logged_write: Option<Duration>,
+    /// A test hook (`PMSTACK_TEST_PAUSE_NS_MS`): sleep this long holding the namespace lock
+    /// before a logged creation runs, so that tests can exec from another thread meanwhile.
+    pub(in crate::front) pause_ns: Option<Duration>,
 }
 
 /// What the daemon tells an attaching process.
@@ -246,6 +249,10 @@ impl Client {
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
             pause_logged_write: std::env::var("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis),
+            pause_ns: std::env::var("PMSTACK_TEST_PAUSE_NS_MS")
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map(Duration::from_millis),

@@ -510,6 +510,9 @@ impl Client {
         }
         let dirs = &distinct(dirs);
         let _ns = self.table.ns_lock();
+        if let Some(d) = self.pause_ns {
+            std::thread::sleep(d);
+        }
         let clean = dirs.iter().all(|d| self.clean(d));
         let out = op()?;
         // Not clean: log only tells whether anything changed, and appends nothing.

@@ -70,6 +70,71 @@ pub fn my_pid() -> u64 {
 /// After fork, in the child.
 pub fn forget_pid() {
     PID.store(0, Ordering::Relaxed);
+    // The parent's threads that held table locks do not exist here, and their locks are
+    // the parent's (its pid), not this process's.
+    HELD.store(0, Ordering::SeqCst);
+}
+
+/// The table locks (slot and namespace locks, `PidLock`) this process holds or is taking
+/// now, and `EXECING` while one of its threads is about to exec. A lock word holds its
+/// owner's pid, which an exec keeps: a lock held by another thread at the exec would stay
+/// held by a live process for as long as the new program runs, and every process waiting
+/// for it would wait as long. So an exec waits until no thread holds one, and none takes
+/// one meanwhile (`quiesce_for_exec`).
+static HELD: AtomicU64 = AtomicU64::new(0);
+const EXECING: u64 = 1 << 63;
+/// When the exec under way began (`now_ns`): an exec that failed (the process goes on)
+/// holds nobody up for longer than `EXEC_STALE`.
+static EXEC_AT: AtomicU64 = AtomicU64::new(0);
+const EXEC_STALE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Count a lock this thread is about to take, once no exec is under way.
+fn enter_held() {
+    let mut i = 0u32;
+    loop {
+        let v = HELD.load(Ordering::Acquire);
+        if v & EXECING != 0 {
+            let at = EXEC_AT.load(Ordering::Acquire);
+            if now_ns().saturating_sub(at) > EXEC_STALE.as_nanos() as u64 {
+                // The exec failed long ago: nothing is under way any more.
+                let _ = HELD.compare_exchange(v, v & !EXECING, Ordering::AcqRel, Ordering::Relaxed);
+            } else if i < 64 {
+                std::hint::spin_loop();
+                i += 1;
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            continue;
+        }
+        if HELD
+            .compare_exchange_weak(v, v + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            return;
+        }
+    }
+}
+
+fn leave_held() {
+    HELD.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// Before this process execs (the preload library's exec functions): keep every thread from
+/// taking a table lock from now on, and wait (at most `max`) until none holds one. False if
+/// some lock is still held after `max` (the exec goes on: a thread stuck inside an operation
+/// cannot be helped). If the exec fails, the process goes on and the locks are free to take
+/// again after `EXEC_STALE`.
+pub fn quiesce_for_exec(max: std::time::Duration) -> bool {
+    EXEC_AT.store(now_ns(), Ordering::Release);
+    HELD.fetch_or(EXECING, Ordering::AcqRel);
+    let t0 = std::time::Instant::now();
+    while HELD.load(Ordering::Acquire) & !EXECING != 0 {
+        if t0.elapsed() > max {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    true
 }
 
 /// A lock word holding its owner's pid, and `WAITERS` while someone may sleep on it.
@@ -97,6 +162,7 @@ impl<'a> PidLock<'a> {
     /// whether the owner still exists and take the lock over if not. Returns whether it was
     /// taken over.
     pub(super) fn acquire(w: &'a AtomicU64) -> (PidLock<'a>, bool) {
+        enter_held();
         let me = my_pid();
         debug_assert!(me < WAITERS);
         // Once this thread has slept, it takes the lock marked as contended: others may
@@ -157,10 +223,29 @@ impl<'a> PidLock<'a> {
     }
 }
 
+impl<'a> PidLock<'a> {
+    /// Take the lock if it is free now.
+    pub(super) fn try_acquire(w: &'a AtomicU64) -> Option<PidLock<'a>> {
+        if HELD.load(Ordering::Acquire) & EXECING != 0 {
+            return None;
+        }
+        enter_held();
+        if w.compare_exchange(0, my_pid(), Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+        {
+            Some(PidLock { w })
+        } else {
+            leave_held();
+            None
+        }
+    }
+}
+
 impl Drop for PidLock<'_> {
     fn drop(&mut self) {
         if self.w.swap(0, Ordering::Release) & WAITERS != 0 {
             crate::front::sys::futex_wake(self.w);
         }
+        leave_held();
     }
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 mod lock;
 mod slot;
 
-pub use lock::{alive, forget_pid, my_pid, now_ns, reaped, PidLock};
+pub use lock::{alive, forget_pid, my_pid, now_ns, quiesce_for_exec, reaped, PidLock};
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"

@@ -128,10 +128,7 @@ impl<'a> Slot<'a> {
     /// Lock the slot if it is free now (the daemon, answering an open: the owner of the lock
     /// may be waiting for that very answer).
     pub fn try_lock(&self) -> Option<PidLock<'a>> {
-        self.w(S_LOCK)
-            .compare_exchange(0, my_pid(), Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-            .then_some(PidLock { w: self.w(S_LOCK) })
+        PidLock::try_acquire(self.w(S_LOCK))
     }
 
     /// Record that `pid` wrote without logging, at LSN counter `mark`.
