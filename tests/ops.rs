@@ -407,6 +407,44 @@ fn metrics_endpoint_serves_prometheus_text_that_moves_under_load() {
     m.umount();
 }
 
+/// An absent name is cached as absent for the entry timeout (a negative entry): looking it up
+/// again costs no round trip; a create through the mount makes it present at once.
+#[test]
+fn an_absent_name_is_looked_up_once_and_a_create_makes_it_present_at_once() {
+    if !can_mount() {
+        return;
+    }
+    let addr = free_addr();
+    let mut m = Mount::new(None);
+    // A long timeout: the test must not depend on how fast it runs.
+    m.mount(&["--metrics-addr", &addr, "--attr-timeout", "3600"]);
+    let name = m.mnt.join("journal");
+    assert!(fs::metadata(&name).is_err());
+    let (before, _) = metrics(&addr);
+    for _ in 0..5 {
+        assert_eq!(
+            fs::metadata(&name).unwrap_err().kind(),
+            std::io::ErrorKind::NotFound
+        );
+    }
+    let (after, _) = metrics(&addr);
+    let lookups = |s: &prometheus_parse::Scrape| {
+        sample(s, "pmstack_request_duration_seconds", Some("lookup"))
+    };
+    assert_eq!(
+        lookups(&after) - lookups(&before),
+        0.0,
+        "absence answered from the cache"
+    );
+    fs::write(&name, b"x").unwrap();
+    assert_eq!(fs::read(&name).unwrap(), b"x");
+    fs::rename(&name, m.mnt.join("moved")).unwrap();
+    assert!(fs::metadata(&name).is_err());
+    assert_eq!(fs::read(m.mnt.join("moved")).unwrap(), b"x");
+    fs::create_dir(&name).unwrap();
+    assert!(fs::metadata(&name).unwrap().is_dir());
+}
+
 #[test]
 fn man_pages_are_current() {
     let d = tempfile::tempdir().unwrap();

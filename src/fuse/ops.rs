@@ -12,7 +12,22 @@ impl Filesystem for Adapter {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _t = self.time(Op::Lookup);
-        self.reply_entry(self.core.lookup(parent.0, name), reply)
+        match self.core.lookup(parent.0, name) {
+            // A name that does not exist is cached as such (node id 0) for the entry timeout,
+            // like one that does: the lower changes only through the mount. Programs look up
+            // absent names again and again (SQLite its journal before every transaction, a
+            // shell its PATH, a compiler its include directories); a create or rename through
+            // the mount replaces the cached absence at once.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) && !self.ttl.is_zero() => {
+                // SAFETY: a plain C struct of integers, for which zero is a valid value.
+                let mut st: Stat = unsafe { std::mem::zeroed() };
+                st.st_ino = 0;
+                let mut a = attr(&st);
+                a.ino = INodeNo(0);
+                reply.entry(&self.ttl, &a, Generation(0))
+            }
+            r => self.reply_entry(r, reply),
+        }
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
