@@ -143,7 +143,7 @@ pub(crate) fn fds_under_root() -> Vec<i32> {
 
 /// The device of the served root (None: it cannot be read now; then nothing is filtered by
 /// it). Read once.
-fn root_dev() -> Option<u64> {
+pub(crate) fn root_dev() -> Option<u64> {
     static DEV: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     *DEV.get_or_init(|| {
         let r = root()?;

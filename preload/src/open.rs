@@ -72,8 +72,13 @@ pub(crate) unsafe fn do_open(
         None => {
             // SAFETY: the kernel just opened this path: a readable C string.
             let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+            // Only a regular file can be tracked, and only one on the root's file system can
+            // lie under it: anything else is not asked its path (an fstat is cheaper).
             let ours = crate::places::given_under(dirfd, given)
-                || sys::fd_path(fd).is_some_and(|p| under_root(&p));
+                || (sys::fstat(fd).is_ok_and(|st| {
+                    st.st_mode & libc::S_IFMT == libc::S_IFREG
+                        && root_dev().is_none_or(|d| d == st.st_dev)
+                }) && sys::fd_path(fd).is_some_and(|p| under_root(&p)));
             let c = if ours { client() } else { None };
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
