@@ -60,7 +60,10 @@ pub struct Target {
 
 impl Target {
     fn cname(&self) -> CString {
-        CString::new(self.name.clone()).expect("names come from C strings")
+        // One allocation of the right size (CString::new of a clone grows it for the NUL).
+        let mut v = Vec::with_capacity(self.name.len() + 1);
+        v.extend_from_slice(&self.name);
+        CString::new(v).expect("names come from C strings")
     }
 }
 
