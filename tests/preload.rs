@@ -3768,6 +3768,23 @@ fn over_coarse_change_times_directory_fsyncs_are_real_and_namespace_changes_writ
     }
 }
 
+/// How `c` exited, if it did within `max` (else it is killed: None). A bound for a test that
+/// would otherwise hang, not a measure of speed.
+fn exit_within(c: &mut Child, max: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            return Some(st);
+        }
+        if t0.elapsed() > max {
+            let _ = c.kill();
+            let _ = c.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The daemon answers a process attaching on the thread that accepts connections (no thread
 /// of its own: the attaching process would wait for one to start). A peer that connects and
 /// says nothing, or stalls in the middle of its line, must not hold up anybody else's
@@ -3792,17 +3809,8 @@ fn a_silent_or_stalled_peer_of_the_daemon_holds_up_no_attach() {
             .arg(format!("echo {i} > {}/f{i}", root.display()))
             .spawn()
             .unwrap();
-        let t0 = Instant::now();
-        let status = loop {
-            if let Some(st) = c.try_wait().unwrap() {
-                break st;
-            }
-            if t0.elapsed() > Duration::from_secs(60) {
-                let _ = c.kill();
-                panic!("program {i} did not finish: its attach is held up");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = exit_within(&mut c, Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("program {i} did not finish: its attach is held up"));
         assert!(status.success(), "program {i}: {status}");
     }
     s.wait_stats("three more attached", |v| {
@@ -3877,17 +3885,9 @@ fn an_exec_while_another_thread_holds_the_namespace_lock_leaves_it_free() {
         .arg(root.join("other"))
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = c.try_wait().unwrap() {
-            break st;
-        }
-        if t0.elapsed() > Duration::from_secs(30) {
-            let _ = c.kill();
-            let _ = p.kill();
-            panic!("another program's mkdir is held up by the lock the exec kept");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let Some(status) = exit_within(&mut c, Duration::from_secs(30)) else {
+        let _ = p.kill();
+        panic!("another program's mkdir is held up by the lock the exec kept");
     };
     assert!(status.success());
     assert!(
