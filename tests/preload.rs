@@ -3914,42 +3914,24 @@ fn a_relative_path_from_outside_the_root_reaches_a_tracked_file() {
     let (_d, root, _pm, s) = quiet_serve();
     fs::create_dir(root.join("sub")).unwrap();
     fs::write(root.join("sub/f"), b"0").unwrap();
-    let parent = root.parent().unwrap();
     let rel = Path::new(root.file_name().unwrap()).join("sub/f");
-    let script = concat!(
-        "import os, sys, time\n",
-        "os.chdir(sys.argv[1])\n",
-        "for i in range(3):\n",
-        "    fd = os.open(sys.argv[2], os.O_RDWR)\n",
-        "    os.write(fd, b'x' * 100)\n",
-        "    os.fsync(fd)\n",
-        "    os.close(fd)\n",
-        "print('synced', flush=True)\n",
-        "time.sleep(30)\n",
-    );
-    let mut k = s
-        .run()
-        .arg("python3")
-        .arg("-c")
-        .arg(script)
-        .arg(parent)
-        .arg(&rel)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(k.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "synced");
-    let pid = k.id() as u64;
+    let mut a = Py::spawn(s.run(), &root);
+    let code = [
+        "os.chdir(os.path.dirname(d))".to_string(),
+        "for i in range(3):".to_string(),
+        format!("    fd = os.open({:?}, os.O_RDWR)", rel.to_str().unwrap()),
+        "    os.write(fd, b'x' * 100)".to_string(),
+        "    os.fsync(fd)".to_string(),
+        "    os.close(fd)".to_string(),
+    ];
+    a.exec(&code.join("\n"));
+    let pid = a.pid();
     let st = s.wait_stats("the syncs counted", |v| {
         proc_stats(v, pid).is_some_and(|p| {
             p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0) >= 3
         })
     });
-    let _ = k.kill();
-    let _ = k.wait();
+    drop(a);
     assert_eq!(
         fs::read(root.join("sub/f")).unwrap(),
         vec![b'x'; 100],
