@@ -87,6 +87,9 @@ const EXECING: u64 = 1 << 63;
 /// holds nobody up for longer than `EXEC_STALE`.
 static EXEC_AT: AtomicU64 = AtomicU64::new(0);
 const EXEC_STALE: std::time::Duration = std::time::Duration::from_secs(2);
+/// The thread that set `EXECING` (`pthread_self`): if it asks for a lock, its exec failed
+/// (a successful one never returns), and nothing is under way any more.
+static EXEC_THREAD: AtomicU64 = AtomicU64::new(0);
 
 /// Count a lock this thread is about to take, once no exec is under way.
 fn enter_held() {
@@ -95,8 +98,12 @@ fn enter_held() {
         let v = HELD.load(Ordering::Acquire);
         if v & EXECING != 0 {
             let at = EXEC_AT.load(Ordering::Acquire);
-            if now_ns().saturating_sub(at) > EXEC_STALE.as_nanos() as u64 {
-                // The exec failed long ago: nothing is under way any more.
+            // SAFETY: pthread_self has no preconditions.
+            let me = unsafe { libc::pthread_self() } as u64;
+            if me == EXEC_THREAD.load(Ordering::Acquire)
+                || now_ns().saturating_sub(at) > EXEC_STALE.as_nanos() as u64
+            {
+                // The exec failed: nothing is under way any more.
                 let _ = HELD.compare_exchange(v, v & !EXECING, Ordering::AcqRel, Ordering::Relaxed);
             } else if i < 64 {
                 std::hint::spin_loop();
@@ -122,10 +129,13 @@ fn leave_held() {
 /// Before this process execs (the preload library's exec functions): keep every thread from
 /// taking a table lock from now on, and wait (at most `max`) until none holds one. False if
 /// some lock is still held after `max` (the exec goes on: a thread stuck inside an operation
-/// cannot be helped). If the exec fails, the process goes on and the locks are free to take
-/// again after `EXEC_STALE`.
+/// cannot be helped). If the exec fails, the process goes on: the locks are free to take
+/// again at once for the thread that called it, and for the others after `EXEC_STALE` or
+/// once that thread took one.
 pub fn quiesce_for_exec(max: std::time::Duration) -> bool {
     EXEC_AT.store(now_ns(), Ordering::Release);
+    // SAFETY: pthread_self has no preconditions.
+    EXEC_THREAD.store(unsafe { libc::pthread_self() } as u64, Ordering::Release);
     HELD.fetch_or(EXECING, Ordering::AcqRel);
     let t0 = std::time::Instant::now();
     while HELD.load(Ordering::Acquire) & !EXECING != 0 {
