@@ -29,7 +29,7 @@ mod x86_64 {
                     c.exec_prepare();
                     // No table lock may stay held by this pid into the new program (see
                     // `quiesce_for_exec`): other threads finish what they are doing first.
-                    pmstack::front::table::quiesce_for_exec(std::time::Duration::from_secs(2));
+                    pmstack::front::table::quiesce_for_exec(std::time::Duration::from_secs(5));
                 }
             }
         });

@@ -73,6 +73,7 @@ pub fn forget_pid() {
     // The parent's threads that held table locks do not exist here, and their locks are
     // the parent's (its pid), not this process's.
     HELD.store(0, Ordering::SeqCst);
+    let _ = MINE.try_with(|m| m.set(0));
 }
 
 /// The table locks (slot and namespace locks, `PidLock`) this process holds or is taking
@@ -91,12 +92,20 @@ const EXEC_STALE: std::time::Duration = std::time::Duration::from_secs(2);
 /// (a successful one never returns), and nothing is under way any more.
 static EXEC_THREAD: AtomicU64 = AtomicU64::new(0);
 
-/// Count a lock this thread is about to take, once no exec is under way.
+thread_local! {
+    /// Table locks this thread holds: one that holds some takes more without waiting for an
+    /// exec under way (which waits for it to let them all go).
+    static MINE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Count a lock this thread is about to take, once no exec is under way (at once if this
+/// thread holds one already: the exec waits for this thread, which must get on).
 fn enter_held() {
+    let nested = MINE.try_with(|m| m.get() > 0).unwrap_or(false);
     let mut i = 0u32;
     loop {
         let v = HELD.load(Ordering::Acquire);
-        if v & EXECING != 0 {
+        if v & EXECING != 0 && !nested {
             let at = EXEC_AT.load(Ordering::Acquire);
             // SAFETY: pthread_self has no preconditions.
             let me = unsafe { libc::pthread_self() } as u64;
@@ -117,6 +126,7 @@ fn enter_held() {
             .compare_exchange_weak(v, v + 1, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
+            let _ = MINE.try_with(|m| m.set(m.get() + 1));
             return;
         }
     }
@@ -124,6 +134,7 @@ fn enter_held() {
 
 fn leave_held() {
     HELD.fetch_sub(1, Ordering::AcqRel);
+    let _ = MINE.try_with(|m| m.set(m.get().saturating_sub(1)));
 }
 
 /// Before this process execs (the preload library's exec functions): keep every thread from
@@ -143,7 +154,10 @@ pub fn quiesce_for_exec(max: std::time::Duration) -> bool {
             return false;
         }
         std::thread::sleep(std::time::Duration::from_micros(100));
+        // `EXEC_STALE` counts from the exec itself, not from this wait.
+        EXEC_AT.store(now_ns(), Ordering::Release);
     }
+    EXEC_AT.store(now_ns(), Ordering::Release);
     true
 }
 
@@ -236,7 +250,9 @@ impl<'a> PidLock<'a> {
 impl<'a> PidLock<'a> {
     /// Take the lock if it is free now.
     pub(super) fn try_acquire(w: &'a AtomicU64) -> Option<PidLock<'a>> {
-        if HELD.load(Ordering::Acquire) & EXECING != 0 {
+        if HELD.load(Ordering::Acquire) & EXECING != 0
+            && MINE.try_with(|m| m.get() == 0).unwrap_or(true)
+        {
             return None;
         }
         enter_held();
