@@ -508,6 +508,20 @@ impl Client {
         op: impl FnOnce() -> io::Result<T>,
         log: impl FnOnce(&T, bool) -> Result<bool, NotLogged>,
     ) -> io::Result<T> {
+        self.logged_making(dirs, op, log, &std::cell::Cell::new(None))
+    }
+
+    /// `logged`, where `log` may name a directory the operation made (`born`: its slot and
+    /// its change time read right after the call): once the operation is logged or written
+    /// back, the new directory is clean too (its one change, its creation, is in the log or
+    /// durable), so the first operation in it writes nothing back.
+    fn logged_making<T>(
+        &self,
+        dirs: &[&Dir],
+        op: impl FnOnce() -> io::Result<T>,
+        log: impl FnOnce(&T, bool) -> Result<bool, NotLogged>,
+        born: &std::cell::Cell<Option<(usize, u64)>>,
+    ) -> io::Result<T> {
         if !self.serving() {
             return self.alone(dirs, op);
         }
@@ -531,6 +545,12 @@ impl Client {
         }
         for d in dirs {
             self.set_clean(d);
+        }
+        if let Some((slot, c)) = born.take() {
+            self.table
+                .slot(slot)
+                .w(S_DIR_CTIME)
+                .store(c, Ordering::Release);
         }
         Ok(out)
     }

@@ -116,32 +116,45 @@ impl Client {
         target: Option<&[u8]>,
     ) -> io::Result<()> {
         let dirs: Vec<&Dir> = vec![&t.dir];
-        self.logged(&dirs, op, |_, append| {
-            if !append {
-                return Ok(true);
-            }
-            let o = self.object_at(t).ok_or(NotLogged)?;
-            self.commit_ns(&dirs, &[&o], |fid| {
-                Record::Ns(NsOp::Create {
-                    parent: fid(t.dir.slot),
-                    name: t.name.clone(),
-                    child: fid(o.slot),
-                    kind: NodeKind::from_mode(o.st.st_mode),
-                    mode: o.st.st_mode & 0o7777,
-                    rdev: o.st.st_rdev,
-                    uid: o.st.st_uid,
-                    gid: o.st.st_gid,
-                    target: target.map(|t| t.to_vec()).unwrap_or_default(),
-                })
-            })?;
-            if o.st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-                // A new directory has no unlogged change: clean from its birth.
-                let slot = self.table.slot(o.slot);
-                let c = o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
-                slot.w(S_DIR_CTIME).store(c, Ordering::Release);
-            }
-            Ok(true)
-        })
+        let born = std::cell::Cell::new(None);
+        // A new directory has no unlogged change: clean from its birth, once its creation is
+        // logged or written back (`logged_making`).
+        let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
+        let ctime_of = |o: &super::Obj| o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
+        self.logged_making(
+            &dirs,
+            op,
+            |_, append| {
+                if !append {
+                    // Written back instead (an unlogged change came first in the parent).
+                    if target.is_none() {
+                        if let Some(o) = self.object_at(t).filter(is_dir) {
+                            born.set(Some((o.slot, ctime_of(&o))));
+                        }
+                    }
+                    return Ok(true);
+                }
+                let o = self.object_at(t).ok_or(NotLogged)?;
+                self.commit_ns(&dirs, &[&o], |fid| {
+                    Record::Ns(NsOp::Create {
+                        parent: fid(t.dir.slot),
+                        name: t.name.clone(),
+                        child: fid(o.slot),
+                        kind: NodeKind::from_mode(o.st.st_mode),
+                        mode: o.st.st_mode & 0o7777,
+                        rdev: o.st.st_rdev,
+                        uid: o.st.st_uid,
+                        gid: o.st.st_gid,
+                        target: target.map(|t| t.to_vec()).unwrap_or_default(),
+                    })
+                })?;
+                if is_dir(&o) {
+                    born.set(Some((o.slot, ctime_of(&o))));
+                }
+                Ok(true)
+            },
+            &born,
+        )
     }
 
     pub fn mkdir(&self, t: &Target, mode: u32) -> io::Result<()> {
