@@ -2293,6 +2293,41 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     assert!(root.join("e").exists() && root.join("y").exists() && !root.join("c").exists());
 }
 
+/// A directory made where the operation could not be logged (its parent had a change outside
+/// the log: the operation was written back instead) is clean from its birth, as one made by a
+/// logged operation is: the first operation in it is logged, not written back again (tar
+/// wrote back every directory above each new one, down a whole tree). Recovery after a kill
+/// of the daemon keeps the tree as it was.
+#[test]
+fn a_directory_made_by_a_written_back_operation_is_clean_from_its_birth() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("nsborn");
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    let expect =
+        |pid: u64, want: (u64, u64, u64), what: &str| expect_ns_counts(&s, pid, want, what);
+    // The root was made outside the log (by the test): its first change is written back.
+    a.exec("os.mkdir(os.path.join(d, 'a'))");
+    expect(pid, (1, 0, 0), "the root's first change");
+    a.exec("os.mkdir(os.path.join(d, 'a', 'b'))");
+    expect(pid, (1, 0, 1), "a change in the directory that write-back made");
+    a.exec("open(os.path.join(d, 'a', 'b', 'f'), 'w').close()");
+    expect(pid, (1, 0, 2), "a change in the directory that change made");
+    let before = tree(&root);
+    s.kill9();
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(tree(&root), before, "recovery changed the tree");
+    assert!(root.join("a/b/f").exists());
+    let _ = fs::remove_file(&pm);
+}
+
 /// A directory's first logged change after changes outside the log syncs only the
 /// directories from it up to the root where no live namespace record names any of them
 /// (none can be replayed over what that makes durable), even while records naming other
