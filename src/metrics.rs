@@ -119,6 +119,7 @@ pub const METRICS: &[Metric] = &[
     m("attached_processes", Gauge, Count, Serve, "processes attached now"),
     m("leases_reclaimed", Counter, Count, Serve, "append areas taken back from processes that died"),
     m("watched_opens", Counter, Count, Serve, "opens for writing by processes outside pmstack run, seen by the watch"),
+    m("watch_event_errors", Counter, Count, Serve, "open events of watched objects the kernel could not open a descriptor of for the daemon (ESTALE on a network lower: a file removed under the open); the kernel failed those opens with EPERM, and the watch went on"),
     m("foreign_writers", Counter, Count, Serve, "objects written by a process outside pmstack run (their syncs stay real)"),
     m("objects_vetted", Counter, Count, Serve, "objects checked for writers outside pmstack run before their syncs were absorbed"),
     m("marks", Counter, Count, Serve, "objects the watch started to follow"),

@@ -2315,7 +2315,11 @@ fn a_directory_made_by_a_written_back_operation_is_clean_from_its_birth() {
     a.exec("os.mkdir(os.path.join(d, 'a'))");
     expect(pid, (1, 0, 0), "the root's first change");
     a.exec("os.mkdir(os.path.join(d, 'a', 'b'))");
-    expect(pid, (1, 0, 1), "a change in the directory that write-back made");
+    expect(
+        pid,
+        (1, 0, 1),
+        "a change in the directory that write-back made",
+    );
     a.exec("open(os.path.join(d, 'a', 'b', 'f'), 'w').close()");
     expect(pid, (1, 0, 2), "a change in the directory that change made");
     let before = tree(&root);
@@ -3818,6 +3822,158 @@ fn exit_within(c: &mut Child, max: Duration) -> Option<std::process::ExitStatus>
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// An attached process marks a file it syncs for the daemon's watch: every open of it, by
+/// any process, then waits for the daemon's answer. The attached process holds a copy of
+/// the watch's group, so the kernel keeps it, and its marks, when the daemon goes. A daemon
+/// that stops must remove its marks and answer what waits; one that was killed leaves them,
+/// and the next `pmstack serve` releases them (it refuses to start while the process runs,
+/// but no open waits any more). Before, an outside `cat` of the file hung for as long as
+/// the attached process ran, in both cases.
+#[test]
+fn a_daemon_that_stops_or_was_killed_leaves_no_open_of_a_watched_file_waiting() {
+    for killed in [false, true] {
+        let Some((_d, root, pm, mut s)) = served_tmp("watchgone", &[]) else {
+            return;
+        };
+        let mut a = Py::spawn(s.run(), &root);
+        a.exec(concat!(
+            "f = os.open(os.path.join(d, 'w'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+            "os.write(f, b'abc')\n",
+            "os.fsync(f)\n",
+            "os.fsync(f)\n",
+        ));
+        s.wait_stats("the file is marked and vetted", |v| {
+            v["marks"].as_u64() >= Some(1) && v["marks_vetted"] == v["marks"]
+        });
+        let w = root.join("w");
+        let cat = |what: &str| {
+            let mut c = Command::new("cat")
+                .arg(&w)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            assert!(
+                exit_within(&mut c, Duration::from_secs(10)).is_some_and(|st| st.success()),
+                "{what}: an open of the watched file waited for a daemon that is gone"
+            );
+        };
+        cat("while served");
+        if killed {
+            s.kill9();
+            let mut c = Command::new("cat")
+                .arg(&w)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            // Waits: nobody answers the killed daemon's group until the next serve.
+            std::thread::sleep(Duration::from_millis(300));
+            let out = Command::new(common::bin())
+                .arg("serve")
+                .arg(&root)
+                .arg("--pm")
+                .arg(&pm)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && err.contains("still running"),
+                "a serve while the process runs: {err}"
+            );
+            assert!(
+                exit_within(&mut c, Duration::from_secs(10)).is_some_and(|st| st.success()),
+                "the next serve did not release the killed daemon's watch"
+            );
+            cat("after the next serve");
+        } else {
+            s.stop();
+            cat("after the daemon stopped");
+        }
+        drop(a);
+    }
+}
+
+/// When the kernel cannot open a descriptor of an open event's object for the daemon (over a
+/// network lower, ESTALE for a file removed under the open; here, a full descriptor table),
+/// it fails that open (EPERM) and the read of the events with the error: one event's, not
+/// the watch's. The watch goes on answering the others. Before, the daemon took the error
+/// for the end of its watch and stopped reading: every later open of a marked file waited.
+#[test]
+fn an_event_the_kernel_cannot_open_for_the_daemon_does_not_end_its_watch() {
+    let Some((_d, root, _pm, s)) = served_tmp("watchemfile", &[]) else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(concat!(
+        "f = os.open(os.path.join(d, 'w'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+        "os.write(f, b'abc')\n",
+        "os.fsync(f)\n",
+        "os.fsync(f)\n",
+    ));
+    s.wait_stats("the file is marked and vetted", |v| {
+        v["marks"].as_u64() >= Some(1) && v["marks_vetted"] == v["marks"]
+    });
+    let daemon = s.child.as_ref().unwrap().id() as i32;
+    let w = root.join("w");
+    let cat = || {
+        let mut c = Command::new("cat")
+            .arg(&w)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        exit_within(&mut c, Duration::from_secs(10))
+    };
+    let nofile = |new: Option<libc::rlimit>| {
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        let p = new.as_ref().map_or(std::ptr::null(), |n| n as *const _);
+        // SAFETY: plain system call on the daemon, our child.
+        assert_eq!(
+            unsafe { libc::prlimit(daemon, libc::RLIMIT_NOFILE, p, &mut old) },
+            0
+        );
+        old
+    };
+    let before = nofile(None);
+    // The daemon's lowest free descriptor number as its limit: the kernel cannot open the
+    // event's descriptor for it. (Its other threads may free one meanwhile: tried again.)
+    let mut denied = false;
+    for _ in 0..20 {
+        let used: std::collections::BTreeSet<i32> = fs::read_dir(format!("/proc/{daemon}/fd"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect();
+        let free = (0..).find(|n| !used.contains(n)).unwrap();
+        nofile(Some(libc::rlimit {
+            rlim_cur: free as u64,
+            rlim_max: before.rlim_max,
+        }));
+        let st = cat();
+        nofile(Some(before));
+        let st = st.expect("an open the daemon could not be told of waited");
+        if !st.success() {
+            denied = true;
+            break;
+        }
+    }
+    assert!(
+        denied,
+        "the daemon's full descriptor table never failed an open event"
+    );
+    assert!(
+        cat().is_some_and(|st| st.success()),
+        "the watch ended with the event it could not open"
+    );
+    let v = s.wait_stats("the event error is counted", |v| {
+        v["watch_event_errors"].as_u64() >= Some(1)
+    });
+    assert_eq!(v["watching"], true, "{v}");
+    drop(a);
 }
 
 /// The daemon answers a process attaching on the thread that accepts connections (no thread

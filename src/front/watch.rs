@@ -31,6 +31,15 @@ pub struct Group {
     fd: OwnedFd,
 }
 
+/// Why `Group::next` read no events.
+#[derive(Debug)]
+pub enum ReadError {
+    /// One event's object could not be opened for the daemon (the kernel denied that open).
+    Event(io::Error),
+    /// The group failed.
+    Group(io::Error),
+}
+
 /// One open permission event: who opens, and a read-only descriptor of the object.
 pub struct OpenEvent {
     pub pid: u64,
@@ -69,7 +78,13 @@ impl Group {
     }
 
     /// Wait up to `timeout_ms` for events; the open permission events read (through `buf`).
-    pub fn next(&self, timeout_ms: i32, buf: &mut [u8]) -> io::Result<Vec<OpenEvent>> {
+    ///
+    /// `Err(Event(e))`: the kernel could not open a descriptor of one event's object for us
+    /// (`e`: ESTALE where a network or FUSE lower lost the file under an open, a full
+    /// descriptor table, ...). It denied that event (its opener's open failed with EPERM, so
+    /// nothing was written through it) and keeps the others queued: the watch goes on.
+    /// `Err(Group(e))`: the group itself failed; nothing more can be read.
+    pub fn next(&self, timeout_ms: i32, buf: &mut [u8]) -> Result<Vec<OpenEvent>, ReadError> {
         let mut p = libc::pollfd {
             fd: self.fd.as_raw_fd(),
             events: libc::POLLIN,
@@ -86,7 +101,11 @@ impl Group {
             let e = io::Error::last_os_error();
             return match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(Vec::new()),
-                _ => Err(e),
+                // Errors of the group or of our buffer, not of one event.
+                Some(libc::EBADF) | Some(libc::EINVAL) | Some(libc::EFAULT) => {
+                    Err(ReadError::Group(e))
+                }
+                _ => Err(ReadError::Event(e)),
             };
         }
         let mut out = Vec::new();
@@ -114,6 +133,41 @@ impl Group {
         Ok(out)
     }
 
+    /// End the watch without leaving an open waiting: remove every mark of the group (no
+    /// open waits for an answer from then on), then allow each open that was already waiting,
+    /// until none came for `quiet` (at most for `limit`). Attached processes keep copies of
+    /// the group's descriptor, so the kernel does not release it (and answer its events)
+    /// when the daemon closes its own: an open of an object still marked, by any process,
+    /// would wait for as long as one of them runs.
+    pub fn release_all(&self, quiet: std::time::Duration, limit: std::time::Duration) {
+        let flush = || {
+            // SAFETY: plain system call; FAN_MARK_FLUSH takes no object.
+            unsafe {
+                libc::fanotify_mark(
+                    self.fd.as_raw_fd(),
+                    libc::FAN_MARK_FLUSH,
+                    0,
+                    libc::AT_FDCWD,
+                    std::ptr::null(),
+                )
+            }
+        };
+        flush();
+        let t0 = std::time::Instant::now();
+        let mut buf = vec![0u8; 64 * 1024];
+        let quiet_ms = quiet.as_millis().min(i32::MAX as u128) as i32;
+        while t0.elapsed() < limit {
+            match self.next(quiet_ms, &mut buf) {
+                Ok(evs) if evs.is_empty() => break,
+                Ok(evs) => evs.into_iter().for_each(|e| self.allow(e)),
+                Err(ReadError::Event(_)) => {}
+                Err(ReadError::Group(_)) => break,
+            }
+        }
+        // A mark an attached process added meanwhile (it had not yet seen the daemon stop).
+        flush();
+    }
+
     /// Let the open of event `e` proceed (from any thread).
     pub fn allow(&self, e: OpenEvent) {
         let r = libc::fanotify_response {
@@ -129,6 +183,63 @@ impl Group {
             )
         };
         drop(e.file);
+    }
+}
+
+/// Release the fanotify group of a daemon that is gone (`Group::release_all`) through
+/// processes attached to it that still hold copies of it (`pids`): until they exit, every
+/// open of an object still marked would wait for an answer no one gives. The group is told
+/// from any other one a program may hold by its flags (as `Group::new` made it). Needs the
+/// right to take a descriptor of each process (pidfd_getfd: root). How many were released.
+pub fn release_orphaned(pids: &[u64]) -> usize {
+    let ours =
+        (libc::FAN_CLASS_CONTENT | libc::FAN_UNLIMITED_QUEUE | libc::FAN_UNLIMITED_MARKS) as u64;
+    let mut released = 0;
+    for &pid in pids {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for e in dir.flatten() {
+            let is_fanotify = std::fs::read_link(e.path())
+                .is_ok_and(|l| l.as_os_str().as_encoded_bytes() == b"anon_inode:[fanotify]");
+            let Some(n) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                continue;
+            };
+            let flags = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{n}"))
+                .ok()
+                .and_then(|t| {
+                    let l = t.lines().find(|l| l.starts_with("fanotify flags:"))?;
+                    let v = l.split_whitespace().nth(1)?.strip_prefix("flags:")?;
+                    u64::from_str_radix(v, 16).ok()
+                });
+            if !is_fanotify || flags.is_none_or(|f| f & ours != ours) {
+                continue;
+            }
+            if let Some(g) = take_fd(pid, n) {
+                g.release_all(
+                    std::time::Duration::from_millis(50),
+                    std::time::Duration::from_secs(2),
+                );
+                released += 1;
+            }
+        }
+    }
+    released
+}
+
+/// A copy of descriptor `n` of process `pid`, as a group.
+fn take_fd(pid: u64, n: i32) -> Option<Group> {
+    // SAFETY: plain system calls; each descriptor returned is fresh and ours.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0);
+        if pidfd < 0 {
+            return None;
+        }
+        let pidfd = OwnedFd::from_raw_fd(pidfd as RawFd);
+        let fd = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0);
+        (fd >= 0).then(|| Group {
+            fd: OwnedFd::from_raw_fd(fd as RawFd),
+        })
     }
 }
 

@@ -49,7 +49,7 @@ impl Client {
     /// Have the daemon report opens of this object (see `watch`), once per object. Caller
     /// holds the slot lock.
     pub(super) fn mark_for_watch(&self, slot: &Slot<'_>, fd: i32) {
-        if !self.watching || slot.flags() & F_MARKED != 0 {
+        if !self.may_mark() || slot.flags() & F_MARKED != 0 {
             return;
         }
         let Some(g) = &self.group else { return };
@@ -58,6 +58,16 @@ impl Client {
             slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
             self.table.note_marked(slot.idx, true);
         }
+    }
+
+    /// Whether objects may be marked for the daemon's watch: it watches and serves. Never
+    /// once it stopped: it removed every mark of its group before it went, and no one is
+    /// left to answer the opens of an object marked since.
+    pub(in crate::front) fn may_mark(&self) -> bool {
+        self.watching
+            && self
+                .table
+                .daemon_alive(super::DAEMON_TIMEOUT.as_nanos() as u64)
     }
 
     /// Whether the syncs of a file this process opens for writing are expected: it asked

@@ -120,7 +120,8 @@ impl Client {
         // A new directory has no unlogged change: clean from its birth, once its creation is
         // logged or written back (`logged_making`).
         let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
-        let ctime_of = |o: &super::Obj| o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
+        let ctime_of =
+            |o: &super::Obj| o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
         self.logged_making(
             &dirs,
             op,
@@ -267,7 +268,7 @@ impl Client {
                 for _ in 0..8 {
                     match open(flags | libc::O_EXCL) {
                         Ok(fd) => {
-                            let watch = self.watching && expected;
+                            let watch = expected && self.may_mark();
                             if let Some(g) = self.group.as_ref().filter(|_| watch) {
                                 born_marked
                                     .set(crate::front::watch::mark(g.as_raw_fd(), fd).is_ok());

@@ -89,6 +89,8 @@ pub struct ServeStats {
     pub attaches_refused: AtomicU64,
     /// Opens of watched objects the daemon answered.
     pub watched_opens: AtomicU64,
+    /// Open events whose object the kernel could not open for the daemon (it denied them).
+    pub watch_event_errors: AtomicU64,
     /// Write opens by processes that are not attached (at open, or found by a scan).
     pub foreign_writers: AtomicU64,
     /// Objects vetted (looked for writers from before they were watched).
@@ -146,8 +148,15 @@ pub fn check_previous(table: &Path) -> Result<()> {
     if t.w(H_RUNNING).load(Ordering::Relaxed) == 1 && d != my_pid() && alive(d) {
         return Err(ServeError::AlreadyServed { pid: d });
     }
-    let live: Vec<String> = t.procs().iter().map(|(p, _)| p.to_string()).collect();
+    let procs: Vec<u64> = t.procs().iter().map(|&(p, _)| p).collect();
+    let live: Vec<String> = procs.iter().map(|p| p.to_string()).collect();
     if !live.is_empty() {
+        // The previous daemon is gone (killed): its watch is no more, but these processes
+        // hold its group, so opens of the objects it marked wait. Let them go.
+        let n = crate::front::watch::release_orphaned(&procs);
+        if n > 0 {
+            tracing::warn!("the previous daemon's watch was left with opens waiting (it was killed while processes were attached): released");
+        }
         return Err(ServeError::PreviousStillAttached {
             pids: live.join(", "),
         });
@@ -570,6 +579,7 @@ impl Daemon {
             "leases_reclaimed": s.leases_reclaimed.load(Ordering::Relaxed),
             "watching": self.group.is_some(),
             "watched_opens": s.watched_opens.load(Ordering::Relaxed),
+            "watch_event_errors": s.watch_event_errors.load(Ordering::Relaxed),
             "foreign_writers": s.foreign_writers.load(Ordering::Relaxed),
             "objects_vetted": s.vetted.load(Ordering::Relaxed),
             "marks": self.table.w(H_NEW_MARKS).load(Ordering::Relaxed),

@@ -22,10 +22,21 @@ impl Daemon {
             while !stop.load(Ordering::Relaxed) {
                 let evs = match g.next(100, &mut buf) {
                     Ok(v) => v,
-                    Err(e) => {
+                    Err(watch::ReadError::Event(e)) => {
+                        // The kernel denied that one open; the others are still queued.
+                        let n = self
+                            .stats
+                            .watch_event_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                        if n.is_power_of_two() || n == 0 {
+                            tracing::warn!("the watch could not open the object of an open event ({e}); the kernel failed that open with EPERM ({} such events so far)", n + 1);
+                        }
+                        continue;
+                    }
+                    Err(watch::ReadError::Group(e)) => {
                         tracing::error!("reading fanotify events failed ({e}); writers outside `pmstack run` are no longer seen, so absorption stops");
                         self.table.w(H_RUNNING).store(0, Ordering::Release);
-                        return;
+                        break;
                     }
                 };
                 for e in evs {
@@ -44,6 +55,8 @@ impl Daemon {
                     });
                 }
             }
+            // No open of a marked object may wait for a daemon that is gone.
+            g.release_all(Duration::from_millis(50), Duration::from_secs(2));
         });
     }
 
