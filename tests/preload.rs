@@ -2301,13 +2301,10 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
 /// of the daemon keeps the tree as it was.
 #[test]
 fn a_directory_made_by_a_written_back_operation_is_clean_from_its_birth() {
-    if !common::can_mount() || !have("python3") {
+    let Some((_d, root, pm, mut s)) = served_tmp("nsborn", &["--flush-interval-ms", "3600000"])
+    else {
         return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let root = fs::canonicalize(d.path()).unwrap();
-    let pm = shm_region("nsborn");
-    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    };
     let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     let expect =
@@ -3825,6 +3822,35 @@ fn exit_within(c: &mut Child, max: Duration) -> Option<std::process::ExitStatus>
     }
 }
 
+/// An attached process that made the file `w` under the root, wrote and synced it (twice:
+/// the first sync marks it for the watch), and holds it open; and the file's path. Returns
+/// once the daemon vetted it.
+fn holding_a_watched_file(s: &Serve, root: &Path) -> (Py, PathBuf) {
+    let mut a = Py::spawn(s.run(), root);
+    a.exec(concat!(
+        "f = os.open(os.path.join(d, 'w'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
+        "os.write(f, b'abc')\n",
+        "os.fsync(f)\n",
+        "os.fsync(f)\n",
+    ));
+    s.wait_stats("the file is marked and vetted", |v| {
+        v["marks"].as_u64() >= Some(1) && v["marks_vetted"] == v["marks"]
+    });
+    (a, root.join("w"))
+}
+
+/// `cat FILE` by a process outside `pmstack run`: its exit status, None if it took longer
+/// than `max` (it is killed).
+fn cat_within(file: &Path, max: Duration) -> Option<std::process::ExitStatus> {
+    let mut c = Command::new("cat")
+        .arg(file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    exit_within(&mut c, max)
+}
+
 /// An attached process marks a file it syncs for the daemon's watch: every open of it, by
 /// any process, then waits for the daemon's answer. The attached process holds a copy of
 /// the watch's group, so the kernel keeps it, and its marks, when the daemon goes. A daemon
@@ -3838,25 +3864,10 @@ fn a_daemon_that_stops_or_was_killed_leaves_no_open_of_a_watched_file_waiting() 
         let Some((_d, root, pm, mut s)) = served_tmp("watchgone", &[]) else {
             return;
         };
-        let mut a = Py::spawn(s.run(), &root);
-        a.exec(concat!(
-            "f = os.open(os.path.join(d, 'w'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
-            "os.write(f, b'abc')\n",
-            "os.fsync(f)\n",
-            "os.fsync(f)\n",
-        ));
-        s.wait_stats("the file is marked and vetted", |v| {
-            v["marks"].as_u64() >= Some(1) && v["marks_vetted"] == v["marks"]
-        });
-        let w = root.join("w");
+        let (a, w) = holding_a_watched_file(&s, &root);
         let cat = |what: &str| {
-            let mut c = Command::new("cat")
-                .arg(&w)
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap();
             assert!(
-                exit_within(&mut c, Duration::from_secs(10)).is_some_and(|st| st.success()),
+                cat_within(&w, Duration::from_secs(10)).is_some_and(|st| st.success()),
                 "{what}: an open of the watched file waited for a daemon that is gone"
             );
         };
@@ -3905,27 +3916,9 @@ fn an_event_the_kernel_cannot_open_for_the_daemon_does_not_end_its_watch() {
     let Some((_d, root, _pm, s)) = served_tmp("watchemfile", &[]) else {
         return;
     };
-    let mut a = Py::spawn(s.run(), &root);
-    a.exec(concat!(
-        "f = os.open(os.path.join(d, 'w'), os.O_CREAT | os.O_WRONLY, 0o644)\n",
-        "os.write(f, b'abc')\n",
-        "os.fsync(f)\n",
-        "os.fsync(f)\n",
-    ));
-    s.wait_stats("the file is marked and vetted", |v| {
-        v["marks"].as_u64() >= Some(1) && v["marks_vetted"] == v["marks"]
-    });
+    let (a, w) = holding_a_watched_file(&s, &root);
     let daemon = s.child.as_ref().unwrap().id() as i32;
-    let w = root.join("w");
-    let cat = || {
-        let mut c = Command::new("cat")
-            .arg(&w)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        exit_within(&mut c, Duration::from_secs(10))
-    };
+    let cat = || cat_within(&w, Duration::from_secs(10));
     let nofile = |new: Option<libc::rlimit>| {
         let mut old = libc::rlimit {
             rlim_cur: 0,
