@@ -4087,6 +4087,107 @@ fn an_exec_while_another_thread_holds_the_namespace_lock_leaves_it_free() {
     let _ = p.wait();
 }
 
+/// The working directory's stat is kept between changes of it (a relative path costs no
+/// stat of it): chdir, fchdir and syscall(SYS_chdir) each make the next relative path judged
+/// from the new one. A file outside the root (on the root's file system) opened by a relative
+/// path after a change to there is not tracked: its syncs are the kernel's, counted nowhere;
+/// one under the root after a change back is (its syncs are the library's).
+#[test]
+fn a_change_of_working_directory_is_seen_by_the_next_relative_path() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let (_d, root, _pm, s) = quiet_serve();
+    let out = tempfile::tempdir_in("/var/tmp").unwrap();
+    // Files that exist: opened without O_CREAT, only the open's own judgement of the path
+    // tells whether they are tracked (a creation's directory is looked up by its path).
+    for f in ["b", "e"] {
+        fs::write(out.path().join(f), b"").unwrap();
+    }
+    for f in ["a", "c", "g"] {
+        fs::write(root.join(f), b"").unwrap();
+    }
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    a.exec(&format!(
+        concat!(
+            "import ctypes\n",
+            "libc = ctypes.CDLL(None, use_errno=True)\n",
+            "out = {:?}\n",
+            "outfd = os.open(out, os.O_RDONLY)\n",
+            "def synced(name):\n",
+            "    fd = os.open(name, os.O_WRONLY)\n",
+            "    os.write(fd, b'x')\n",
+            "    os.fsync(fd)\n",
+            "    os.fsync(fd)\n",
+            "    os.close(fd)\n",
+            // A namespace operation under the root: counted after the syncs before it.
+            "n = 0\n",
+            "def mark():\n",
+            "    global n\n",
+            "    n += 1\n",
+            "    os.mkdir(os.path.join(d, 'mark%d' % n))\n",
+        ),
+        out.path()
+    ));
+    // Syncs of tracked files (real or absorbed), once `ops` namespace operations are logged.
+    let counts = |ops: u64| {
+        let v = s.wait_stats("the marks counted", |v| {
+            proc_stats(v, pid).is_some_and(|p| p["ns_ops"].as_u64() >= Some(ops))
+        });
+        let p = proc_stats(&v, pid).unwrap();
+        let g = |k: &str| p[k].as_u64().unwrap_or(0);
+        assert_eq!(g("ns_ops"), ops, "{p}");
+        g("absorbed_fsync") + g("real_syncs")
+    };
+    // The first mkdir in the root writes back (changed outside the log); the next ones are
+    // logged.
+    // Each way of changing the working directory, tested by a change away from the root
+    // (from a working directory under it, with its stat kept): a stat kept past it would
+    // take a file outside for one under the root.
+    let steps = [
+        (
+            "mark()\nos.chdir(d)\nsynced('a')",
+            2,
+            "under the root after chdir",
+        ),
+        (
+            "os.chdir(out)\nsynced('b')",
+            2,
+            "outside the root after chdir",
+        ),
+        ("os.chdir(d)\nsynced('c')", 4, "under the root again"),
+        (
+            "os.fchdir(outfd)\nsynced('b')",
+            4,
+            "outside the root after fchdir",
+        ),
+        ("os.chdir(d)\nsynced('g')", 6, "under the root again"),
+        (
+            "assert libc.syscall(80, out.encode()) == 0\nsynced('e')",
+            6,
+            "outside the root after SYS_chdir",
+        ),
+        ("os.chdir(d)\nsynced('a')", 8, "under the root again"),
+        (
+            "assert libc.syscall(81, outfd) == 0\nsynced('e')",
+            8,
+            "outside the root after SYS_fchdir",
+        ),
+    ];
+    for (i, (code, syncs, what)) in steps.into_iter().enumerate() {
+        a.exec(&format!("{code}\nmark()"));
+        assert_eq!(counts(i as u64 + 1), syncs, "{what}");
+    }
+    drop(a);
+    for f in ["b", "e"] {
+        assert_eq!(fs::read(out.path().join(f)).unwrap(), b"x");
+    }
+    for f in ["a", "c", "g"] {
+        assert_eq!(fs::read(root.join(f)).unwrap(), b"x");
+    }
+}
+
 /// A program working outside the root that opens a file under it by a relative path (from
 /// the root's parent: `data/sub/f`) tracks it as it would by the absolute path: its syncs
 /// are the library's (absorbed or made real by it), whether the path is judged by its text
