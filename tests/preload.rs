@@ -3854,33 +3854,49 @@ fn cat_within(file: &Path, max: Duration) -> Option<std::process::ExitStatus> {
 /// An attached process marks a file it syncs for the daemon's watch: every open of it, by
 /// any process, then waits for the daemon's answer. The attached process holds a copy of
 /// the watch's group, so the kernel keeps it, and its marks, when the daemon goes. A daemon
-/// that stops must remove its marks and answer what waits; one that was killed leaves them,
-/// and the next `pmstack serve` releases them (it refuses to start while the process runs,
-/// but no open waits any more). Before, an outside `cat` of the file hung for as long as
-/// the attached process ran, in both cases.
+/// that stops must remove its marks and answer what waits. One that was killed leaves them:
+/// the attached process releases them once it finds the daemon's process gone (at its next
+/// call that asks whether the daemon serves), and the next `pmstack serve` does (it refuses
+/// to start while the process runs, but no open waits any more). Before, an outside `cat`
+/// of the file hung for as long as the attached process ran, in each case.
 #[test]
 fn a_daemon_that_stops_or_was_killed_leaves_no_open_of_a_watched_file_waiting() {
-    for killed in [false, true] {
+    for case in ["stopped", "killed, then a call", "killed, then a serve"] {
         let Some((_d, root, pm, mut s)) = served_tmp("watchgone", &[]) else {
             return;
         };
-        let (a, w) = holding_a_watched_file(&s, &root);
+        let (mut a, w) = holding_a_watched_file(&s, &root);
         let cat = |what: &str| {
             assert!(
                 cat_within(&w, Duration::from_secs(10)).is_some_and(|st| st.success()),
-                "{what}: an open of the watched file waited for a daemon that is gone"
+                "{case}: {what}: an open of the watched file waited for a daemon that is gone"
             );
         };
         cat("while served");
-        if killed {
-            s.kill9();
-            let mut c = Command::new("cat")
-                .arg(&w)
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap();
-            // Waits: nobody answers the killed daemon's group until the next serve.
-            std::thread::sleep(Duration::from_millis(300));
+        if case == "stopped" {
+            s.stop();
+            cat("after the daemon stopped");
+            continue;
+        }
+        s.kill9();
+        let mut c = Command::new("cat")
+            .arg(&w)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        if case == "killed, then a call" {
+            // The daemon is taken for gone once its heartbeat is 2 s old: calls until then
+            // are served as usual.
+            let t0 = Instant::now();
+            while c.try_wait().unwrap().is_none() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{case}: the attached process did not release the killed daemon's watch"
+                );
+                a.exec("os.fsync(f)");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        } else {
             let out = Command::new(common::bin())
                 .arg("serve")
                 .arg(&root)
@@ -3893,15 +3909,12 @@ fn a_daemon_that_stops_or_was_killed_leaves_no_open_of_a_watched_file_waiting() 
                 !out.status.success() && err.contains("still running"),
                 "a serve while the process runs: {err}"
             );
-            assert!(
-                exit_within(&mut c, Duration::from_secs(10)).is_some_and(|st| st.success()),
-                "the next serve did not release the killed daemon's watch"
-            );
-            cat("after the next serve");
-        } else {
-            s.stop();
-            cat("after the daemon stopped");
         }
+        assert!(
+            exit_within(&mut c, Duration::from_secs(10)).is_some_and(|st| st.success()),
+            "{case}: the killed daemon's watch was not released"
+        );
+        cat("after the release");
         drop(a);
     }
 }

@@ -227,6 +227,22 @@ pub fn release_orphaned(pids: &[u64]) -> usize {
     released
 }
 
+/// `Group::release_all` of the group `fd` (an attached process's copy; the daemon is gone).
+pub fn release_copy(fd: RawFd) {
+    // SAFETY: plain system call; the copy is fresh and ours.
+    let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if copy >= 0 {
+        // SAFETY: a fresh descriptor we own.
+        let g = Group {
+            fd: unsafe { OwnedFd::from_raw_fd(copy) },
+        };
+        g.release_all(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(2),
+        );
+    }
+}
+
 /// A copy of descriptor `n` of process `pid`, as a group.
 fn take_fd(pid: u64, n: i32) -> Option<Group> {
     // SAFETY: plain system calls; each descriptor returned is fresh and ours.

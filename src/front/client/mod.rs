@@ -110,6 +110,8 @@ pub struct Client {
     fd_locks: fdlock::FdLocks,
     inodes: Mutex<HashMap<usize, Arc<Inode>>>,
     last_gc_cp: std::sync::atomic::AtomicU64,
+    /// The group of a daemon found dead was released (`release_watch_of_a_dead_daemon`).
+    watch_released: std::sync::atomic::AtomicBool,
     /// The root's file handle and the LSN of this process's latest Bind of it: recovery
     /// checks that the log's handles resolve in the directory it is given.
     root_handle: Vec<u8>,
@@ -242,6 +244,7 @@ impl Client {
             fd_locks: Default::default(),
             inodes: Mutex::new(HashMap::new()),
             last_gc_cp: 0.into(),
+            watch_released: false.into(),
             root_handle,
             root_bind_lsn: 0.into(),
             blind: false.into(),
@@ -283,8 +286,25 @@ impl Client {
             && self.table.daemon_alive(DAEMON_TIMEOUT.as_nanos() as u64);
         if !s {
             self.count(P_UNSERVED, 1);
+            self.release_watch_of_a_dead_daemon();
         }
         s
+    }
+
+    /// The daemon is gone (its process no longer exists: killed, not merely slow): nobody
+    /// answers the opens of the objects marked in its group, which this process keeps alive
+    /// by holding a copy. Remove the marks and answer what waits (`Group::release_all`),
+    /// once per process.
+    fn release_watch_of_a_dead_daemon(&self) {
+        let Some(g) = &self.group else { return };
+        if self.watch_released.load(Ordering::Relaxed) {
+            return;
+        }
+        let d = self.table.w(H_DAEMON_PID).load(Ordering::Relaxed);
+        if d == 0 || alive(d) || self.watch_released.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        crate::front::watch::release_copy(g.as_raw_fd());
     }
 
     pub fn tracked(&self, fd: i32) -> Option<Arc<Tracked>> {
