@@ -232,8 +232,8 @@ pub fn release_copy(fd: RawFd) {
     // SAFETY: plain system call; the copy is fresh and ours.
     let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
     if copy >= 0 {
-        // SAFETY: a fresh descriptor we own.
         let g = Group {
+            // SAFETY: a fresh descriptor we own.
             fd: unsafe { OwnedFd::from_raw_fd(copy) },
         };
         g.release_all(
