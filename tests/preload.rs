@@ -4100,11 +4100,15 @@ fn an_exec_while_another_thread_holds_the_namespace_lock_leaves_it_free() {
     let _ = p.wait();
 }
 
-/// The working directory's stat is kept between changes of it (a relative path costs no
-/// stat of it): chdir, fchdir and syscall(SYS_chdir) each make the next relative path judged
-/// from the new one. A file outside the root (on the root's file system) opened by a relative
-/// path after a change to there is not tracked: its syncs are the kernel's, counted nowhere;
-/// one under the root after a change back is (its syncs are the library's).
+/// A change of working directory is seen by the next relative path, whichever way it was
+/// made: chdir, fchdir, syscall(SYS_chdir), syscall(SYS_fchdir), or the C library's own
+/// internal calls (nftw with FTW_CHDIR), which the library cannot interpose. A file
+/// outside the root (on the root's file system) opened by a relative path after a change to
+/// there is not tracked: its syncs are the kernel's, counted nowhere; one under the root
+/// after a change back is (its syncs are the library's); a namespace operation outside the
+/// root is neither logged nor written back. (Guards any cache of the working directory:
+/// keeping its stat between the changes the library sees, tried on 2026-11-27, took a
+/// namespace operation in nftw's callback for one under the root.)
 #[test]
 fn a_change_of_working_directory_is_seen_by_the_next_relative_path() {
     if !common::can_mount() || !have("python3") {
@@ -4197,9 +4201,8 @@ fn a_change_of_working_directory_is_seen_by_the_next_relative_path() {
         assert_eq!(counts(i as u64 + 1), syncs, "{what}");
     }
     // A change the library does not see: the C library's nftw changes directory with its
-    // own internal calls (FTW_CHDIR). A file opened by a relative path in its callback may
-    // be taken for one under the root (tracked: harmless, the log reaches it by handle),
-    // but a namespace operation there must not be (logged or written back, it would count).
+    // own internal calls (FTW_CHDIR). Neither the file opened by a relative path in its
+    // callback nor the namespace operation there may be taken for one under the root.
     fs::create_dir(out.path().join("sub")).unwrap();
     fs::write(out.path().join("x"), b"").unwrap();
     a.exec(concat!(

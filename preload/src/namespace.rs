@@ -30,7 +30,7 @@ pub(crate) fn ns_targets(
             let parent = pmstack::front::open::parent_of(given);
             let ours = if given.starts_with(b"/") {
                 given.starts_with(r)
-            } else if crate::places::given_under_now(d, parent) {
+            } else if crate::places::given_under(d, parent) {
                 true
             } else {
                 let cp = std::ffi::CString::new(parent).ok()?;
@@ -50,7 +50,7 @@ pub(crate) fn ns_targets(
         // Unreadable or longer than PATH_MAX: the native call gives the kernel's errno.
         given.push((d, user_cstr(p)?));
     }
-    let ts = c.targets(&given, crate::places::given_under_now)?;
+    let ts = c.targets(&given, crate::places::given_under)?;
     Some((c, ts))
 }
 

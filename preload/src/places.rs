@@ -9,7 +9,6 @@
 //! as another identity.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use pmstack::front::{open, sys};
@@ -27,26 +26,9 @@ const KNOWN_MAX: usize = 64;
 /// Whether `given` (relative to `dirfd`) names something under the root by its text and the
 /// directory it starts from (false: not known, ask the kernel). Caller is `Inside`.
 pub(crate) fn given_under(dirfd: c_int, given: &[u8]) -> bool {
-    judged_under(dirfd, given, true)
-}
-
-/// `given_under`, with the working directory asked of the kernel each time: for namespace
-/// operations, which a working directory changed where the library does not see it (the C
-/// library's own calls, as nftw's FTW_CHDIR makes) must not take for operations under the
-/// root (they would be logged, and replayed, outside it).
-pub(crate) fn given_under_now(dirfd: c_int, given: &[u8]) -> bool {
-    judged_under(dirfd, given, false)
-}
-
-fn judged_under(dirfd: c_int, given: &[u8], kept_cwd: bool) -> bool {
     root().is_some_and(|r| {
         open::given_under(r, given, || {
-            let st = if dirfd == libc::AT_FDCWD && kept_cwd {
-                cwd_stat()
-            } else {
-                sys::fstatat(dirfd, c"".as_ptr(), libc::AT_EMPTY_PATH).ok()
-            };
-            let Some(st) = st else {
+            let Ok(st) = sys::fstatat(dirfd, c"".as_ptr(), libc::AT_EMPTY_PATH) else {
                 return false;
             };
             if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
@@ -66,52 +48,6 @@ fn judged_under(dirfd: c_int, given: &[u8], kept_cwd: bool) -> bool {
                 })
         })
     })
-}
-
-/// Changes of the working directory this process made (chdir, fchdir; counted before and
-/// after each): its stat is kept from one to the next (`cwd_stat`).
-static CWD_CHANGES: AtomicU64 = AtomicU64::new(0);
-
-/// The working directory's stat, asked of the kernel once per change of it (`CWD_CHANGES`):
-/// a program working under the root that opens relative paths asks nothing each time. Only
-/// its identity and type are used. (A working directory changed where the library does not
-/// see it, by the C library's own calls or by a process sharing it through clone(CLONE_FS),
-/// is judged as the old one: a file opened by a relative path then counts as under the root
-/// or not by the old one's place, and a file found on the root's file system is one the log
-/// reaches by handle either way, as in `cwd_of`. Namespace operations ask the kernel:
-/// `given_under_now`.)
-fn cwd_stat() -> Option<libc::stat> {
-    static KEPT: Mutex<Option<(u64, libc::stat)>> = Mutex::new(None);
-    let n = CWD_CHANGES.load(Ordering::SeqCst);
-    if let Ok(k) = KEPT.try_lock() {
-        if let Some((_, st)) = k.as_ref().filter(|(at, _)| *at == n) {
-            return Some(*st);
-        }
-    }
-    let st = sys::fstatat(libc::AT_FDCWD, c"".as_ptr(), libc::AT_EMPTY_PATH).ok()?;
-    if let Ok(mut k) = KEPT.try_lock() {
-        *k = Some((n, st));
-    }
-    Some(st)
-}
-
-/// A change of the working directory `call` makes: counted before it (no thread keeps the
-/// old stat from now on) and after it (none keeps one read in between).
-pub(crate) fn changing_cwd<T>(call: impl FnOnce() -> T) -> T {
-    CWD_CHANGES.fetch_add(1, Ordering::SeqCst);
-    let r = call();
-    CWD_CHANGES.fetch_add(1, Ordering::SeqCst);
-    r
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn chdir(path: *const std::ffi::c_char) -> c_int {
-    changing_cwd(|| kernel!(libc::SYS_chdir, path) as c_int)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn fchdir(fd: c_int) -> c_int {
-    changing_cwd(|| kernel!(libc::SYS_fchdir, fd) as c_int)
 }
 
 /// The working directory's path, cached by its identity (`st`, its stat now): a program

@@ -27,9 +27,6 @@ pub unsafe extern "C" fn syscall(
     let inside = INSIDE.try_with(|c| c.get()).unwrap_or(true);
     if !inside {
         match n {
-            libc::SYS_chdir | libc::SYS_fchdir => {
-                return crate::places::changing_cwd(|| kernel!(n, a1)) as c_long
-            }
             libc::SYS_write => {
                 return forward!(write(a1 as c_int, a2 as *const c_void, a3 as size_t)) as c_long
             }
