@@ -135,11 +135,15 @@ impl Group {
 
     /// End the watch without leaving an open waiting: remove every mark of the group (no
     /// open waits for an answer from then on), then allow each open that was already waiting,
-    /// until none came for `quiet` (at most for `limit`). Attached processes keep copies of
-    /// the group's descriptor, so the kernel does not release it (and answer its events)
-    /// when the daemon closes its own: an open of an object still marked, by any process,
-    /// would wait for as long as one of them runs.
-    pub fn release_all(&self, quiet: std::time::Duration, limit: std::time::Duration) {
+    /// until none came for 50 ms (at most for 2 s). Attached processes keep copies of the
+    /// group's descriptor, so the kernel does not release it (and answer its events) when
+    /// the daemon closes its own: an open of an object still marked, by any process, would
+    /// wait for as long as one of them runs.
+    pub fn release_all(&self) {
+        let (quiet, limit) = (
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(2),
+        );
         let flush = || {
             // SAFETY: plain system call; FAN_MARK_FLUSH takes no object.
             unsafe {
@@ -190,11 +194,11 @@ impl Group {
 /// processes attached to it that still hold copies of it (`pids`): until they exit, every
 /// open of an object still marked would wait for an answer no one gives. The group is told
 /// from any other one a program may hold by its flags (as `Group::new` made it). Needs the
-/// right to take a descriptor of each process (pidfd_getfd: root). How many were released.
-pub fn release_orphaned(pids: &[u64]) -> usize {
+/// right to take a descriptor of each process (pidfd_getfd: root). Whether it was released
+/// (the first copy found serves for all).
+pub fn release_orphaned(pids: &[u64]) -> bool {
     let ours =
         (libc::FAN_CLASS_CONTENT | libc::FAN_UNLIMITED_QUEUE | libc::FAN_UNLIMITED_MARKS) as u64;
-    let mut released = 0;
     for &pid in pids {
         let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
             continue;
@@ -205,6 +209,9 @@ pub fn release_orphaned(pids: &[u64]) -> usize {
             let Some(n) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
                 continue;
             };
+            if !is_fanotify {
+                continue;
+            }
             let flags = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{n}"))
                 .ok()
                 .and_then(|t| {
@@ -212,19 +219,17 @@ pub fn release_orphaned(pids: &[u64]) -> usize {
                     let v = l.split_whitespace().nth(1)?.strip_prefix("flags:")?;
                     u64::from_str_radix(v, 16).ok()
                 });
-            if !is_fanotify || flags.is_none_or(|f| f & ours != ours) {
+            if flags.is_none_or(|f| f & ours != ours) {
                 continue;
             }
             if let Some(g) = take_fd(pid, n) {
-                g.release_all(
-                    std::time::Duration::from_millis(50),
-                    std::time::Duration::from_secs(2),
-                );
-                released += 1;
+                g.release_all();
+                // Every process attached to one daemon holds the same group.
+                return true;
             }
         }
     }
-    released
+    false
 }
 
 /// `Group::release_all` of the group `fd` (an attached process's copy; the daemon is gone).
@@ -236,10 +241,7 @@ pub fn release_copy(fd: RawFd) {
             // SAFETY: a fresh descriptor we own.
             fd: unsafe { OwnedFd::from_raw_fd(copy) },
         };
-        g.release_all(
-            std::time::Duration::from_millis(50),
-            std::time::Duration::from_secs(2),
-        );
+        g.release_all();
     }
 }
 

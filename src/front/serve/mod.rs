@@ -153,8 +153,7 @@ pub fn check_previous(table: &Path) -> Result<()> {
     if !live.is_empty() {
         // The previous daemon is gone (killed): its watch is no more, but these processes
         // hold its group, so opens of the objects it marked wait. Let them go.
-        let n = crate::front::watch::release_orphaned(&procs);
-        if n > 0 {
+        if crate::front::watch::release_orphaned(&procs) {
             tracing::warn!("the previous daemon's watch was left with opens waiting (it was killed while processes were attached): released");
         }
         return Err(ServeError::PreviousStillAttached {

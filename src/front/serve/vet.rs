@@ -56,7 +56,7 @@ impl Daemon {
                 }
             }
             // No open of a marked object may wait for a daemon that is gone.
-            g.release_all(Duration::from_millis(50), Duration::from_secs(2));
+            g.release_all();
         });
     }
 
