@@ -188,8 +188,8 @@ fn main() {
             cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.mkdirs, cov.rmdirs, cov.dir_renames, cov.recreated
         );
         println!(
-            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {}",
-            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes
+            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {}; histories with a table of 16 slots {} (slots freed {})",
+            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes, cov.small_tables, cov.slots_freed
         );
         println!(
             "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {}, real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",

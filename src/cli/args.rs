@@ -24,6 +24,13 @@ pub(super) struct ServeArgs {
     /// Write-back period.
     #[arg(long, default_value_t = 5000)]
     pub(super) flush_interval_ms: u64,
+    /// Objects the daemon can track at once (files open under the root, files with
+    /// entries in the log): a slot of the table in /dev/shm (128 bytes, plus 160 for the
+    /// handle) each. Slots of objects nothing needs any more are freed once half are in use;
+    /// an object that finds no free slot is not absorbed (its syncs and namespace operations
+    /// go to DIR's file system).
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(16..=1 << 24))]
+    pub(super) table_slots: u32,
     /// Do not watch for writers outside `pmstack run` (fanotify, needs root): you promise
     /// that every process writing DIR runs under `pmstack run`.
     #[arg(long)]

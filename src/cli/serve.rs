@@ -98,6 +98,7 @@ pub(super) fn serve_cmd(a: ServeArgs) -> Result<()> {
             region: fs::canonicalize(&pm)?,
             flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
             early_bytes: region_bytes / 4,
+            slots: a.table_slots as usize,
             user: match user {
                 Some(u) => u,
                 None => creds::user_with_id(creds::euid())?,

@@ -67,6 +67,10 @@ pub struct Coverage {
     pub multi_area_logs: u64,
     /// Power cuts that took back an rmdir (the directory came back with its inode).
     pub rmdirs_taken_back: u64,
+    /// `pmstack run`: histories whose daemon had a table of a few slots, and the slots its
+    /// write-backs freed there (an object tracked again takes a new one).
+    pub small_tables: u64,
+    pub slots_freed: u64,
 }
 
 impl Coverage {
@@ -105,5 +109,7 @@ impl Coverage {
         self.kills += o.kills;
         self.multi_area_logs += o.multi_area_logs;
         self.rmdirs_taken_back += o.rmdirs_taken_back;
+        self.small_tables += o.small_tables;
+        self.slots_freed += o.slots_freed;
     }
 }

@@ -42,7 +42,11 @@ use super::{
 use crate::engine::Log;
 use crate::front::client::Client;
 use crate::front::serve::{Daemon, ServeOpts};
-use crate::front::table::{Table, H_HEARTBEAT, H_WAKE};
+use crate::front::table::{Table, DEFAULT_SLOTS, H_HEARTBEAT, H_WAKE};
+
+/// The slots of a small table (`history`): more than the objects of a history, so that every
+/// object finds one, and few enough that the daemon frees some (above half of them in use).
+const SMALL_TABLE: usize = 16;
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
 
@@ -59,6 +63,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     log.reset();
     log.set_clean(false);
     let table_path = dir.0.join("table");
+    let small_table = seed % 3 == 1;
+    cov.small_tables += small_table as u64;
     let per_object = kinds.syncfs_ignored;
     cov.syncfs_ignored += per_object as u64;
     let mut real = RealLower::open(&lower).unwrap();
@@ -78,6 +84,13 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             early_bytes: u64::MAX,
             user: creds::user_with_id(creds::euid()).unwrap(),
             recovery: serde_json::Value::Null,
+            // A third of the histories (by seed) on a table of a few slots, whose write-backs
+            // free the slots of every idle object (it gets a new one when tracked again).
+            slots: if small_table {
+                SMALL_TABLE
+            } else {
+                DEFAULT_SLOTS
+            },
         },
     )
     .unwrap();
@@ -286,6 +299,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             10 if alive => {
                 cov.write_backs += 1;
                 d.write_back().unwrap();
+                if small_table {
+                    cov.slots_freed += d.free_idle_slots(0) as u64;
+                }
                 // (Over a lower that ignores syncfs: what the watch saw it sync, below.)
                 if !per_object {
                     durable = trees.last().unwrap().clone();

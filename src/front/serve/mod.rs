@@ -24,6 +24,7 @@ use crate::lower::creds::{self, Creds};
 use crate::lower::RealLower;
 use parking_lot::Mutex;
 
+mod slots;
 mod vet;
 mod writeback;
 
@@ -74,6 +75,8 @@ pub struct ServeOpts {
     pub user: Creds,
     /// What the recovery at start did (null: the region was clean).
     pub recovery: serde_json::Value,
+    /// Slots of the shared table: objects tracked at once (`DEFAULT_SLOTS`).
+    pub slots: usize,
 }
 
 #[derive(Default)]
@@ -97,6 +100,8 @@ pub struct ServeStats {
     pub vetted: AtomicU64,
     /// Every object marked before this many marks was vetted (or needed no vetting).
     pub marks_vetted: AtomicU64,
+    /// Slots of the shared table freed (`Daemon::free_idle_slots`).
+    pub slots_freed: AtomicU64,
 }
 
 /// Send the hello line, with the fanotify group's descriptor when the daemon watches.
@@ -201,13 +206,13 @@ impl Daemon {
         };
         // Another user's table is theirs (they map it).
         let owner = (opts.user.uid != creds::euid()).then_some((opts.user.uid, opts.user.gid));
-        let table = Arc::new(Table::create(table_path, DEFAULT_SLOTS, owner).map_err(
-            |source| ServeError::Path {
+        let table = Arc::new(
+            Table::create(table_path, opts.slots, owner).map_err(|source| ServeError::Path {
                 what: "creating",
                 path: table_path.to_owned(),
                 source,
-            },
-        )?);
+            })?,
+        );
         table
             .w(H_WATCH)
             .store(group.is_some() as u64, Ordering::Release);
@@ -431,6 +436,7 @@ impl Daemon {
         let mut last_full_vet = Instant::now();
         let mut last_vet = Instant::now() - VET_EVERY;
         let mut last_reclaim = Instant::now();
+        let mut last_free = Instant::now();
         let me = my_pid();
         while !stop.load(Ordering::Relaxed) {
             // Free the records of processes that are gone before the next process to attach
@@ -439,6 +445,7 @@ impl Daemon {
                 self.table.reclaim_dead();
                 last_reclaim = Instant::now();
             }
+            self.free_idle_slots_every(&mut last_free);
             if self.group.is_some() {
                 let marks = self.table.w(H_NEW_MARKS).load(Ordering::Acquire);
                 // Every second, every slot: a ring entry may have been read before its
@@ -466,6 +473,7 @@ impl Daemon {
                 || last_wb.elapsed() >= self.opts.flush_interval
                 || logged.saturating_sub(logged_at_wb) >= self.opts.early_bytes
                 || !dead.is_empty() && last_wb.elapsed() >= Duration::from_millis(200)
+                || self.table_filling() && last_wb.elapsed() >= Duration::from_secs(1)
             {
                 if let Ok(upto) = self.write_back() {
                     logged_at_wb = logged;
@@ -584,6 +592,9 @@ impl Daemon {
             "marks": self.table.w(H_NEW_MARKS).load(Ordering::Relaxed),
             "unmarks": self.table.w(H_UNMARKS).load(Ordering::Relaxed),
             "marks_vetted": s.marks_vetted.load(Ordering::Relaxed),
+            "slots": self.table.nslots(),
+            "slots_used": self.table.slots_used(),
+            "slots_freed": s.slots_freed.load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

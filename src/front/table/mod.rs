@@ -21,7 +21,7 @@ pub use lock::{alive, forget_pid, my_pid, now_ns, quiesce_for_exec, reaped, PidL
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 4;
+pub const VERSION: u64 = 5;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -86,6 +86,26 @@ const _: () = {
     assert!(H_COARSE_CTIME < PROCS_AT);
     assert!(P_IN_FLIGHT < PROC_WORDS);
 };
+
+/// The lock of inserting objects into slots and of freeing slots (a pid lock word; a header
+/// word the retired counters leave unused: `P_START` is no counter). Inserts take it so that
+/// a freed slot can be reused: two processes inserting one object would otherwise each take
+/// another free slot of its chain. Finding a slot takes no lock.
+pub const H_SLOTS_LOCK: usize = H_RETIRED + P_START;
+/// Slots that hold an object, counted under `H_SLOTS_LOCK` (`P_EXE` is no counter either).
+pub const H_SLOTS_USED: usize = H_RETIRED + P_EXE;
+const _: () = {
+    let mut i = 0;
+    while i < COUNTERS.len() {
+        assert!(COUNTERS[i] != P_START && COUNTERS[i] != P_EXE);
+        i += 1;
+    }
+};
+/// `S_INO` of a slot the daemon freed (`Daemon::free_idle_slots`): it holds no object, but
+/// an object's chain may go on past it (a lookup passes it; an insert may take it).
+pub const FREED: u64 = u64::MAX;
+/// How far a lookup goes from an object's hashed slot.
+const PROBES: usize = 256;
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
 pub const PROCS_AT: usize = 64;
@@ -229,6 +249,9 @@ pub const F_SPAWNING: u64 = 1024;
 /// made durable (`ReplayPlan::durable_creations`), so a real sync that writes one makes the
 /// object's path durable first (`Client::real_sync`).
 pub const F_BORN_UNSYNCED: u64 = 2048;
+/// A directory (set when its slot is claimed): its slot is never freed (a process may use
+/// it between finding it and taking the namespace lock: `ns::Dir`).
+pub const F_DIR: u64 = 4096;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
@@ -375,39 +398,48 @@ impl Table {
         }
     }
 
-    /// Find the slot of (dev, ino), claiming a free one; None if the table is full.
+    /// Find the slot of (dev, ino), claiming a free one; None if the table is full. The slot
+    /// may be freed again by the daemon before the caller locks it: callers check it under
+    /// its lock (`Slot::is_of`; `client::claim`).
     pub fn find_or_insert(&self, dev: u64, ino: u64) -> Option<usize> {
+        if let Some(idx) = self.find(dev, ino) {
+            return Some(idx);
+        }
+        let _g = PidLock::acquire(self.w(H_SLOTS_LOCK)).0;
         let n = self.nslots();
         let h = slot_hash(dev, ino);
-        for k in 0..n.min(256) {
+        let mut spare = None;
+        for k in 0..n.min(PROBES) {
             let idx = (h + k) % n;
             let s = self.slot(idx);
             let cur = s.w(S_INO).load(Ordering::Acquire);
             if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
                 return Some(idx);
             }
-            if cur == 0 {
-                let g = s.lock();
-                let cur = s.w(S_INO).load(Ordering::Acquire);
+            if cur == FREED || cur == 0 {
+                spare.get_or_insert(idx);
                 if cur == 0 {
-                    s.w(S_DEV).store(dev, Ordering::Release);
-                    s.w(S_INO).store(ino + 1, Ordering::Release);
-                    drop(g);
-                    return Some(idx);
-                }
-                if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
-                    return Some(idx);
+                    break; // the chain ends here: the object is nowhere further
                 }
             }
         }
-        None
+        let s = self.slot(spare?);
+        let g = s.lock();
+        // A freed slot was cleared when freed; what a caller that found it before may have
+        // set since goes too.
+        s.clear();
+        s.w(S_DEV).store(dev, Ordering::Release);
+        s.w(S_INO).store(ino + 1, Ordering::Release);
+        drop(g);
+        self.w(H_SLOTS_USED).fetch_add(1, Ordering::AcqRel);
+        Some(s.idx)
     }
 
     /// The slot of (dev, ino), if it has one.
     pub fn find(&self, dev: u64, ino: u64) -> Option<usize> {
         let n = self.nslots();
         let h = slot_hash(dev, ino);
-        for k in 0..n.min(256) {
+        for k in 0..n.min(PROBES) {
             let s = self.slot((h + k) % n);
             let cur = s.w(S_INO).load(Ordering::Acquire);
             if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
@@ -418,6 +450,28 @@ impl Table {
             }
         }
         None
+    }
+
+    /// Slots that hold an object.
+    pub fn slots_used(&self) -> u64 {
+        self.w(H_SLOTS_USED).load(Ordering::Acquire)
+    }
+
+    /// The namespace lock and the slots' lock, if both are free now (the daemon freeing
+    /// slots: never waiting, so never in a lock order with the processes).
+    pub fn try_lock_for_freeing(&self) -> Option<(PidLock<'_>, PidLock<'_>)> {
+        let ns = PidLock::try_acquire(self.w(H_NS_LOCK))?;
+        let slots = PidLock::try_acquire(self.w(H_SLOTS_LOCK))?;
+        Some((ns, slots))
+    }
+
+    /// Free slot `s`, which holds an object nothing needs it for (`Slot::idle`). Caller holds
+    /// the locks of `try_lock_for_freeing` and the slot's.
+    pub fn free(&self, s: &Slot<'_>) {
+        s.clear();
+        s.w(S_DEV).store(0, Ordering::Release);
+        s.w(S_INO).store(FREED, Ordering::Release);
+        self.w(H_SLOTS_USED).fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Take the namespace lock (a dead owner's is taken over).
@@ -617,6 +671,63 @@ mod tests {
         let full = Table::create(&d.path().join("f"), 2, None).unwrap();
         assert!(full.find_or_insert(1, 1).is_some() && full.find_or_insert(1, 2).is_some());
         assert!(full.find_or_insert(1, 3).is_none());
+    }
+
+    /// A freed slot leaves the chains through it whole (objects placed after it are still
+    /// found), is taken again by the next insert that passes it, and an object is never given
+    /// two slots; an idle object's slot is freed, a busy one's is not.
+    #[test]
+    fn freed_slots_keep_chains_whole_and_are_taken_again() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Table::create(&d.path().join("t"), 16, None).unwrap();
+        // Objects whose slots collide: one chain.
+        let h = |ino: u64| slot_hash(1, ino) % 16;
+        let chain: Vec<u64> = (1..).filter(|&i| h(i) == h(1)).take(4).collect();
+        let idx: Vec<usize> = chain
+            .iter()
+            .map(|&i| t.find_or_insert(1, i).unwrap())
+            .collect();
+        assert_eq!(t.slots_used(), 4);
+        let s1 = t.slot(idx[1]);
+        assert!(s1.is_of(1, chain[1]) && s1.idle(1));
+        // Busy: held, live, a writer not seen, watched, a directory.
+        s1.hold(3);
+        assert!(!s1.idle(1));
+        s1.unhold(3);
+        s1.w(S_FID).store(7, Ordering::Relaxed);
+        s1.w(S_LAST_LSN).store(5, Ordering::Relaxed);
+        assert!(!s1.idle(5) && s1.idle(6));
+        for f in [F_MMAP, F_MARKED, F_DIR, F_BORN_UNSYNCED] {
+            s1.w(S_FLAGS).store(f, Ordering::Relaxed);
+            assert!(!s1.idle(6), "{f}");
+        }
+        s1.w(S_FLAGS)
+            .store(F_BASELINE | F_VETTED, Ordering::Relaxed);
+        assert!(s1.idle(6));
+        {
+            let (_ns, _sl) = t.try_lock_for_freeing().unwrap();
+            // Another holder of either lock keeps the daemon off.
+            assert!(t.try_lock_for_freeing().is_none());
+            let _g = s1.lock();
+            t.free(&s1);
+        }
+        assert!(!s1.is_of(1, chain[1]) && !s1.idle(0));
+        assert_eq!(t.slots_used(), 3);
+        assert_eq!(t.find(1, chain[1]), None);
+        for k in [0, 2, 3] {
+            assert_eq!(t.find(1, chain[k]), Some(idx[k]), "past the freed slot");
+            assert_eq!(
+                t.find_or_insert(1, chain[k]),
+                Some(idx[k]),
+                "no second slot"
+            );
+        }
+        // The next object of the chain takes the freed slot, cleared.
+        let again = t.find_or_insert(1, chain[1]).unwrap();
+        assert_eq!(again, idx[1]);
+        assert_eq!(s1.flags(), 0);
+        assert_eq!(s1.w(S_FID).load(Ordering::Relaxed), 0);
+        assert_eq!(t.slots_used(), 4);
     }
 
     #[test]

@@ -88,6 +88,44 @@ impl<'a> Slot<'a> {
         self.w(S_FLAGS).load(Ordering::Acquire)
     }
 
+    /// The slot holds the object (dev, ino) (checked under its lock: the daemon may have
+    /// freed it since it was found).
+    pub fn is_of(&self, dev: u64, ino: u64) -> bool {
+        self.w(S_INO).load(Ordering::Acquire) == ino.wrapping_add(1)
+            && self.w(S_DEV).load(Ordering::Acquire) == dev
+    }
+
+    /// Every word but the lock and the identity (dev, ino) back to a new slot's.
+    pub(super) fn clear(&self) {
+        for k in S_GEN..SLOT_WORDS {
+            self.w(k).store(0, Ordering::Relaxed);
+        }
+        self.hw(0).store(0, Ordering::Release);
+    }
+
+    /// Nothing needs the slot any more, so the daemon may free it (`Table::free`; then the
+    /// object is as one never tracked: its next sync is real, it is vetted again): it holds a
+    /// file or other non-directory that no attached process holds open, that has no entries
+    /// the checkpoint `cp` has not expired (and no binding they need), no writes of a process
+    /// that `cp` has not made durable, no writer the library cannot see, no mark of the
+    /// watch, no fsync of the write-back pending, no child being started with it, and no
+    /// creation whose name may not be durable.
+    pub fn idle(&self, cp: u64) -> bool {
+        let ino = self.w(S_INO).load(Ordering::Acquire);
+        ino != 0
+            && ino != FREED
+            && self.flags() & (F_DIR | F_MARKED | F_NOT_SEEN | F_SPAWNING | F_BORN_UNSYNCED) == 0
+            && self.holders().next().is_none()
+            && (self.w(S_FID).load(Ordering::Acquire) == 0
+                || self.w(S_LAST_LSN).load(Ordering::Acquire) < cp
+                    && self.w(S_BIND_LSN).load(Ordering::Acquire) < cp)
+            && (0..LAZY_MAX).all(|k| {
+                self.w(S_LAZY + 2 * k).load(Ordering::Acquire) == 0
+                    || self.w(S_LAZY + 2 * k + 1).load(Ordering::Acquire) < cp
+            })
+            && self.hw(0).load(Ordering::Acquire) & HANDLE_NOTED == 0
+    }
+
     /// The object has entries the checkpoint `cp` has not expired.
     pub fn live(&self, cp: u64) -> bool {
         self.w(S_FID).load(Ordering::Acquire) != 0

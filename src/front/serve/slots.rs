@@ -1,0 +1,71 @@
+//! Freeing the table's slots of objects nothing needs tracked any more. A slot is taken for
+//! every object an attached process opens, creates or names in a logged operation; without
+//! freeing, a daemon that ran long enough (a mail server, a build, untar and remove cycles)
+//! filled the table, and from then on every namespace operation of a new object was written
+//! back instead of logged (a directory fsync up to the root, or a syncfs, per creation) and
+//! no new file's syncs were absorbed.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::Daemon;
+
+/// Slots are freed once more than this share (1/n) of the table holds objects.
+const FREE_ABOVE: usize = 2;
+/// A pass frees at most this many slots under one holding of the namespace lock (programs'
+/// namespace operations wait for it).
+const BATCH: usize = 256;
+/// At most one pass in this long (a pass reads the whole table).
+pub(super) const FREE_EVERY: Duration = Duration::from_millis(200);
+
+impl Daemon {
+    /// Free the slots of objects nothing needs them for (`Slot::idle`: not held open by an
+    /// attached process, nothing live in the log, no writer the library cannot see, not
+    /// watched, not a directory), if more than `above` slots are in use. Never waits for a
+    /// lock a program holds: what is busy now is left for the next pass. The number freed.
+    pub fn free_idle_slots(&self, above: usize) -> usize {
+        let n = self.table.nslots();
+        if self.table.slots_used() as usize <= above {
+            return 0;
+        }
+        // Candidates without locks (most of the table is read once); each is checked again
+        // under its lock before it goes.
+        let cp = self.log.checkpoint_lsn();
+        let cand: Vec<usize> = (0..n).filter(|&i| self.table.slot(i).idle(cp)).collect();
+        let mut freed = 0;
+        for chunk in cand.chunks(BATCH) {
+            let Some(_locks) = self.table.try_lock_for_freeing() else {
+                break;
+            };
+            for &i in chunk {
+                let s = self.table.slot(i);
+                let Some(_g) = s.try_lock() else { continue };
+                // The checkpoint only grows: an object idle as of the one read above is.
+                if s.idle(cp) {
+                    self.table.free(&s);
+                    freed += 1;
+                }
+            }
+        }
+        self.stats
+            .slots_freed
+            .fetch_add(freed as u64, Ordering::Relaxed);
+        freed
+    }
+
+    /// More than three quarters of the table is in use: the objects made since the last
+    /// write-back (a burst of creations: an untar, a build) hold their slots until their
+    /// records expire, so the daemon writes back early (at most once a second) for the next
+    /// pass to free them.
+    pub(super) fn table_filling(&self) -> bool {
+        self.table.slots_used() as usize * 4 > self.table.nslots() * 3
+    }
+
+    /// `free_idle_slots` when the last pass is `FREE_EVERY` old (the daemon's loop).
+    pub(super) fn free_idle_slots_every(&self, last: &mut Instant) {
+        if last.elapsed() >= FREE_EVERY {
+            self.free_idle_slots(self.table.nslots() / FREE_ABOVE);
+            *last = Instant::now();
+        }
+    }
+}
