@@ -13,20 +13,24 @@ pub(super) struct ReadOnlyShared {
     end: usize,
     dev: u64,
     ino: u64,
+    /// The object's handle checksum (`S_GEN`): another object under the inode number later is
+    /// not this one.
+    gen: u64,
 }
 
 impl Client {
     /// `fd` was mapped shared without PROT_WRITE at `start..start + len`.
     pub fn mapped_read_only(&self, fd: i32, start: usize, len: usize) {
-        if self.tracked(fd).is_none() {
+        let Some(t) = self.tracked(fd) else {
             return;
-        }
+        };
         let Ok(st) = sys::fstat(fd) else { return };
         self.ro_shared.lock().push(ReadOnlyShared {
             start,
             end: start.saturating_add(len),
             dev: st.st_dev,
             ino: st.st_ino,
+            gen: t.ino.gen,
         });
     }
 
@@ -85,25 +89,46 @@ impl Client {
             .copied()
             .collect();
         for m in hit {
-            let Some(idx) = self.table.find(m.dev, m.ino) else {
-                // No slot: nothing of it is logged, and its first sync once tracked is real.
-                continue;
-            };
-            if let Some((fd, t)) = self
-                .tracked_all()
-                .into_iter()
-                .find(|(_, t)| t.ino.slot == idx)
-            {
+            if let Some((fd, t)) = self.tracked_all().into_iter().find(|(_, t)| {
+                t.ino.gen == m.gen && self.table.slot(t.ino.slot).is_of(m.dev, m.ino)
+            }) {
                 self.flag(&t, fd, F_MMAP);
                 continue;
             }
-            let slot = self.table.slot(idx);
-            slot.w(S_FLAGS).fetch_or(F_MMAP, Ordering::AcqRel);
+            // Not open here any more: the flag goes to its slot, which the daemon may have
+            // freed since the mapping was made (nothing held it open): then it takes one again,
+            // or the object would be tracked anew without the flag. A slot of another object
+            // under the inode number means this one is gone (removed: nobody can open it
+            // again). (No slot at all: the table is full; its first sync once tracked again is
+            // real, and nothing of it is logged.)
+            let Some(slot) = self.slot_of_mapped(&m) else {
+                continue;
+            };
             if slot.live(self.log.checkpoint_lsn()) {
                 // Bounded; without a daemon serving, recovery at its next start replays what
                 // is live, and the mapping's stores reach the lower by its own write-back.
                 let _ = self.wait_for_write_back(self.log.lsn_now());
             }
         }
+    }
+
+    /// The slot of the mapped object `m`, flagged `F_MMAP`, taken again if it was freed; None
+    /// if another object has the inode number now, or the table is full.
+    fn slot_of_mapped(&self, m: &ReadOnlyShared) -> Option<Slot<'_>> {
+        for _ in 0..8 {
+            let slot = self.table.slot(self.table.find_or_insert(m.dev, m.ino)?);
+            let _g = slot.lock();
+            if !slot.is_of(m.dev, m.ino) {
+                continue; // freed meanwhile
+            }
+            let gen = slot.w(S_GEN).load(Ordering::Acquire);
+            if gen != 0 && gen != m.gen {
+                return None;
+            }
+            ensure_gen(&slot, m.gen);
+            slot.w(S_FLAGS).fetch_or(F_MMAP, Ordering::AcqRel);
+            return Some(slot);
+        }
+        None
     }
 }
