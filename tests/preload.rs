@@ -4316,3 +4316,48 @@ fn a_program_that_makes_more_files_than_the_table_has_slots_goes_on_logging_them
     assert_eq!(fs::read_dir(root.join("m")).unwrap().count(), 400);
     let _ = fs::remove_file(&pm);
 }
+
+/// Past half of the table, the daemon frees idle directories' slots too (after the files'):
+/// a directory that lost its slot lost what the log knew of its entries, so its next change
+/// writes back (makes it durable by the lower's means) instead of being logged, and nothing
+/// logged in it before is lost. 60 directories through a table of 64.
+#[test]
+fn a_directory_whose_slot_was_freed_writes_back_at_its_next_change() {
+    let Some((_d, root, pm, mut s)) = served_tmp(
+        "dirslots",
+        &["--flush-interval-ms", "100", "--table-slots", "64"],
+    ) else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    a.exec("os.mkdir(os.path.join(d, 'm'))");
+    a.exec("for i in range(60): os.mkdir(os.path.join(d, 'm', 'r%d' % i))");
+    // 62 directories hold slots: once their records expire, the daemon frees them until no
+    // more than 32 are in use.
+    s.wait_stats("directories' slots freed", |v| {
+        v["slots_freed"].as_u64() >= Some(30)
+    });
+    a.exec("for i in range(60): open(os.path.join(d, 'm', 'r%d' % i, 'f'), 'w').close()");
+    // Each creation is logged where its directory kept its slot, or made durable by the
+    // lower's means (a write-back, or fsyncs of its directory where no slot was free for the
+    // moment); the counters as the process left them (the table, not the stats file).
+    let tab = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let c = proc_counters(&tab, pid);
+    use pmstack::front::table::{P_NS_OPS, P_NS_SYNCS, P_UNLOGGED_NS};
+    let (logged, written_back, alone) = (c[P_NS_OPS], c[P_NS_SYNCS], c[P_UNLOGGED_NS]);
+    assert!(
+        logged < 60 + 60 && logged + written_back + alone >= 1 + 60 + 60,
+        "after the creations: {logged} logged, {written_back} written back, {alone} fsynced alone"
+    );
+    drop(a);
+    let before = tree(&root);
+    s.kill9();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(tree(&root), before, "recovery changed the tree");
+    for i in 0..60 {
+        assert!(root.join(format!("m/r{i}/f")).exists(), "m/r{i}/f");
+    }
+    let _ = fs::remove_file(&pm);
+}

@@ -44,12 +44,20 @@ enum Intent {
 /// A directory under the served root, as the parent of a namespace operation.
 pub struct Dir {
     fd: std::sync::Arc<dirs::DirFd>,
+    /// `NO_SLOT`: the table had none free (its operations go to the lower, durable on
+    /// return: `Client::lost_slot`).
     slot: usize,
-    /// Its slot's generation.
+    /// Its inode number and its slot's generation: the daemon may free the slot of an idle
+    /// directory, and another object take it, between the lookup and the namespace lock
+    /// (`Client::held`).
+    ino: u64,
     gen: u64,
     handle: Vec<u8>,
     root: bool,
 }
+
+/// `Dir::slot` of a directory the table had no free slot for.
+pub(super) const NO_SLOT: usize = usize::MAX;
 
 /// A name in a directory under the root. The targets of one call whose paths name the same
 /// directory (a rename within a directory) share it: it is opened and checked once.
@@ -157,10 +165,11 @@ impl Client {
                 return None;
             }
             if let Some(d) = self.dirs.get(st.st_dev, st.st_ino) {
-                let (idx, ()) = claim(&self.table, &st, d.gen, |_| ())?;
+                let idx = claim(&self.table, &st, d.gen, |_| ()).map_or(NO_SLOT, |(i, ())| i);
                 return Some(Dir {
                     fd: d.fd,
                     slot: idx,
+                    ino: st.st_ino,
                     gen: d.gen,
                     handle: d.handle,
                     root: st.st_ino == self.root_ino,
@@ -183,7 +192,7 @@ impl Client {
             return None;
         }
         let (handle, gen) = object_gen(fd.as_raw_fd(), st.st_ino)?;
-        let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
+        let idx = claim(&self.table, &st, gen, |_| ()).map_or(NO_SLOT, |(i, ())| i);
         // Kept whether its text or the kernel's word put it under the root.
         let kept = dirs::Cached {
             fd: fd.clone(),
@@ -194,6 +203,7 @@ impl Client {
         Some(Dir {
             fd,
             slot: idx,
+            ino: st.st_ino,
             gen,
             handle,
             root: st.st_ino == self.root_ino,
@@ -275,6 +285,26 @@ impl Client {
     /// Whether every change of `d` since it was last made durable was logged.
     fn clean(&self, d: &Dir) -> bool {
         self.logged_up_to(&self.table.slot(d.slot), ctime(d.fd.as_raw_fd()))
+    }
+
+    /// Whether the slot of `d` still holds it. The daemon frees the slots of idle
+    /// directories under the namespace lock (`Daemon::free_idle_slots`), so once that lock
+    /// is held the answer stays; where it is no, the operation logs nothing against the slot
+    /// (another object's now, or nobody's).
+    fn held(&self, d: &Dir) -> bool {
+        d.slot != NO_SLOT && {
+            let s = self.table.slot(d.slot);
+            s.is_of(self.root_dev, d.ino) && s.w(S_GEN).load(Ordering::Acquire) == d.gen
+        }
+    }
+
+    /// A namespace operation whose directories' slots were freed since they were found, or
+    /// that found none free (`held`): run on the lower and durable on return, as one the log
+    /// cannot name (`unlogged_durable`). Caller holds the namespace lock.
+    fn lost_slot<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        let out = self.alone_locked(dirs, op)?;
+        self.count(P_UNLOGGED_NS, 1);
+        Ok(out)
     }
 
     /// Whether `c`, the change time of the directory of `slot` read now, is the one recorded
@@ -471,12 +501,17 @@ impl Client {
     /// directories are synced.
     fn alone<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         let _ns = self.table.ns_lock();
+        self.alone_locked(dirs, op)
+    }
+
+    /// `alone`, the namespace lock held.
+    fn alone_locked<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         if crate::policy::must_write_back_first(self.ns_live(), false) {
             self.write_back_namespace(&raw(dirs))?;
         }
         let out = op()?;
         for (i, d) in dirs.iter().enumerate() {
-            if dirs[..i].iter().all(|e| e.slot != d.slot) {
+            if dirs[..i].iter().all(|e| e.ino != d.ino) {
                 sys::fsync(d.fd.as_raw_fd(), false)?;
             }
         }
@@ -530,6 +565,9 @@ impl Client {
         if let Some(d) = self.pause_ns {
             std::thread::sleep(d);
         }
+        if !dirs.iter().all(|d| self.held(d)) {
+            return self.lost_slot(dirs, op);
+        }
         let clean = dirs.iter().all(|d| self.clean(d));
         let out = op()?;
         // Not clean: log only tells whether anything changed, and appends nothing.
@@ -571,6 +609,9 @@ impl Client {
         }
         let dirs = &distinct(dirs);
         let (_ns, taken_over) = self.table.ns_lock_taken_over();
+        if !dirs.iter().all(|d| self.held(d)) {
+            return self.lost_slot(dirs, op);
+        }
         let fds = raw(dirs);
         if taken_over || !dirs.iter().all(|d| self.clean(d)) {
             // The log may lack an operation the lower has: an unlogged change of these

@@ -7,7 +7,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
-use super::{at_call, ctime, Dir, Intent, Target};
+use super::{at_call, ctime, Dir, Intent, Target, NO_SLOT};
 use crate::engine::{NodeKind, NsOp, Record};
 use crate::front::client::{claim, object_gen, Client, NotLogged};
 use crate::front::sys;
@@ -257,8 +257,8 @@ impl Client {
         sync: bool,
     ) -> io::Result<(i32, Option<crate::front::client::Born>)> {
         let c = t.cname();
-        let expected =
-            self.sync_expected(sync) || self.table.slot(t.dir.slot).flags() & F_SYNCS_HERE != 0;
+        let expected = self.sync_expected(sync)
+            || t.dir.slot != NO_SLOT && self.table.slot(t.dir.slot).flags() & F_SYNCS_HERE != 0;
         let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
         let born_marked = std::cell::Cell::new(false);
         let born = std::cell::Cell::new(None);
@@ -408,6 +408,11 @@ impl Client {
         self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
         let _ns = self.table.ns_lock();
+        if !slot.is_of(st.st_dev, st.st_ino) || slot.w(S_GEN).load(Ordering::Acquire) != gen {
+            // The daemon freed its slot since (it was idle): what it knew of the directory
+            // went with it.
+            return Some(self.write_back_namespace(&[fd]));
+        }
         let c0 = ctime(fd);
         if self.logged_up_to(&slot, c0) {
             self.count(P_DIR_FSYNC, 1);

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::Daemon;
+use crate::front::table::F_DIR;
 
 /// Slots are freed once more than this share (1/n) of the table holds objects.
 const FREE_ABOVE: usize = 2;
@@ -21,8 +22,11 @@ pub(super) const FREE_EVERY: Duration = Duration::from_millis(200);
 impl Daemon {
     /// Free the slots of objects nothing needs them for (`Slot::idle`: not held open by an
     /// attached process, nothing live in the log, no writer the library cannot see, not
-    /// watched, not a directory), if more than `above` slots are in use. Never waits for a
-    /// lock a program holds: what is busy now is left for the next pass. The number freed.
+    /// watched), if more than `above` slots are in use: every idle file's, then idle
+    /// directories' while more than `above` are still in use (a directory whose slot goes
+    /// loses what the log knew of its entries: its next change writes back first). Never
+    /// waits for a lock a program holds: what is busy now is left for the next pass. The
+    /// number freed.
     pub fn free_idle_slots(&self, above: usize) -> usize {
         let n = self.table.nslots();
         if self.table.slots_used() as usize <= above {
@@ -31,13 +35,28 @@ impl Daemon {
         // Candidates without locks (most of the table is read once); each is checked again
         // under its lock before it goes.
         let cp = self.log.checkpoint_lsn();
-        let cand: Vec<usize> = (0..n).filter(|&i| self.table.slot(i).idle(cp)).collect();
+        let (dirs, files): (Vec<usize>, Vec<usize>) = (0..n)
+            .filter(|&i| self.table.slot(i).idle(cp))
+            .partition(|&i| self.table.slot(i).flags() & F_DIR != 0);
+        let mut freed = self.free_each(&files, cp, || true);
+        freed += self.free_each(&dirs, cp, || self.table.slots_used() as usize > above);
+        self.stats
+            .slots_freed
+            .fetch_add(freed as u64, Ordering::Relaxed);
+        freed
+    }
+
+    /// Free the slots `cand` that are still idle as of checkpoint `cp`, while `more()`.
+    fn free_each(&self, cand: &[usize], cp: u64, more: impl Fn() -> bool) -> usize {
         let mut freed = 0;
         for chunk in cand.chunks(BATCH) {
             let Some(_locks) = self.table.try_lock_for_freeing() else {
                 break;
             };
             for &i in chunk {
+                if !more() {
+                    return freed;
+                }
                 let s = self.table.slot(i);
                 let Some(_g) = s.try_lock() else { continue };
                 // The checkpoint only grows: an object idle as of the one read above is.
@@ -47,9 +66,6 @@ impl Daemon {
                 }
             }
         }
-        self.stats
-            .slots_freed
-            .fetch_add(freed as u64, Ordering::Relaxed);
         freed
     }
 

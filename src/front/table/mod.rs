@@ -249,8 +249,8 @@ pub const F_SPAWNING: u64 = 1024;
 /// made durable (`ReplayPlan::durable_creations`), so a real sync that writes one makes the
 /// object's path durable first (`Client::real_sync`).
 pub const F_BORN_UNSYNCED: u64 = 2048;
-/// A directory (set when its slot is claimed): its slot is never freed (a process may use
-/// it between finding it and taking the namespace lock: `ns::Dir`).
+/// A directory (set when its slot is claimed): its lazy words say what the log knows of its
+/// entries (`S_DIR_CTIME`, `S_DIR_NS_LSN`).
 pub const F_DIR: u64 = 4096;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
@@ -697,10 +697,15 @@ mod tests {
         s1.w(S_FID).store(7, Ordering::Relaxed);
         s1.w(S_LAST_LSN).store(5, Ordering::Relaxed);
         assert!(!s1.idle(5) && s1.idle(6));
-        for f in [F_MMAP, F_MARKED, F_DIR, F_BORN_UNSYNCED] {
+        for f in [F_MMAP, F_MARKED, F_BORN_UNSYNCED] {
             s1.w(S_FLAGS).store(f, Ordering::Relaxed);
             assert!(!s1.idle(6), "{f}");
         }
+        // A directory: while a live namespace record names it as a parent.
+        s1.w(S_FLAGS).store(F_DIR, Ordering::Relaxed);
+        s1.w(S_DIR_NS_LSN).store(6, Ordering::Relaxed);
+        assert!(!s1.idle(6) && s1.idle(7));
+        s1.w(S_DIR_NS_LSN).store(0, Ordering::Relaxed);
         s1.w(S_FLAGS)
             .store(F_BASELINE | F_VETTED, Ordering::Relaxed);
         assert!(s1.idle(6));

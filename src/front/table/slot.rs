@@ -104,25 +104,32 @@ impl<'a> Slot<'a> {
     }
 
     /// Nothing needs the slot any more, so the daemon may free it (`Table::free`; then the
-    /// object is as one never tracked: its next sync is real, it is vetted again): it holds a
-    /// file or other non-directory that no attached process holds open, that has no entries
-    /// the checkpoint `cp` has not expired (and no binding they need), no writes of a process
-    /// that `cp` has not made durable, no writer the library cannot see, no mark of the
-    /// watch, no fsync of the write-back pending, no child being started with it, and no
-    /// creation whose name may not be durable.
+    /// object is as one never tracked: its next sync is real, it is vetted again; a
+    /// directory's next change writes back first): it holds an object that no attached
+    /// process holds open, that has no entries the checkpoint `cp` has not expired (its
+    /// binding is below `cp`: no record is ever live without one), that no live namespace
+    /// record names as a parent, with no writes of a process that `cp` has not made durable,
+    /// no writer the library cannot see, no mark of the watch, no fsync of the write-back
+    /// pending, no child being started with it, and no creation whose name may not be
+    /// durable.
     pub fn idle(&self, cp: u64) -> bool {
         let ino = self.w(S_INO).load(Ordering::Acquire);
+        let f = self.flags();
         ino != 0
             && ino != FREED
-            && self.flags() & (F_DIR | F_MARKED | F_NOT_SEEN | F_SPAWNING | F_BORN_UNSYNCED) == 0
+            && f & (F_MARKED | F_NOT_SEEN | F_SPAWNING | F_BORN_UNSYNCED) == 0
             && self.holders().next().is_none()
             && (self.w(S_FID).load(Ordering::Acquire) == 0
                 || self.w(S_LAST_LSN).load(Ordering::Acquire) < cp
                     && self.w(S_BIND_LSN).load(Ordering::Acquire) < cp)
-            && (0..LAZY_MAX).all(|k| {
-                self.w(S_LAZY + 2 * k).load(Ordering::Acquire) == 0
-                    || self.w(S_LAZY + 2 * k + 1).load(Ordering::Acquire) < cp
-            })
+            && if f & F_DIR != 0 {
+                self.w(S_DIR_NS_LSN).load(Ordering::Acquire) < cp
+            } else {
+                (0..LAZY_MAX).all(|k| {
+                    self.w(S_LAZY + 2 * k).load(Ordering::Acquire) == 0
+                        || self.w(S_LAZY + 2 * k + 1).load(Ordering::Acquire) < cp
+                })
+            }
             && self.hw(0).load(Ordering::Acquire) & HANDLE_NOTED == 0
     }
 
