@@ -115,20 +115,13 @@ impl Client {
     /// The slot of the mapped object `m`, flagged `F_MMAP`, taken again if it was freed; None
     /// if another object has the inode number now, or the table is full.
     fn slot_of_mapped(&self, m: &ReadOnlyShared) -> Option<Slot<'_>> {
-        for _ in 0..8 {
-            let slot = self.table.slot(self.table.find_or_insert(m.dev, m.ino)?);
-            let _g = slot.lock();
-            if !slot.is_of(m.dev, m.ino) {
-                continue; // freed meanwhile
-            }
-            let gen = slot.w(S_GEN).load(Ordering::Acquire);
-            if gen != 0 && gen != m.gen {
-                return None;
-            }
-            ensure_gen(&slot, m.gen);
-            slot.w(S_FLAGS).fetch_or(F_MMAP, Ordering::AcqRel);
-            return Some(slot);
+        let (slot, _g) = self.table.locked_slot_of(m.dev, m.ino)?;
+        let gen = slot.w(S_GEN).load(Ordering::Acquire);
+        if gen != 0 && gen != m.gen {
+            return None;
         }
-        None
+        ensure_gen(&slot, m.gen);
+        slot.w(S_FLAGS).fetch_or(F_MMAP, Ordering::AcqRel);
+        Some(slot)
     }
 }

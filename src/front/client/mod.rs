@@ -659,22 +659,12 @@ pub(super) fn claim<R>(
     gen: u64,
     f: impl FnOnce(&Slot<'_>) -> R,
 ) -> Option<(usize, R)> {
-    // The daemon may free the slot between the lookup and the lock (`Slot::idle`): then it is
-    // looked up (and inserted) again.
-    for _ in 0..8 {
-        let idx = table.find_or_insert(st.st_dev, st.st_ino)?;
-        let slot = table.slot(idx);
-        let _g = slot.lock();
-        if !slot.is_of(st.st_dev, st.st_ino) {
-            continue;
-        }
-        ensure_gen(&slot, gen);
-        if st.st_mode & libc::S_IFMT == libc::S_IFDIR && slot.flags() & F_DIR == 0 {
-            slot.w(S_FLAGS).fetch_or(F_DIR, Ordering::AcqRel);
-        }
-        return Some((idx, f(&slot)));
+    let (slot, _g) = table.locked_slot_of(st.st_dev, st.st_ino)?;
+    ensure_gen(&slot, gen);
+    if st.st_mode & libc::S_IFMT == libc::S_IFDIR && slot.flags() & F_DIR == 0 {
+        slot.w(S_FLAGS).fetch_or(F_DIR, Ordering::AcqRel);
     }
-    None
+    Some((slot.idx, f(&slot)))
 }
 
 /// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).

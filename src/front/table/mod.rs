@@ -435,6 +435,19 @@ impl Table {
         Some(s.idx)
     }
 
+    /// The slot of (dev, ino), inserted if new, locked. The daemon may free a slot between
+    /// the lookup and the lock: it is looked up again then. None: the table is full.
+    pub fn locked_slot_of(&self, dev: u64, ino: u64) -> Option<(Slot<'_>, PidLock<'_>)> {
+        for _ in 0..8 {
+            let slot = self.slot(self.find_or_insert(dev, ino)?);
+            let g = slot.lock();
+            if slot.is_of(dev, ino) {
+                return Some((slot, g));
+            }
+        }
+        None
+    }
+
     /// The slot of (dev, ino), if it has one.
     pub fn find(&self, dev: u64, ino: u64) -> Option<usize> {
         let n = self.nslots();
