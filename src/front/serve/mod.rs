@@ -473,7 +473,7 @@ impl Daemon {
                 || last_wb.elapsed() >= self.opts.flush_interval
                 || logged.saturating_sub(logged_at_wb) >= self.opts.early_bytes
                 || !dead.is_empty() && last_wb.elapsed() >= Duration::from_millis(200)
-                || self.table_filling() && last_wb.elapsed() >= Duration::from_secs(1)
+                || self.table_filling() && last_wb.elapsed() >= slots::TABLE_FILLING_WB
             {
                 if let Ok(upto) = self.write_back() {
                     logged_at_wb = logged;
@@ -492,6 +492,10 @@ impl Daemon {
                     });
                 }
                 last_wb = Instant::now();
+                // Objects the write-back made idle free their slots now, not at the next pass.
+                if self.table_filling() {
+                    last_free = Instant::now() - slots::FREE_EVERY;
+                }
             }
             if last_stats.elapsed() >= Duration::from_millis(500) {
                 let _ = crate::lower::write_atomic(stats_path, &self.stats_json().to_string());

@@ -18,6 +18,8 @@ const FREE_ABOVE: usize = 2;
 const BATCH: usize = 256;
 /// At most one pass in this long (a pass reads the whole table).
 pub(super) const FREE_EVERY: Duration = Duration::from_millis(200);
+/// The shortest time between the early write-backs of a filling table (`table_filling`).
+pub(super) const TABLE_FILLING_WB: Duration = Duration::from_millis(200);
 
 impl Daemon {
     /// Free the slots of objects nothing needs them for (`Slot::idle`: not held open by an
@@ -50,7 +52,14 @@ impl Daemon {
     fn free_each(&self, cand: &[usize], cp: u64, more: impl Fn() -> bool) -> usize {
         let mut freed = 0;
         for chunk in cand.chunks(BATCH) {
-            let Some(_locks) = self.table.try_lock_for_freeing() else {
+            // Programs' namespace operations hold the lock most of the time under a burst of
+            // them: a few tries, a moment apart.
+            let Some(_locks) = (0..20).find_map(|k| {
+                if k > 0 {
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                self.table.try_lock_for_freeing()
+            }) else {
                 break;
             };
             for &i in chunk {
@@ -71,8 +80,9 @@ impl Daemon {
 
     /// More than three quarters of the table is in use: the objects made since the last
     /// write-back (a burst of creations: an untar, a build) hold their slots until their
-    /// records expire, so the daemon writes back early (at most once a second) for the next
-    /// pass to free them.
+    /// records expire, so the daemon writes back early (at most every `TABLE_FILLING_WB`) and
+    /// frees them right after. (An operation that finds no slot is made durable by the
+    /// lower's own syncs: dearer than a write-back now and then.)
     pub(super) fn table_filling(&self) -> bool {
         self.table.slots_used() as usize * 4 > self.table.nslots() * 3
     }
