@@ -4279,17 +4279,10 @@ fn a_relative_path_from_outside_the_root_reaches_a_tracked_file() {
 /// an untar ran at a third of the lower's speed. Here 400 files go through a table of 64.
 #[test]
 fn a_program_that_makes_more_files_than_the_table_has_slots_goes_on_logging_them() {
-    let Some((_d, root, pm, mut s)) = served_tmp(
-        "slots",
-        &["--flush-interval-ms", "100", "--table-slots", "64"],
-    ) else {
+    let Some((_d, root, pm, mut s, mut a)) = served_small_table("slots") else {
         return;
     };
-    let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
-    // The root was made outside the log: its first change is written back; `m`, made by
-    // it, is clean from its birth.
-    a.exec("os.mkdir(os.path.join(d, 'm'))");
     let tab = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
     for round in 0..20 {
         a.exec(&format!(
@@ -4317,14 +4310,9 @@ fn a_program_that_makes_more_files_than_the_table_has_slots_goes_on_logging_them
     let keys = ["ns_ops", "ns_write_backs", "ns_dir_write_backs"];
     expect_counts(&s, pid, keys, (400, 1, 1), "after 400 creations");
     // What was logged through reused slots is recovered as it was.
-    let before = tree(&root);
-    s.kill9();
     drop(a);
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
-    assert_eq!(tree(&root), before, "recovery changed the tree");
+    recovery_keeps_the_tree(&root, &pm, &mut s);
     assert_eq!(fs::read_dir(root.join("m")).unwrap().count(), 400);
-    let _ = fs::remove_file(&pm);
 }
 
 /// Past half of the table, the daemon frees idle directories' slots too (after the files'):
@@ -4333,15 +4321,10 @@ fn a_program_that_makes_more_files_than_the_table_has_slots_goes_on_logging_them
 /// logged in it before is lost. 60 directories through a table of 64.
 #[test]
 fn a_directory_whose_slot_was_freed_writes_back_at_its_next_change() {
-    let Some((_d, root, pm, mut s)) = served_tmp(
-        "dirslots",
-        &["--flush-interval-ms", "100", "--table-slots", "64"],
-    ) else {
+    let Some((_d, root, pm, mut s, mut a)) = served_small_table("dirslots") else {
         return;
     };
-    let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
-    a.exec("os.mkdir(os.path.join(d, 'm'))");
     a.exec("for i in range(60): os.mkdir(os.path.join(d, 'm', 'r%d' % i))");
     // 62 directories hold slots: once their records expire, the daemon frees them until no
     // more than 32 are in use.
@@ -4361,13 +4344,29 @@ fn a_directory_whose_slot_was_freed_writes_back_at_its_next_change() {
         "after the creations: {logged} logged, {written_back} written back, {alone} fsynced alone"
     );
     drop(a);
-    let before = tree(&root);
-    s.kill9();
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
-    assert_eq!(tree(&root), before, "recovery changed the tree");
+    recovery_keeps_the_tree(&root, &pm, &mut s);
     for i in 0..60 {
         assert!(root.join(format!("m/r{i}/f")).exists(), "m/r{i}/f");
     }
-    let _ = fs::remove_file(&pm);
+}
+
+/// A daemon whose table has 64 slots, writing back every 100 ms, and a Python program under
+/// `pmstack run` of it that made the directory `m` (the root was made outside the log: its
+/// first change is written back; `m`, made by it, is clean from its birth).
+fn served_small_table(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf, Serve, Py)> {
+    let (d, root, pm, s) =
+        served_tmp(name, &["--flush-interval-ms", "100", "--table-slots", "64"])?;
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec("os.mkdir(os.path.join(d, 'm'))");
+    Some((d, root, pm, s, a))
+}
+
+/// Kill the daemon of `root` and start it again: its recovery leaves the tree as it was.
+fn recovery_keeps_the_tree(root: &Path, pm: &Path, s: &mut Serve) {
+    let before = tree(root);
+    s.kill9();
+    let mut s2 = Serve::start(root, pm, &[]);
+    s2.stop();
+    assert_eq!(tree(root), before, "recovery changed the tree");
+    let _ = fs::remove_file(pm);
 }

@@ -437,6 +437,9 @@ impl Daemon {
         let mut last_vet = Instant::now() - VET_EVERY;
         let mut last_reclaim = Instant::now();
         let mut last_free = Instant::now();
+        // Slots in use after the last write-back and the freeing after it: an early write-back
+        // for a filling table helps only if objects were made since (held ones stay).
+        let mut used_at_wb = 0;
         let me = my_pid();
         while !stop.load(Ordering::Relaxed) {
             // Free the records of processes that are gone before the next process to attach
@@ -473,7 +476,9 @@ impl Daemon {
                 || last_wb.elapsed() >= self.opts.flush_interval
                 || logged.saturating_sub(logged_at_wb) >= self.opts.early_bytes
                 || !dead.is_empty() && last_wb.elapsed() >= Duration::from_millis(200)
-                || self.table_filling() && last_wb.elapsed() >= slots::TABLE_FILLING_WB
+                || self.table_filling()
+                    && self.table.slots_used() > used_at_wb
+                    && last_wb.elapsed() >= slots::TABLE_FILLING_WB
             {
                 if let Ok(upto) = self.write_back() {
                     logged_at_wb = logged;
@@ -495,7 +500,9 @@ impl Daemon {
                 // Objects the write-back made idle free their slots now, not at the next pass.
                 if self.table_filling() {
                     last_free = Instant::now() - slots::FREE_EVERY;
+                    self.free_idle_slots_every(&mut last_free);
                 }
+                used_at_wb = self.table.slots_used();
             }
             if last_stats.elapsed() >= Duration::from_millis(500) {
                 let _ = crate::lower::write_atomic(stats_path, &self.stats_json().to_string());

@@ -118,7 +118,8 @@ impl<'a> Slot<'a> {
         ino != 0
             && ino != FREED
             && f & (F_MARKED | F_NOT_SEEN | F_SPAWNING | F_BORN_UNSYNCED) == 0
-            && self.holders().next().is_none()
+            && (0..MAX_PROCS.div_ceil(64))
+                .all(|k| self.w(S_HOLDERS + k).load(Ordering::Acquire) == 0)
             && (self.w(S_FID).load(Ordering::Acquire) == 0
                 || self.w(S_LAST_LSN).load(Ordering::Acquire) < cp
                     && self.w(S_BIND_LSN).load(Ordering::Acquire) < cp)
