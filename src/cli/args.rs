@@ -29,7 +29,7 @@ pub(super) struct ServeArgs {
     /// handle) each. Slots of objects nothing needs any more are freed once half are in use;
     /// an object that finds no free slot is not absorbed (its syncs and namespace operations
     /// go to DIR's file system).
-    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(16..=1 << 24))]
+    #[arg(long, default_value_t = pmstack::front::table::DEFAULT_SLOTS as u32, value_parser = clap::value_parser!(u32).range(16..=1 << 24))]
     pub(super) table_slots: u32,
     /// Do not watch for writers outside `pmstack run` (fanotify, needs root): you promise
     /// that every process writing DIR runs under `pmstack run`.

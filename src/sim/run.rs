@@ -43,12 +43,13 @@ use crate::engine::Log;
 use crate::front::client::Client;
 use crate::front::serve::{Daemon, ServeOpts};
 use crate::front::table::{Table, DEFAULT_SLOTS, H_HEARTBEAT, H_WAKE};
-
-/// The slots of a small table (`history`): more than the objects of a history, so that every
-/// object finds one, and few enough that the daemon frees some (above half of them in use).
-const SMALL_TABLE: usize = 16;
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
+
+/// The slots of a small table (`history`): about as many as the objects of a history, so
+/// that objects freed at a write-back take other slots when tracked again (and, now and
+/// then, find none free).
+const SMALL_TABLE: usize = 16;
 
 pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) {
     let dir = ScratchDir::new();

@@ -292,10 +292,7 @@ impl Client {
     /// is held the answer stays; where it is no, the operation logs nothing against the slot
     /// (another object's now, or nobody's).
     fn held(&self, d: &Dir) -> bool {
-        d.slot != NO_SLOT && {
-            let s = self.table.slot(d.slot);
-            s.is_of(self.root_dev, d.ino) && s.w(S_GEN).load(Ordering::Acquire) == d.gen
-        }
+        d.slot != NO_SLOT && self.table.slot(d.slot).holds(self.root_dev, d.ino, d.gen)
     }
 
     /// A namespace operation whose directories' slots were freed since they were found, or

@@ -408,7 +408,7 @@ impl Client {
         self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
         let _ns = self.table.ns_lock();
-        if !slot.is_of(st.st_dev, st.st_ino) || slot.w(S_GEN).load(Ordering::Acquire) != gen {
+        if !slot.holds(st.st_dev, st.st_ino, gen) {
             // The daemon freed its slot since (it was idle): what it knew of the directory
             // went with it.
             return Some(self.write_back_namespace(&[fd]));

@@ -499,8 +499,7 @@ impl Daemon {
                 last_wb = Instant::now();
                 // Objects the write-back made idle free their slots now, not at the next pass.
                 if self.table_filling() {
-                    last_free = Instant::now() - slots::FREE_EVERY;
-                    self.free_idle_slots_every(&mut last_free);
+                    self.free_past_half(&mut last_free);
                 }
                 used_at_wb = self.table.slots_used();
             }

@@ -16,8 +16,9 @@ const FREE_ABOVE: usize = 2;
 /// A pass frees at most this many slots under one holding of the namespace lock (programs'
 /// namespace operations wait for it).
 const BATCH: usize = 256;
-/// At most one pass in this long (a pass reads the whole table).
-pub(super) const FREE_EVERY: Duration = Duration::from_millis(200);
+/// At most one pass in this long (a pass reads the whole table), but right after a write-back
+/// of a filling table.
+const FREE_EVERY: Duration = Duration::from_millis(200);
 /// The shortest time between the early write-backs of a filling table (`table_filling`).
 pub(super) const TABLE_FILLING_WB: Duration = Duration::from_millis(200);
 
@@ -87,11 +88,16 @@ impl Daemon {
         self.table.slots_used() as usize * 4 > self.table.nslots() * 3
     }
 
-    /// `free_idle_slots` when the last pass is `FREE_EVERY` old (the daemon's loop).
+    /// `free_past_half` when the last pass is `FREE_EVERY` old (the daemon's loop).
     pub(super) fn free_idle_slots_every(&self, last: &mut Instant) {
         if last.elapsed() >= FREE_EVERY {
-            self.free_idle_slots(self.table.nslots() / FREE_ABOVE);
-            *last = Instant::now();
+            self.free_past_half(last);
         }
+    }
+
+    /// `free_idle_slots` past half of the table in use, now (`last`: when, for the next).
+    pub(super) fn free_past_half(&self, last: &mut Instant) {
+        self.free_idle_slots(self.table.nslots() / FREE_ABOVE);
+        *last = Instant::now();
     }
 }

@@ -402,28 +402,16 @@ impl Table {
     /// may be freed again by the daemon before the caller locks it: callers check it under
     /// its lock (`Slot::is_of`; `client::claim`).
     pub fn find_or_insert(&self, dev: u64, ino: u64) -> Option<usize> {
-        if let Some(idx) = self.find(dev, ino) {
+        if let Ok(idx) = self.probe(dev, ino) {
             return Some(idx);
         }
         let _g = PidLock::acquire(self.w(H_SLOTS_LOCK)).0;
-        let n = self.nslots();
-        let h = slot_hash(dev, ino);
-        let mut spare = None;
-        for k in 0..n.min(PROBES) {
-            let idx = (h + k) % n;
-            let s = self.slot(idx);
-            let cur = s.w(S_INO).load(Ordering::Acquire);
-            if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
-                return Some(idx);
-            }
-            if cur == FREED || cur == 0 {
-                spare.get_or_insert(idx);
-                if cur == 0 {
-                    break; // the chain ends here: the object is nowhere further
-                }
-            }
-        }
-        let s = self.slot(spare?);
+        // Again under the lock: another process may have inserted it meanwhile.
+        let spare = match self.probe(dev, ino) {
+            Ok(idx) => return Some(idx),
+            Err(spare) => spare?,
+        };
+        let s = self.slot(spare);
         let g = s.lock();
         // A freed slot was cleared when freed; what a caller that found it before may have
         // set since goes too.
@@ -450,19 +438,30 @@ impl Table {
 
     /// The slot of (dev, ino), if it has one.
     pub fn find(&self, dev: u64, ino: u64) -> Option<usize> {
+        self.probe(dev, ino).ok()
+    }
+
+    /// Walk the chain of (dev, ino) from its hashed slot, past freed slots, to the first free
+    /// one (the chain ends there: the object is nowhere further) or `PROBES` slots: Ok(its
+    /// slot), or Err(the first freed or free slot an insert may take, if any).
+    fn probe(&self, dev: u64, ino: u64) -> Result<usize, Option<usize>> {
         let n = self.nslots();
         let h = slot_hash(dev, ino);
+        let mut spare = None;
         for k in 0..n.min(PROBES) {
             let s = self.slot((h + k) % n);
             let cur = s.w(S_INO).load(Ordering::Acquire);
             if cur == ino + 1 && s.w(S_DEV).load(Ordering::Acquire) == dev {
-                return Some(s.idx);
+                return Ok(s.idx);
             }
-            if cur == 0 {
-                return None;
+            if cur == FREED || cur == 0 {
+                spare.get_or_insert(s.idx);
+                if cur == 0 {
+                    break;
+                }
             }
         }
-        None
+        Err(spare)
     }
 
     /// Slots that hold an object.

@@ -95,6 +95,13 @@ impl<'a> Slot<'a> {
             && self.w(S_DEV).load(Ordering::Acquire) == dev
     }
 
+    /// The slot holds the object (dev, ino) whose handle checksum is `gen` (a slot found
+    /// before the namespace lock was taken: the daemon may have freed it since, and another
+    /// object taken it).
+    pub fn holds(&self, dev: u64, ino: u64, gen: u64) -> bool {
+        self.is_of(dev, ino) && self.w(S_GEN).load(Ordering::Acquire) == gen
+    }
+
     /// Every word but the lock and the identity (dev, ino) back to a new slot's.
     pub(super) fn clear(&self) {
         for k in S_GEN..SLOT_WORDS {
@@ -120,16 +127,14 @@ impl<'a> Slot<'a> {
             && f & (F_MARKED | F_NOT_SEEN | F_SPAWNING | F_BORN_UNSYNCED) == 0
             && (0..MAX_PROCS.div_ceil(64))
                 .all(|k| self.w(S_HOLDERS + k).load(Ordering::Acquire) == 0)
+            && !self.live(cp)
             && (self.w(S_FID).load(Ordering::Acquire) == 0
-                || self.w(S_LAST_LSN).load(Ordering::Acquire) < cp
-                    && self.w(S_BIND_LSN).load(Ordering::Acquire) < cp)
+                || self.w(S_BIND_LSN).load(Ordering::Acquire) < cp)
             && if f & F_DIR != 0 {
                 self.w(S_DIR_NS_LSN).load(Ordering::Acquire) < cp
             } else {
-                (0..LAZY_MAX).all(|k| {
-                    self.w(S_LAZY + 2 * k).load(Ordering::Acquire) == 0
-                        || self.w(S_LAZY + 2 * k + 1).load(Ordering::Acquire) < cp
-                })
+                // No pid is 0: every lazy writer counts.
+                !self.others_lazy(0, cp)
             }
             && self.hw(0).load(Ordering::Acquire) & HANDLE_NOTED == 0
     }
