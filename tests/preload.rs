@@ -2294,6 +2294,70 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
     assert!(root.join("e").exists() && root.join("y").exists() && !root.join("c").exists());
 }
 
+/// An attribute change of a directory (its times, owner or mode, as an untar gives them back
+/// to each directory at its end), by path or through a descriptor, leaves a directory whose
+/// every change was logged clean: the next namespace operation in it is logged, not written
+/// back (an untar's directories each wrote the namespace back at their first removal). The
+/// directory's next fsync is the lower's own (the attributes are durable by it alone), the
+/// one after is absorbed again. Recovery after a kill of the daemon keeps the tree.
+#[test]
+fn an_attribute_change_of_a_directory_leaves_it_clean() {
+    let Some((_d, root, pm, mut s)) = served_tmp("nsattrs", &["--flush-interval-ms", "3600000"])
+    else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    let expect =
+        |pid: u64, want: (u64, u64, u64), what: &str| expect_ns_counts(&s, pid, want, what);
+    // The root was made outside the log (by the test): its first change is written back.
+    a.exec("os.mkdir(os.path.join(d, 'a'))");
+    expect(pid, (1, 0, 0), "the root's first change");
+    a.exec("a = os.path.join(d, 'a')");
+    let changes = [
+        "os.utime(a, (1, 2))",
+        "os.chmod(a, 0o750)",
+        "os.chown(a, os.getuid(), os.getgid())",
+        "os.utime(a, (3, 4), follow_symlinks=False)",
+        "fd = os.open(a, os.O_RDONLY); os.utime(fd, (5, 6)); os.close(fd)",
+        "fd = os.open(a, os.O_RDONLY); os.fchmod(fd, 0o755); os.close(fd)",
+        "fd = os.open(a, os.O_RDONLY); os.fchown(fd, os.getuid(), os.getgid()); os.close(fd)",
+    ];
+    for (i, change) in changes.iter().enumerate() {
+        a.exec(change);
+        a.exec(&format!("open(os.path.join(a, 'f{i}'), 'w').close()"));
+        expect(
+            pid,
+            (1, 0, 1 + i as u64),
+            &format!("a create after `{change}`"),
+        );
+    }
+    let keys = ["ns_write_backs", "absorbed_dir_fsync", "real_syncs"];
+    let reals = proc_stats(&s.stats(), pid).unwrap_or_default()["real_syncs"]
+        .as_u64()
+        .unwrap_or(0);
+    a.exec("fd = os.open(a, os.O_RDONLY); os.fsync(fd); os.close(fd)");
+    expect_counts(
+        &s,
+        pid,
+        keys,
+        (1, 0, reals + 1),
+        "the fsync after the changes",
+    );
+    a.exec("fd = os.open(a, os.O_RDONLY); os.fsync(fd); os.close(fd)");
+    expect_counts(&s, pid, keys, (1, 1, reals + 1), "the fsync after that");
+    let before = tree(&root);
+    s.kill9();
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    assert_eq!(tree(&root), before, "recovery changed the tree");
+    use std::os::unix::fs::MetadataExt;
+    let md = fs::metadata(root.join("a")).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o755);
+    let _ = fs::remove_file(&pm);
+}
+
 /// A directory made where the operation could not be logged (its parent had a change outside
 /// the log: the operation was written back instead) is clean from its birth, as one made by a
 /// logged operation is: the first operation in it is logged, not written back again (tar

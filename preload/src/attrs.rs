@@ -75,31 +75,105 @@ pub(crate) fn flag_fd(fd: c_int, f: u64) {
     })
 }
 
-/// After a change by path: find the object and flag it.
-pub(crate) unsafe fn flag_path(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
-    keep_errno(|| forward!(flag_path_inner(dirfd, path, nofollow, f)))
+/// After a change by path: find the object and flag it. `dir`: the directory's stat read
+/// before an attribute call (`dir_before_path`).
+pub(crate) unsafe fn flag_path(
+    dirfd: c_int,
+    path: *const c_char,
+    nofollow: bool,
+    f: u64,
+    dir: Option<libc::stat>,
+) {
+    keep_errno(|| forward!(flag_path_inner(dirfd, path, nofollow, f, dir)))
 }
 
-pub(crate) unsafe fn flag_path_inner(dirfd: c_int, path: *const c_char, nofollow: bool, f: u64) {
+unsafe fn flag_path_inner(
+    dirfd: c_int,
+    path: *const c_char,
+    nofollow: bool,
+    f: u64,
+    dir: Option<libc::stat>,
+) {
     let Some(_g) = Inside::enter() else { return };
     let Some(c) = client_if_needed() else { return };
     if path.is_null() {
         return;
     }
-    let fl = if nofollow {
+    if let Ok(st) = sys::fstatat(dirfd, path, at_flags(nofollow)) {
+        c.flag_object(&st, f);
+        if let Some(before) = dir {
+            c.dir_attrs_changed(&before, &st);
+        }
+    }
+}
+
+fn at_flags(nofollow: bool) -> c_int {
+    if nofollow {
         libc::AT_SYMLINK_NOFOLLOW
     } else {
         0
-    };
-    if let Ok(st) = sys::fstatat(dirfd, path, fl) {
-        c.flag_object(&st, f);
     }
+}
+
+fn is_dir(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFDIR
+}
+
+/// Before an attribute call (mode, owner, times) by path: the stat of its object if it is a
+/// directory and this process is attached, for `Client::dir_attrs_changed` after the call
+/// (a directory whose every change was logged stays so). One fstatat, in attached processes
+/// only.
+unsafe fn dir_before_path(dirfd: c_int, path: *const c_char, nofollow: bool) -> Option<libc::stat> {
+    if path.is_null() {
+        return None;
+    }
+    let mut out = None;
+    keep_errno(|| {
+        let Some(_g) = Inside::enter() else { return };
+        if client_if_needed().is_some() {
+            // SAFETY: the program's path goes to the kernel unchanged (it checks it).
+            out = sys::fstatat(dirfd, path, at_flags(nofollow))
+                .ok()
+                .filter(is_dir);
+        }
+    });
+    out
+}
+
+/// `dir_before_path` for an attribute call through a descriptor: asked only of descriptors
+/// that are no tracked file (a tracked file is no directory).
+fn dir_before_fd(fd: c_int) -> Option<libc::stat> {
+    let mut out = None;
+    keep_errno(|| {
+        if lookup(fd).is_some() {
+            return;
+        }
+        let Some(_g) = Inside::enter() else { return };
+        if client_if_needed().is_some() {
+            out = sys::fstat(fd).ok().filter(is_dir);
+        }
+    });
+    out
+}
+
+/// After an attribute call through the descriptor of a directory (`dir_before_fd`).
+fn dir_after_fd(fd: c_int, before: Option<libc::stat>) {
+    let Some(before) = before else { return };
+    keep_errno(|| {
+        let Some(_g) = Inside::enter() else { return };
+        let Some(c) = client_if_needed() else { return };
+        if let Ok(after) = sys::fstat(fd) {
+            c.dir_attrs_changed(&before, &after);
+        }
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn fchmod(fd: c_int, mode: mode_t) -> c_int {
+    let dir = dir_before_fd(fd);
     let r = kernel!(libc::SYS_fchmod, fd, mode);
     flag_fd(fd, F_FALLBACK);
+    dir_after_fd(fd, dir);
     r as c_int
 }
 
@@ -116,7 +190,9 @@ pub unsafe extern "C" fn fchown(fd: c_int, uid: libc::uid_t, gid: libc::gid_t) -
             .filter(|(_, c, t)| c.may_absorb(t))
             .and_then(|_| sys::fstat(fd).ok())
     });
+    let dir = dir_before_fd(fd);
     let r = kernel!(libc::SYS_fchown, fd, uid, gid);
+    dir_after_fd(fd, dir);
     if let (0, Some(b)) = (r, before) {
         let mut same = false;
         keep_errno(|| {
@@ -133,8 +209,10 @@ pub unsafe extern "C" fn fchown(fd: c_int, uid: libc::uid_t, gid: libc::gid_t) -
 
 #[no_mangle]
 pub unsafe extern "C" fn futimens(fd: c_int, times: *const libc::timespec) -> c_int {
+    let dir = dir_before_fd(fd);
     let r = kernel!(libc::SYS_utimensat, fd, 0, times);
     flag_fd(fd, F_FALLBACK);
+    dir_after_fd(fd, dir);
     r as c_int
 }
 
@@ -145,17 +223,17 @@ pub unsafe extern "C" fn utimensat(
     times: *const libc::timespec,
     flags: c_int,
 ) -> c_int {
-    let r = kernel!(libc::SYS_utimensat, d, path, times, flags);
+    let nofollow = flags & libc::AT_SYMLINK_NOFOLLOW != 0;
     if path.is_null() {
+        let dir = dir_before_fd(d);
+        let r = kernel!(libc::SYS_utimensat, d, path, times, flags);
         flag_fd(d, F_FALLBACK);
-    } else {
-        forward!(flag_path(
-            d,
-            path,
-            flags & libc::AT_SYMLINK_NOFOLLOW != 0,
-            F_FALLBACK
-        ));
+        dir_after_fd(d, dir);
+        return r as c_int;
     }
+    let dir = forward!(dir_before_path(d, path, nofollow));
+    let r = kernel!(libc::SYS_utimensat, d, path, times, flags);
+    forward!(flag_path(d, path, nofollow, F_FALLBACK, dir));
     r as c_int
 }
 
@@ -171,17 +249,14 @@ pub unsafe extern "C" fn fchmodat(
     mode: mode_t,
     flags: c_int,
 ) -> c_int {
+    let nofollow = flags & libc::AT_SYMLINK_NOFOLLOW != 0;
+    let dir = forward!(dir_before_path(d, path, nofollow));
     let r = if flags == 0 {
         kernel!(libc::SYS_fchmodat, d, path, mode)
     } else {
         kernel!(libc::SYS_fchmodat2, d, path, mode, flags)
     };
-    forward!(flag_path(
-        d,
-        path,
-        flags & libc::AT_SYMLINK_NOFOLLOW != 0,
-        F_FALLBACK
-    ));
+    forward!(flag_path(d, path, nofollow, F_FALLBACK, dir));
     r as c_int
 }
 
@@ -209,13 +284,10 @@ pub unsafe extern "C" fn fchownat(
     gid: libc::gid_t,
     flags: c_int,
 ) -> c_int {
+    let nofollow = flags & libc::AT_SYMLINK_NOFOLLOW != 0;
+    let dir = forward!(dir_before_path(d, path, nofollow));
     let r = kernel!(libc::SYS_fchownat, d, path, uid, gid, flags);
-    forward!(flag_path(
-        d,
-        path,
-        flags & libc::AT_SYMLINK_NOFOLLOW != 0,
-        F_FALLBACK
-    ));
+    forward!(flag_path(d, path, nofollow, F_FALLBACK, dir));
     r as c_int
 }
 
@@ -225,7 +297,7 @@ pub unsafe extern "C" fn truncate(path: *const c_char, len: off_t) -> c_int {
         return r;
     }
     let r = kernel!(libc::SYS_truncate, path, len);
-    forward!(flag_path(libc::AT_FDCWD, path, false, F_FALLBACK));
+    forward!(flag_path(libc::AT_FDCWD, path, false, F_FALLBACK, None));
     r as c_int
 }
 

@@ -314,6 +314,40 @@ impl Client {
             && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c
     }
 
+    /// An attribute call (mode, owner, times) changed the directory `before` (its stat read
+    /// just before the call; `after`, just after): it moved the directory's change time but
+    /// none of its names. A directory whose every change was logged stays so: the change time
+    /// recorded as logged follows it, by compare-and-swap, so that a namespace operation that
+    /// recorded its own in between keeps its word (the directory is then taken for unclean:
+    /// a write-back more, never a change missed). The attributes themselves are durable only
+    /// by the lower's own fsync: the directory's next fsync is real (`F_FALLBACK`, read by
+    /// `fsync_dir`). Without this, an untar, which gives each directory its times and owner
+    /// back at the end, left every directory to write the namespace back at its next change.
+    pub fn dir_attrs_changed(&self, before: &libc::stat, after: &libc::stat) {
+        let is_dir = |s: &libc::stat| s.st_mode & libc::S_IFMT == libc::S_IFDIR;
+        if !is_dir(before)
+            || !is_dir(after)
+            || before.st_dev != self.root_dev
+            || (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
+        {
+            return;
+        }
+        let Some(i) = self.table.find(before.st_dev, before.st_ino) else {
+            return;
+        };
+        let slot = self.table.slot(i);
+        let ns = |s: &libc::stat| s.st_ctime as u64 * 1_000_000_000 + s.st_ctime_nsec as u64;
+        slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        if self.logged_up_to(&slot, ns(before)) {
+            let _ = slot.w(S_DIR_CTIME).compare_exchange(
+                ns(before),
+                ns(after),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
+
     fn set_clean(&self, d: &Dir) {
         self.table
             .slot(d.slot)

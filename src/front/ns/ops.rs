@@ -415,12 +415,28 @@ impl Client {
         }
         let c0 = ctime(fd);
         if self.logged_up_to(&slot, c0) {
+            if slot.flags() & F_FALLBACK != 0 {
+                // Its names are all in the log, but an attribute change is not
+                // (`dir_attrs_changed`): the directory's own fsync makes it durable.
+                slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
+                let r = sys::fsync(fd, false);
+                if r.is_err() {
+                    slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+                }
+                self.count(P_FALLBACKS, 1);
+                return Some(r);
+            }
             self.count(P_DIR_FSYNC, 1);
             return Some(Ok(()));
         }
+        // The write-back syncs the directory itself: an attribute change made before it is
+        // durable with it.
+        let attrs = slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel) & F_FALLBACK;
         let r = self.write_back_namespace(&[fd]);
         if r.is_ok() {
             slot.w(S_DIR_CTIME).store(c0, Ordering::Release);
+        } else {
+            slot.w(S_FLAGS).fetch_or(attrs, Ordering::AcqRel);
         }
         Some(r)
     }
