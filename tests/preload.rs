@@ -1269,6 +1269,61 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     assert_eq!(fs::read(root.join("f")).unwrap(), vec![b'n'; 100]);
 }
 
+/// A program that exits gives its PM area back: one that committed nothing at once, with no
+/// write-back; one whose records are live at the next write-back, which comes early only when
+/// few areas are left (each exit made one within 200 ms: a syncfs forcing out data nobody
+/// asked to be durable, which the kernel would have written later or never). More short
+/// programs than the region has areas all attach.
+#[test]
+fn areas_of_programs_that_exited_come_back_without_a_write_back_per_exit() {
+    let Some((_d, root, pm, s)) = served_tmp("areas", &["--flush-interval-ms", "3600000"]) else {
+        return;
+    };
+    fs::write(root.join("x"), b"hi").unwrap();
+    let n: u64 = 80; // more than the 64 areas of a region
+    let attached = |args: &[String]| {
+        let st = s
+            .run()
+            .args(args)
+            .env("PMSTACK_DEBUG", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&st.stderr);
+        assert!(st.status.success(), "{args:?}: {err}");
+        assert!(
+            err.contains("-> true") && !err.contains("cannot attach"),
+            "{args:?}: {err}"
+        );
+    };
+    let x = root.join("x").display().to_string();
+    for _ in 0..n {
+        attached(&["cat".into(), x.clone()]);
+    }
+    let v = s.wait_stats("the readers' areas back", |v| v["leases_reclaimed"] == n);
+    assert_eq!(v["writebacks"], 0, "readers made write-backs: {v}");
+    let write = |i: u64| {
+        let f = root.join(format!("f{i}")).display().to_string();
+        attached(&["sh".into(), "-c".into(), format!("echo a > '{f}'")]);
+    };
+    for i in 0..10 {
+        write(i);
+    }
+    s.wait_stats("ten writers attached", |v| v["attaches"] == n + 10);
+    std::thread::sleep(Duration::from_millis(600));
+    let v = s.stats();
+    assert_eq!(v["writebacks"], 0, "writers' exits made write-backs: {v}");
+    for i in 10..n {
+        write(i);
+    }
+    let v = s.wait_stats("every writer attached", |v| v["attaches"] == 2 * n);
+    assert!(v["writebacks"].as_u64().unwrap() >= 1, "{v}");
+    drop(s);
+    for i in 0..n {
+        assert_eq!(fs::read(root.join(format!("f{i}"))).unwrap(), b"a\n");
+    }
+    let _ = fs::remove_file(&pm);
+}
+
 /// A python process driven line by line: each `exec` runs code in one shared namespace.
 struct Py {
     c: Child,

@@ -117,15 +117,45 @@ extern "C" fn after_fork_child() {
 /// objects in the shared table so that every sync of them stays real. Caller is `Inside`.
 pub(crate) fn mark_unseen(fds: &[i32]) {
     use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
     let Some(r) = root() else { return };
     let root = std::path::Path::new(std::ffi::OsStr::from_bytes(&r[..r.len() - 1]));
-    let Ok(t) = pmstack::front::table::Table::open(&pmstack::front::paths(root).1) else {
+    let path = pmstack::front::paths(root).1;
+    // The table stays mapped between calls (a process that could not attach calls this at
+    // every open of a file under the root: mapping the whole table each time cost more than
+    // the open), as long as its path names the same file: a daemon that started since made
+    // a new one.
+    let Ok(md) = std::fs::metadata(&path) else {
         return;
     };
+    let id = (md.dev(), md.ino());
+    // Never waited for: a child forked while another thread held it would wait forever.
+    // Taken, it maps the table for this call alone.
+    let own: Option<pmstack::front::table::Table>;
+    let mut kept = UNSEEN_TABLE.try_lock().ok();
+    let t = match kept.as_deref_mut() {
+        Some(k) => {
+            if k.as_ref().is_none_or(|(kid, _)| *kid != id) {
+                *k = pmstack::front::table::Table::open(&path)
+                    .ok()
+                    .map(|t| (id, t));
+            }
+            k.as_ref().map(|(_, t)| t)
+        }
+        None => {
+            own = pmstack::front::table::Table::open(&path).ok();
+            own.as_ref()
+        }
+    };
+    let Some(t) = t else { return };
     for &fd in fds {
-        pmstack::front::client::mark_unseen(&t, fd);
+        pmstack::front::client::mark_unseen(t, fd);
     }
 }
+
+/// The table `mark_unseen` keeps mapped, with the identity of its file.
+type KeptTable = Option<((u64, u64), pmstack::front::table::Table)>;
+static UNSEEN_TABLE: std::sync::Mutex<KeptTable> = std::sync::Mutex::new(None);
 
 /// The descriptors of this process under the root. Only those on the root's file system are
 /// asked their path (an fstat each is cheaper than reading the name of every descriptor).

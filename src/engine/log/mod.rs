@@ -509,6 +509,18 @@ impl Log {
             .collect()
     }
 
+    /// Whether process `pid` ever committed a record in the areas it leases (an area's head
+    /// and tail words stay zero until its first append; a word that is not zero, readable or
+    /// not, counts). A dead process that did not holds nothing live: its lease may be given
+    /// back at once (`release_lease`), without waiting for a write-back.
+    pub fn appended_by(&self, pid: u64) -> bool {
+        self.leases().into_iter().any(|(i, o)| {
+            o == pid
+                && (self.pm.load_u64(area_word(i, AREA_HEAD)) != 0
+                    || self.pm.load_u64(area_word(i, AREA_TAIL)) != 0)
+        })
+    }
+
     /// Give back the areas and page chunks of process `pid`, which died. Only once the
     /// checkpoint expired everything it appended (the caller noted the LSN counter after the
     /// death and waited for a write-back past it): its log pages and data pages then hold

@@ -465,17 +465,37 @@ impl Daemon {
                     last_full_vet = Instant::now();
                 }
             }
-            for (_, owner) in self.log.leases() {
+            let leases = self.log.leases();
+            let free_areas = leases.iter().filter(|(_, o)| *o == 0).count();
+            let mut owners: Vec<u64> = leases.into_iter().map(|(_, o)| o).collect();
+            owners.sort_unstable();
+            owners.dedup();
+            for owner in owners {
                 if owner != 0 && owner != me && !dead.contains_key(&owner) && !alive(owner) {
-                    dead.insert(owner, self.log.lsn_now());
+                    if self.log.appended_by(owner) {
+                        dead.insert(owner, self.log.lsn_now());
+                    } else {
+                        // It committed nothing: nothing of it is live, its lease goes back
+                        // now (most programs a shell starts log nothing).
+                        self.log.release_lease(owner);
+                        self.stats.leases_reclaimed.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
+            // The areas of dead processes whose records are live come back at the next
+            // write-back; an early one only when few areas are left for processes that
+            // attach (its syncfs would otherwise force out, at every exit of a program, data
+            // no program asked to be durable, which the kernel would write later, or never:
+            // an untar followed by its removal).
+            let areas_scarce = free_areas < self.log.superblock().areas as usize / 4;
             let logged = self.logged_bytes();
             let wake = self.table.w(H_WAKE).swap(0, Ordering::Relaxed) != 0;
             if wake
                 || last_wb.elapsed() >= self.opts.flush_interval
                 || logged.saturating_sub(logged_at_wb) >= self.opts.early_bytes
-                || !dead.is_empty() && last_wb.elapsed() >= Duration::from_millis(200)
+                || !dead.is_empty()
+                    && areas_scarce
+                    && last_wb.elapsed() >= Duration::from_millis(200)
                 || self.table_filling()
                     && self.table.slots_used() > used_at_wb
                     && last_wb.elapsed() >= slots::TABLE_FILLING_WB
