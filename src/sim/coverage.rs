@@ -71,6 +71,9 @@ pub struct Coverage {
     /// write-backs freed there (an object tracked again takes a new one).
     pub small_tables: u64,
     pub slots_freed: u64,
+    /// `pmstack run`: changes of a directory's mode before its fsync (a clean directory stays
+    /// clean, and the fsync is real).
+    pub dir_attr_changes: u64,
 }
 
 impl Coverage {
@@ -111,5 +114,6 @@ impl Coverage {
         self.rmdirs_taken_back += o.rmdirs_taken_back;
         self.small_tables += o.small_tables;
         self.slots_freed += o.slots_freed;
+        self.dir_attr_changes += o.dir_attr_changes;
     }
 }

@@ -341,6 +341,24 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // SAFETY: a C string; the descriptor is closed below.
                 let dfd = unsafe { libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
                 assert!(dfd >= 0);
+                // Every third directory fsync (by seed and operation, not drawn from the
+                // history's generator: the regression seeds keep their histories) follows a
+                // change of the directory's mode, as tar gives its directories their
+                // attributes back: a directory clean before stays clean
+                // (`Client::dir_attrs_changed`), and this fsync is the lower's own.
+                if (seed ^ j as u64) % 3 == 0 {
+                    let st = |fd| crate::front::sys::fstat(fd).unwrap();
+                    let before = st(dfd);
+                    let mode = if before.st_mode & 0o020 == 0 {
+                        0o775
+                    } else {
+                        0o755
+                    };
+                    // SAFETY: a descriptor we hold open.
+                    assert_eq!(unsafe { libc::fchmod(dfd, mode) }, 0);
+                    c.dir_attrs_changed(&before, &st(dfd));
+                    cov.dir_attr_changes += 1;
+                }
                 match c.fsync_dir(dfd, |_| c.fd_under_root(dfd)) {
                     Some(r) => {
                         refused = done(r, may_refuse, "directory fsync").is_none();
