@@ -2357,17 +2357,12 @@ fn directory_changes_outside_the_log_make_the_next_directory_sync_a_write_back()
 /// one after is absorbed again. Recovery after a kill of the daemon keeps the tree.
 #[test]
 fn an_attribute_change_of_a_directory_leaves_it_clean() {
-    let Some((_d, root, pm, mut s)) = served_tmp("nsattrs", &["--flush-interval-ms", "3600000"])
-    else {
+    let Some((_d, root, pm, mut s, mut a)) = served_with_a_dir("nsattrs") else {
         return;
     };
-    let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     let expect =
         |pid: u64, want: (u64, u64, u64), what: &str| expect_ns_counts(&s, pid, want, what);
-    // The root was made outside the log (by the test): its first change is written back.
-    a.exec("os.mkdir(os.path.join(d, 'a'))");
-    expect(pid, (1, 0, 0), "the root's first change");
     a.exec("a = os.path.join(d, 'a')");
     let changes = [
         "os.utime(a, (1, 2))",
@@ -2401,16 +2396,10 @@ fn an_attribute_change_of_a_directory_leaves_it_clean() {
     );
     a.exec("fd = os.open(a, os.O_RDONLY); os.fsync(fd); os.close(fd)");
     expect_counts(&s, pid, keys, (1, 1, reals + 1), "the fsync after that");
-    let before = tree(&root);
-    s.kill9();
-    drop(a);
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
-    assert_eq!(tree(&root), before, "recovery changed the tree");
+    recovery_keeps_the_tree_after(&root, &pm, &mut s, || drop(a));
     use std::os::unix::fs::MetadataExt;
     let md = fs::metadata(root.join("a")).unwrap();
     assert_eq!(md.mode() & 0o7777, 0o755);
-    let _ = fs::remove_file(&pm);
 }
 
 /// A directory made where the operation could not be logged (its parent had a change outside
@@ -2420,17 +2409,12 @@ fn an_attribute_change_of_a_directory_leaves_it_clean() {
 /// of the daemon keeps the tree as it was.
 #[test]
 fn a_directory_made_by_a_written_back_operation_is_clean_from_its_birth() {
-    let Some((_d, root, pm, mut s)) = served_tmp("nsborn", &["--flush-interval-ms", "3600000"])
-    else {
+    let Some((_d, root, pm, mut s, mut a)) = served_with_a_dir("nsborn") else {
         return;
     };
-    let mut a = Py::spawn(s.run(), &root);
     let pid = a.pid();
     let expect =
         |pid: u64, want: (u64, u64, u64), what: &str| expect_ns_counts(&s, pid, want, what);
-    // The root was made outside the log (by the test): its first change is written back.
-    a.exec("os.mkdir(os.path.join(d, 'a'))");
-    expect(pid, (1, 0, 0), "the root's first change");
     a.exec("os.mkdir(os.path.join(d, 'a', 'b'))");
     expect(
         pid,
@@ -2439,14 +2423,19 @@ fn a_directory_made_by_a_written_back_operation_is_clean_from_its_birth() {
     );
     a.exec("open(os.path.join(d, 'a', 'b', 'f'), 'w').close()");
     expect(pid, (1, 0, 2), "a change in the directory that change made");
-    let before = tree(&root);
-    s.kill9();
-    drop(a);
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
-    assert_eq!(tree(&root), before, "recovery changed the tree");
+    recovery_keeps_the_tree_after(&root, &pm, &mut s, || drop(a));
     assert!(root.join("a/b/f").exists());
-    let _ = fs::remove_file(&pm);
+}
+
+/// A daemon with a write-back period of an hour over a fresh root, and an attached Python
+/// process that made the directory `a` there: the root's first change, written back (the
+/// test made the root outside the log).
+fn served_with_a_dir(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf, Serve, Py)> {
+    let (d, root, pm, s) = served_tmp(name, &["--flush-interval-ms", "3600000"])?;
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec("os.mkdir(os.path.join(d, 'a'))");
+    expect_ns_counts(&s, a.pid(), (1, 0, 0), "the root's first change");
+    Some((d, root, pm, s, a))
 }
 
 /// A directory's first logged change after changes outside the log syncs only the
@@ -4482,8 +4471,15 @@ fn served_small_table(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf
 
 /// Kill the daemon of `root` and start it again: its recovery leaves the tree as it was.
 fn recovery_keeps_the_tree(root: &Path, pm: &Path, s: &mut Serve) {
+    recovery_keeps_the_tree_after(root, pm, s, || {});
+}
+
+/// `recovery_keeps_the_tree`, with `then` run between the kill and the recovery (the end of
+/// processes still attached to the killed daemon: a new one refuses to start beside them).
+fn recovery_keeps_the_tree_after(root: &Path, pm: &Path, s: &mut Serve, then: impl FnOnce()) {
     let before = tree(root);
     s.kill9();
+    then();
     let mut s2 = Serve::start(root, pm, &[]);
     s2.stop();
     assert_eq!(tree(root), before, "recovery changed the tree");
