@@ -1296,8 +1296,15 @@ fn areas_of_programs_that_exited_come_back_without_a_write_back_per_exit() {
         );
     };
     let x = root.join("x").display().to_string();
-    for _ in 0..n {
+    // In rounds of 40 (fewer than the free areas), each waiting for the daemon to have taken
+    // the areas back: the test does not race the daemon's loop.
+    for k in 0..n {
         attached(&["cat".into(), x.clone()]);
+        if k % 40 == 39 {
+            s.wait_stats("the readers' areas back", |v| {
+                v["leases_reclaimed"] == k + 1
+            });
+        }
     }
     let v = s.wait_stats("the readers' areas back", |v| v["leases_reclaimed"] == n);
     assert_eq!(v["writebacks"], 0, "readers made write-backs: {v}");
@@ -1312,7 +1319,15 @@ fn areas_of_programs_that_exited_come_back_without_a_write_back_per_exit() {
     std::thread::sleep(Duration::from_millis(600));
     let v = s.stats();
     assert_eq!(v["writebacks"], 0, "writers' exits made write-backs: {v}");
+    // More writers than the areas left: an early write-back gives theirs back when few are
+    // free. Each round of 20 waits for room for 20 (of the region's 64 areas), so that no
+    // writer races the daemon's loop.
     for i in 10..n {
+        if i % 20 == 10 {
+            s.wait_stats("room for 20 writers", |v| {
+                v["areas_leased"].as_u64().is_some_and(|l| l <= 64 - 20)
+            });
+        }
         write(i);
     }
     let v = s.wait_stats("every writer attached", |v| v["attaches"] == 2 * n);
