@@ -85,9 +85,12 @@ struct Obj {
 
 /// The ctime of `fd` in nanoseconds (0: unreadable).
 fn ctime(fd: i32) -> u64 {
-    sys::fstat(fd)
-        .map(|st| st.st_ctime as u64 * 1_000_000_000 + st.st_ctime_nsec as u64)
-        .unwrap_or(0)
+    sys::fstat(fd).map(|st| ctime_ns(&st)).unwrap_or(0)
+}
+
+/// The ctime of `st` in nanoseconds, as the slots record it (`S_DIR_CTIME`).
+fn ctime_ns(st: &libc::stat) -> u64 {
+    st.st_ctime as u64 * 1_000_000_000 + st.st_ctime_nsec as u64
 }
 
 /// A *at system call on names, as the lower file system's own (never back into the library).
@@ -336,12 +339,11 @@ impl Client {
             return;
         };
         let slot = self.table.slot(i);
-        let ns = |s: &libc::stat| s.st_ctime as u64 * 1_000_000_000 + s.st_ctime_nsec as u64;
         slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-        if self.logged_up_to(&slot, ns(before)) {
+        if self.logged_up_to(&slot, ctime_ns(before)) {
             let _ = slot.w(S_DIR_CTIME).compare_exchange(
-                ns(before),
-                ns(after),
+                ctime_ns(before),
+                ctime_ns(after),
                 Ordering::AcqRel,
                 Ordering::Acquire,
             );

@@ -120,8 +120,7 @@ impl Client {
         // A new directory has no unlogged change: clean from its birth, once its creation is
         // logged or written back (`logged_making`).
         let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
-        let ctime_of =
-            |o: &super::Obj| o.st.st_ctime as u64 * 1_000_000_000 + o.st.st_ctime_nsec as u64;
+        let ctime_of = |o: &super::Obj| super::ctime_ns(&o.st);
         self.logged_making(
             &dirs,
             op,
