@@ -113,6 +113,58 @@ class Checker(unittest.TestCase):
                 seen.add("bad")
         self.assertEqual(seen, {"mix", "bad"})
 
+    def test_an_in_flight_growing_write_may_leave_zeros_past_the_old_end_only(self):
+        # What tests/vm/rig met once (seed 428572448, r-fsdax.0 of its first boot): a create
+        # in flight at the cut, the file back with its new size and zeros, which ext4 itself
+        # leaves (it commits the size of pages under write-back before their bytes). Allowed
+        # for the operation in flight, past the old end of the file; never for an
+        # acknowledged one, never below the old end, never another writer's bytes.
+        before, op = state_after(1642847845, 171)
+        self.assertEqual((op["kind"], op["name"], len(op["data"])), ("create", "f08", 4718))
+        torn = dict(before)
+        torn["f08"] = bytes(4718)
+        materialize(self.d, torn)
+        self.assertTrue(w.check(self.d, 1642847845, 171)[0])
+        ok, msg = w.check(self.d, 1642847845, 172)
+        self.assertFalse(ok, msg)
+        self.assertIn("f08 differs: 4718 bytes, want 4718", msg)
+        self.assertIn("pages 4718 bytes [zeros, zeros], want 4718 bytes [op171 p0, op171 p1]", msg)
+        seen = set()
+        for n in range(0, 400):
+            before, op = state_after(5, n)
+            if op["kind"] not in ("write", "dsync"):
+                continue
+            old, name = before[op["name"]], op["name"]
+            after = dict(before)
+            w.apply(after, op)
+            new = after[name]
+            if len(new) <= len(old) or op["off"] >= len(old):
+                continue
+            # The write's pages past the old end absent: old bytes up to the old end,
+            # zeros after, at the new size and at each page boundary between.
+            for size in sorted({len(new)} | set(range((len(old) // w.PAGE + 1) * w.PAGE, len(new), w.PAGE))):
+                torn = dict(before)
+                torn[name] = (old + bytes(len(new)))[:size]
+                materialize(self.d, torn)
+                self.assertTrue(w.check(self.d, 5, n)[0], "op %d, size %d" % (n, size))
+                self.assertFalse(w.check(self.d, 5, n + 1)[0], "op %d acknowledged, size %d" % (n, size))
+                seen.add("grown")
+            # Zeros below the old end, where the write did not reach: fails.
+            if op["off"] >= w.PAGE:
+                bad = dict(before)
+                bad[name] = bytes(w.PAGE) + new[w.PAGE :]
+                materialize(self.d, bad)
+                self.assertFalse(w.check(self.d, 5, n)[0], "op %d: old bytes lost" % n)
+                seen.add("below")
+            # A size that is no page boundary between the two: fails.
+            if len(new) - len(old) > 2:
+                bad = dict(before)
+                bad[name] = new[: len(old) + 1] if (len(old) + 1) % w.PAGE else new[: len(old) + 2]
+                materialize(self.d, bad)
+                self.assertFalse(w.check(self.d, 5, n)[0], "op %d: size %d" % (n, len(bad[name])))
+                seen.add("size")
+        self.assertEqual(seen, {"grown", "below", "size"})
+
     def test_histories_reach_every_kind_of_operation(self):
         kinds = {op["kind"] for _, (_, op) in zip(range(3000), w.operations(9))}
         self.assertEqual(kinds, {"create", "symlink", "write", "dsync", "truncate", "fallocate", "rename",
