@@ -192,8 +192,8 @@ fn main() {
             cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes, cov.small_tables, cov.slots_freed
         );
         println!(
-            "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {}, real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",
-            cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.paths_synced, cov.multi_area_logs
+            "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {} (data operations {}), real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",
+            cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.multi_area_logs
         );
         println!("  contract violations: {}", failures.len());
     }

@@ -55,6 +55,9 @@ pub struct Coverage {
     /// `pmstack run` over a lower that ignores syncfs: namespace operations refused (EIO)
     /// while the daemon was taken for dead with namespace records live.
     pub refused_unserved: u64,
+    /// Data operations (write, fsync, truncate, fallocate) refused so: a new file's real sync
+    /// that could not sync its path (its name removed while it lives on under a link).
+    pub refused_unserved_data: u64,
     /// `pmstack run` over a lower that ignores syncfs: real syncs of new files that synced
     /// the directories of their path too (`F_BORN_UNSYNCED`).
     pub paths_synced: u64,
@@ -107,6 +110,7 @@ impl Coverage {
         self.syncfs_ignored += o.syncfs_ignored;
         self.objects_synced += o.objects_synced;
         self.refused_unserved += o.refused_unserved;
+        self.refused_unserved_data += o.refused_unserved_data;
         self.paths_synced += o.paths_synced;
         self.outside_changes += o.outside_changes;
         self.kills += o.kills;

@@ -161,6 +161,23 @@ impl Model {
         (f.id, idx)
     }
 
+    /// Take back the write just modelled: the call wrote nothing.
+    pub(super) fn unwrite(&mut self, name: &str) {
+        let last = self.file(name).events.pop();
+        assert!(
+            matches!(last, Some((Ev::Rec(..), _))),
+            "harness: no write to take back"
+        );
+    }
+
+    /// The last event happened but was not acknowledged as durable (an O_SYNC write whose
+    /// sync failed).
+    pub(super) fn not_durable(&mut self, name: &str) {
+        if let Some(e) = self.file(name).events.last_mut() {
+            e.1 = false;
+        }
+    }
+
     pub(super) fn fallocate(&mut self, name: &str, f: Falloc, durable: bool) {
         self.file(name).events.push((Ev::Falloc(f), durable));
     }

@@ -202,6 +202,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         let mut real_dir_sync = false;
         let may_refuse = per_object && !alive;
         let mut refused = false;
+        // A data operation refused so: a real sync of a new file whose path could not be
+        // synced (its name removed while it lives on under a link).
+        let mut refused_data = false;
         let base_kinds = if kinds.dirs { 21 } else { 19 };
         let kind = rng.gen_range(0..base_kinds + if kinds.outside { 2 } else { 0 });
         match kind {
@@ -245,16 +248,33 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 let len = rng.gen_range(1..9000usize);
                 let (id, idx) = model.write(&name, len, o.t.sync);
-                let n = c
-                    .write(
-                        &o.t,
-                        o.fd,
-                        crate::front::sys::ProgramBytes::of(&pattern(id, idx, len)),
-                        Some(idx * REC),
-                        false,
-                    )
-                    .unwrap();
-                assert_eq!(n, len, "short write");
+                let r = c.write(
+                    &o.t,
+                    o.fd,
+                    crate::front::sys::ProgramBytes::of(&pattern(id, idx, len)),
+                    Some(idx * REC),
+                    false,
+                );
+                match done(r, may_refuse, "write") {
+                    Some(n) => assert_eq!(n, len, "short write"),
+                    None => {
+                        // Refused by the real sync before the write (nothing written), or
+                        // by the one after it on an O_SYNC descriptor (written, and then
+                        // not acknowledged as durable).
+                        // Told apart by the bytes (each write's pattern is its own).
+                        refused_data = true;
+                        let mut back = vec![0u8; len];
+                        let rfd =
+                            fs::File::open(std::ffi::OsStr::from_bytes(&path(&name))).unwrap();
+                        let n = std::os::unix::fs::FileExt::read_at(&rfd, &mut back, idx * REC)
+                            .unwrap_or(0);
+                        if n == len && back == pattern(id, idx, len) {
+                            model.not_durable(&name);
+                        } else {
+                            model.unwrite(&name);
+                        }
+                    }
+                }
                 // Unserved: a real sync before the write (live entries), and one after it
                 // on an O_SYNC descriptor.
                 synced = Some((o.ino, !o.t.sync));
@@ -263,8 +283,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let name = pick(&mut rng);
                 let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 cov.fsyncs += 1;
-                c.fsync(&o.t, o.fd).unwrap();
-                model.sync(&name);
+                match done(c.fsync(&o.t, o.fd), may_refuse, "fsync") {
+                    Some(()) => model.sync(&name),
+                    None => refused_data = true,
+                }
                 synced = Some((o.ino, false));
             }
             8 if !names.is_empty() => {
@@ -378,8 +400,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 let size = rng.gen_range(0..=model.file(&name).size() + REC);
                 cov.truncates += 1;
-                c.ftruncate(&o.t, o.fd, size).unwrap();
-                model.truncate(&name, size, false);
+                // Refused (nothing changed) by the real sync before it.
+                match done(c.ftruncate(&o.t, o.fd, size), may_refuse, "ftruncate") {
+                    Some(()) => model.truncate(&name, size, false),
+                    None => refused_data = true,
+                }
                 synced = Some((o.ino, true));
             }
             16 if kinds.links && !names.is_empty() => {
@@ -408,8 +433,15 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
                 let f = Falloc::random(&mut rng, model.file(&name).size());
                 cov.fallocates += 1;
-                c.fallocate(&o.t, o.fd, f.mode(), f.off, f.len).unwrap();
-                model.fallocate(&name, f, false);
+                // Refused (nothing changed) by the real sync before it.
+                match done(
+                    c.fallocate(&o.t, o.fd, f.mode(), f.off, f.len),
+                    may_refuse,
+                    "fallocate",
+                ) {
+                    Some(()) => model.fallocate(&name, f, false),
+                    None => refused_data = true,
+                }
                 synced = Some((o.ino, true));
             }
             19 | 20 if kinds.dirs => match dir_op(&mut rng, &model) {
@@ -478,6 +510,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             cov.refused_unserved += 1;
             ns_op = false;
             real_dir_sync = true;
+        }
+        if refused_data {
+            cov.refused_unserved_data += 1;
         }
         crash_op_unserved_ns = j == crash_op && ns_op && !alive;
         if j == crash_op {

@@ -159,3 +159,20 @@ fn until_covered(kinds: Kinds, covered: impl Fn(&Coverage) -> bool) {
     }
     assert!(covered(&cov), "{cov:?}");
 }
+
+/// Seeds of the long run over a lower that ignores syncfs whose history failed in the
+/// harness: an ftruncate (and a fallocate) returned ENOENT. The daemon was taken for dead,
+/// the file had live records and was new (`F_BORN_UNSYNCED`), so the real sync before the
+/// change had to sync the file's path; its name had been removed while the file lived on
+/// under a link, the lookup of its directory failed, and that lookup's error came back from
+/// the ftruncate. Such a data operation is now refused with EIO (nothing changed), as a
+/// namespace operation that cannot be made durable in order is; the history goes on.
+#[test]
+fn a_real_sync_that_cannot_sync_a_removed_path_refuses_with_eio_not_enoent() {
+    let kinds = Kinds {
+        syncfs_ignored: true,
+        ..Kinds::CAMPAIGN
+    };
+    let cov = expect_contract([20269584, 20274234], |s| run_history_preload(s, 50, kinds));
+    assert!(cov.refused_unserved_data > 0, "{cov:?}");
+}

@@ -311,9 +311,13 @@ impl Client {
         {
             // A new file's name, over a lower whose fsync of a file may leave it behind
             // (`F_BORN_UNSYNCED`): its path is synced first. Where this process cannot (a
-            // directory it may not read), the daemon's write-back does it (it fsyncs the
-            // directories the log's records changed, as root) and expires the entries too;
-            // with no daemon to do it, the sync fails rather than expire the creation.
+            // directory it may not read, or a name removed since while the file lives on
+            // under a link), the daemon's write-back does it (it fsyncs the directories the
+            // log's records changed, as root) and expires the entries too; with no daemon to
+            // do it, the sync is refused (EIO, as a namespace operation that cannot be made
+            // durable in order is) rather than expire the creation, and nothing else is
+            // changed: never the error of the path's lookup (an ftruncate failing with
+            // ENOENT).
             crate::policy::expire_synced(
                 slot.flags() & F_BORN_UNSYNCED != 0,
                 || {
@@ -322,7 +326,6 @@ impl Client {
                         // fence).
                         Ok(true) => self.count(P_NAME_SYNCS, 1),
                         Ok(false) => {}
-                        Err(e) if !self.serving() => return Err(e),
                         Err(_) => self.wait_for_write_back(self.log.lsn_now())?,
                     }
                     slot.w(S_FLAGS)
