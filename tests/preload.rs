@@ -2417,6 +2417,56 @@ fn an_attribute_change_of_a_directory_leaves_it_clean() {
     assert_eq!(md.mode() & 0o7777, 0o755);
 }
 
+/// A directory that a logged rename moved (to another parent, within its parent, exchanged
+/// with another) stays clean if every change of it was logged: the rename moved its change
+/// time, but the change is in the log, so the next namespace operation in it is logged, not
+/// written back (each first change in a moved directory was a syncfs). Recovery after a kill
+/// of the daemon keeps the tree.
+#[test]
+fn a_directory_moved_by_a_logged_rename_stays_clean() {
+    let Some((_d, root, pm, mut s, mut a)) = served_with_a_dir("nsmoved") else {
+        return;
+    };
+    let pid = a.pid();
+    let expect =
+        |pid: u64, want: (u64, u64, u64), what: &str| expect_ns_counts(&s, pid, want, what);
+    a.exec("os.mkdir(os.path.join(d, 'b'))");
+    expect(pid, (1, 0, 1), "a mkdir beside the directory");
+    let steps = [
+        (
+            "os.rename(os.path.join(d, 'a'), os.path.join(d, 'b', 'a'))",
+            "open(os.path.join(d, 'b', 'a', 'f'), 'w').close()",
+            "a create in a directory moved to another parent",
+        ),
+        (
+            "os.rename(os.path.join(d, 'b', 'a'), os.path.join(d, 'b', 'c'))",
+            "open(os.path.join(d, 'b', 'c', 'g'), 'w').close()",
+            "a create in a directory renamed within its parent",
+        ),
+        (
+            "os.mkdir(os.path.join(d, 'e'))",
+            "import ctypes; assert ctypes.CDLL(None, use_errno=True).renameat2(-100, os.path.join(d, 'b', 'c').encode(), -100, os.path.join(d, 'e').encode(), 2) == 0",
+            "an exchange of two directories",
+        ),
+        (
+            "open(os.path.join(d, 'e', 'h'), 'w').close()",
+            "open(os.path.join(d, 'b', 'c', 'i'), 'w').close()",
+            "creates in both exchanged directories",
+        ),
+    ];
+    let mut ops = 1;
+    for (first, then, what) in steps {
+        a.exec(first);
+        a.exec(then);
+        ops += 2;
+        expect(pid, (1, 0, ops), what);
+    }
+    recovery_keeps_the_tree_after(&root, &pm, &mut s, || drop(a));
+    for p in ["e/f", "e/g", "e/h", "b/c/i"] {
+        assert!(root.join(p).exists(), "{p} missing after recovery");
+    }
+}
+
 /// A directory made where the operation could not be logged (its parent had a change outside
 /// the log: the operation was written back instead) is clean from its birth, as one made by a
 /// logged operation is: the first operation in it is logged, not written back again (tar

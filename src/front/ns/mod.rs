@@ -629,13 +629,15 @@ impl Client {
     /// Run a rename, link or removal `op` natively with its record logged first
     /// (`policy::change_namespace`): `log(pre)` commits the intent (Err: the log has no
     /// room), then the call runs, then what became of it is logged (`NsDone`). `pre` runs
-    /// first, under the same lock (finding the objects the operation names).
+    /// first, under the same lock (finding the objects the operation names); `logged_done`
+    /// last, under it too, once the call succeeded as logged.
     fn intended<P>(
         &self,
         dirs: &[&Dir],
         pre: impl FnOnce() -> P,
         op: impl FnOnce() -> io::Result<()>,
         log: impl FnOnce(P) -> Result<Intent, NotLogged>,
+        logged_done: impl FnOnce(),
     ) -> io::Result<()> {
         if !self.serving() {
             return self.alone(dirs, op);
@@ -701,7 +703,38 @@ impl Client {
         for d in dirs {
             self.set_clean(d);
         }
+        if lsn.is_some() {
+            logged_done();
+        }
         Ok(())
+    }
+
+    /// A logged rename moved the directory of `slot` (its change time `before` the call) to
+    /// `name` in `dirfd`: the rename moved its change time (and its `..`), a change the log
+    /// holds. A directory whose every change was logged stays so, as after an attribute
+    /// change (`dir_attrs_changed`): the recorded change time follows it by compare-and-swap.
+    /// Without this, the first change in a directory after it was moved wrote the namespace
+    /// back (a syncfs). Caller holds the namespace lock, taken by every attached process's
+    /// namespace operation.
+    fn dir_moved(&self, slot: usize, before: &libc::stat, dirfd: i32, name: &CString) {
+        let slot = self.table.slot(slot);
+        if !self.logged_up_to(&slot, ctime_ns(before)) {
+            return;
+        }
+        let Ok(after) = sys::fstatat(dirfd, name.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) else {
+            return;
+        };
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
+            || after.st_mode & libc::S_IFMT != libc::S_IFDIR
+        {
+            return;
+        }
+        let _ = slot.w(S_DIR_CTIME).compare_exchange(
+            ctime_ns(before),
+            ctime_ns(&after),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 }
 

@@ -54,6 +54,7 @@ impl Client {
                 })
                 .map(Intent::Logged)
             },
+            || {},
         );
         if let (true, Ok(()), Some((dev, ino))) = (dir, &r, removed.get()) {
             // A removed directory kept open would stay allocated for nothing.
@@ -66,6 +67,10 @@ impl Client {
     pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
         let (cf, ct) = (from.cname(), to.cname());
         let mut pin = Vec::new(); // the replaced object's, closed after the lock
+                                  // Directories the rename moves: (slot, stat before, whether it ends at `to`, not at
+                                  // `from` (exchanged)).
+        let moved = std::cell::RefCell::new(Vec::new());
+        let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
         self.intended(
             &[&from.dir, &to.dir],
             || (self.object_at(from), self.object_pinned(to, &mut pin)),
@@ -92,6 +97,15 @@ impl Client {
                     }
                     objs.push(v);
                 }
+                if is_dir(&s) {
+                    moved.borrow_mut().push((s.slot, s.st, true));
+                }
+                match &victim {
+                    Some(v) if flags & libc::RENAME_EXCHANGE != 0 && is_dir(v) => {
+                        moved.borrow_mut().push((v.slot, v.st, false))
+                    }
+                    _ => {}
+                }
                 self.commit_ns(&[&from.dir, &to.dir], &objs, |fid| {
                     Record::NsIntent(NsOp::Rename {
                         parent: fid(from.dir.slot),
@@ -104,6 +118,12 @@ impl Client {
                     })
                 })
                 .map(Intent::Logged)
+            },
+            || {
+                for (slot, st, at_to) in moved.take() {
+                    let (dir, name) = if at_to { (to, &ct) } else { (from, &cf) };
+                    self.dir_moved(slot, &st, dir.dir.fd.as_raw_fd(), name);
+                }
             },
         )
     }
@@ -236,6 +256,7 @@ impl Client {
                 })
                 .map(Intent::Logged)
             },
+            || {},
         )
     }
 
