@@ -67,8 +67,9 @@ impl Client {
     pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
         let (cf, ct) = (from.cname(), to.cname());
         let mut pin = Vec::new(); // the replaced object's, closed after the lock
-                                  // Directories the rename moves: (slot, stat before, whether it ends at `to`, not at
-                                  // `from` (exchanged)).
+
+        // Directories the rename moves: (slot, stat before, whether it ends at `to`, not at
+        // `from` (exchanged)).
         let moved = std::cell::RefCell::new(Vec::new());
         let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
         self.intended(
