@@ -122,7 +122,6 @@ pub const METRICS: &[Metric] = &[
     m("watch_event_errors", Counter, Count, Serve, "open events of watched objects the kernel could not open a descriptor of for the daemon (ESTALE on a network lower: a file removed under the open); the kernel failed those opens with EPERM, and the watch went on"),
     m("foreign_writers", Counter, Count, Serve, "objects written by a process outside pmstack run (their syncs stay real)"),
     m("objects_vetted", Counter, Count, Serve, "objects checked for writers outside pmstack run before their syncs were absorbed"),
-    m("objects_baselined", Counter, Count, Serve, "objects an attached process synced before they were vetted, fsynced by the daemon right after, so that their next sync is absorbed"),
     m("marks", Counter, Count, Serve, "objects the watch started to follow"),
     m("unmarks", Counter, Count, Serve, "objects the watch stopped following"),
     m("marks_vetted", Counter, Count, Serve, "watched objects checked for writers from before they were watched"),

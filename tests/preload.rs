@@ -2467,48 +2467,6 @@ fn a_directory_moved_by_a_logged_rename_stays_clean() {
     }
 }
 
-/// A file made outside `pmstack run`, synced by an attached process before the daemon vetted
-/// it: that sync is the lower's own and sets no baseline (it began before the daemon looked
-/// for writers from before the watch). Once the daemon has vetted the file it fsyncs it
-/// itself, so the program's next sync is absorbed, not a second real one (over GlusterFS a
-/// real sync costs milliseconds, and varmail's first syncs were most of its syncs). Recovery
-/// after a kill of the daemon keeps every byte. (Without the daemon's fsync, the second sync
-/// is real: fails on the code before it.)
-#[test]
-fn the_daemon_gives_a_file_synced_before_its_vetting_its_baseline() {
-    let Some((_d, root, pm, mut s)) = served_tmp("baseline", &["--flush-interval-ms", "3600000"])
-    else {
-        return;
-    };
-    fs::write(root.join("f"), vec![b'o'; 8192]).unwrap();
-    let mut a = Py::spawn(s.run(), &root);
-    let pid = a.pid();
-    let keys = ["real_syncs", "absorbed_fsync", "bytes_logged"];
-    a.exec("fd = os.open(os.path.join(d, 'f'), os.O_RDWR)");
-    a.exec("os.pwrite(fd, b'a' * 100, 0); os.fsync(fd)");
-    expect_counts(&s, pid, keys, (1, 0, 0), "the file's first sync");
-    // Marked at that sync; once the daemon's stats say it was vetted, they were written
-    // after its fsync of the file (the same pass of its loop).
-    a.exec("wait_vetted(1)");
-    a.exec("os.pwrite(fd, b'b' * 100, 100); os.fsync(fd)");
-    expect_counts(
-        &s,
-        pid,
-        keys,
-        (1, 1, 100),
-        "the sync after the daemon vetted the file",
-    );
-    // The daemon's fsync gave the baseline, unless the first sync itself began after the
-    // vetting (the program's thread preempted between its mark and its sync while the daemon
-    // vetted: a real sync then sets the baseline, as before; seen under `stress-ng`).
-    assert!(s.stats()["objects_baselined"].as_u64() <= Some(1));
-    recovery_keeps_the_tree_after(&root, &pm, &mut s, || drop(a));
-    let got = fs::read(root.join("f")).unwrap();
-    assert_eq!(&got[..100], &[b'a'; 100][..]);
-    assert_eq!(&got[100..200], &[b'b'; 100][..]);
-    assert!(got[200..].iter().all(|&b| b == b'o') && got.len() == 8192);
-}
-
 /// A directory made where the operation could not be logged (its parent had a change outside
 /// the log: the operation was written back instead) is clean from its birth, as one made by a
 /// logged operation is: the first operation in it is logged, not written back again (tar

@@ -328,7 +328,7 @@ impl Client {
         {
             let _g = slot.lock();
             if slot.flags() & F_MARKED == 0 {
-                self.mark_for_watch(slot, fd, &t.ino.handle);
+                self.mark_for_watch(slot, fd);
             } else {
                 // Marked earlier and not vetted: the daemon's next round looks at it; wake it.
                 sys::futex_wake(self.table.w(H_NEW_MARKS));

@@ -47,14 +47,12 @@ impl Client {
     }
 
     /// Have the daemon report opens of this object (see `watch`), once per object. Caller
-    /// holds the slot lock. The object's handle goes to the slot first: once the daemon has
-    /// vetted an object an attached process synced, it fsyncs it itself (`Daemon::baseline`).
-    pub(super) fn mark_for_watch(&self, slot: &Slot<'_>, fd: i32, handle: &[u8]) {
+    /// holds the slot lock.
+    pub(super) fn mark_for_watch(&self, slot: &Slot<'_>, fd: i32) {
         if !self.may_mark() || slot.flags() & F_MARKED != 0 {
             return;
         }
         let Some(g) = &self.group else { return };
-        slot.store_handle(handle);
         // Unmarked objects are never vetted: their syncs stay real.
         if crate::front::watch::mark(g.as_raw_fd(), fd).is_ok() {
             slot.w(S_FLAGS).fetch_or(F_MARKED, Ordering::AcqRel);
@@ -95,7 +93,7 @@ impl Client {
         if let Some((ds, dgen)) = t.ino.birth_dir {
             self.syncs_in(ds, dgen);
         }
-        self.mark_for_watch(slot, fd, &t.ino.handle);
+        self.mark_for_watch(slot, fd);
     }
 
     /// Files created in the directory of slot `ds` (generation `dgen`) get synced.

@@ -481,7 +481,7 @@ impl Client {
             }
             slot.hold(self.rec);
             if watch || slot.flags() & F_SYNCED != 0 {
-                self.mark_for_watch(slot, fd, &handle);
+                self.mark_for_watch(slot, fd);
             }
         })?;
         let ino = {

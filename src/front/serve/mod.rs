@@ -59,9 +59,6 @@ type Result<T> = std::result::Result<T, ServeError>;
 
 /// Vetting newly watched objects scans /proc: at most once per this period.
 const VET_EVERY: Duration = Duration::from_millis(10);
-/// The longest the loop spends on its fsyncs of vetted objects (`Daemon::baseline`) in one
-/// pass; what is left waits for the next (a write-back or a vetting is never held off long).
-const BASELINE_BUDGET: Duration = Duration::from_millis(20);
 
 pub struct ServeOpts {
     pub root: PathBuf,
@@ -101,9 +98,6 @@ pub struct ServeStats {
     pub foreign_writers: AtomicU64,
     /// Objects vetted (looked for writers from before they were watched).
     pub vetted: AtomicU64,
-    /// Objects the daemon fsynced right after vetting them, so that their next sync is
-    /// absorbed (`Daemon::baseline`).
-    pub baselined: AtomicU64,
     /// Every object marked before this many marks was vetted (or needed no vetting).
     pub marks_vetted: AtomicU64,
     /// Slots of the shared table freed (`Daemon::free_idle_slots`).
@@ -188,9 +182,6 @@ pub struct Daemon {
     in_flight_stuck: AtomicBool,
     /// Slots the daemon flagged foreign.
     foreign: Mutex<HashSet<usize>>,
-    /// Slots vetted while an attached process synced their object before the vetting, with
-    /// their generation: the daemon fsyncs them (`baseline`).
-    to_baseline: Mutex<std::collections::VecDeque<(usize, u64)>>,
     /// Processes that are not registered but run with the library for this daemon:
     /// (pid, start time, program image) -> attached.
     preloaded: Mutex<HashMap<(u64, u64, u64), bool>>,
@@ -257,7 +248,6 @@ impl Daemon {
             wb: Mutex::new(()),
             in_flight_stuck: AtomicBool::new(false),
             foreign: Mutex::new(HashSet::new()),
-            to_baseline: Mutex::new(std::collections::VecDeque::new()),
             preloaded: Mutex::new(HashMap::new()),
         })
     }
@@ -474,7 +464,6 @@ impl Daemon {
                     self.recheck_foreign();
                     last_full_vet = Instant::now();
                 }
-                self.baseline(BASELINE_BUDGET);
             }
             let leases = self.log.leases();
             let free_areas = leases.iter().filter(|(_, o)| *o == 0).count();
@@ -630,7 +619,6 @@ impl Daemon {
             "watch_event_errors": s.watch_event_errors.load(Ordering::Relaxed),
             "foreign_writers": s.foreign_writers.load(Ordering::Relaxed),
             "objects_vetted": s.vetted.load(Ordering::Relaxed),
-            "objects_baselined": s.baselined.load(Ordering::Relaxed),
             "marks": self.table.w(H_NEW_MARKS).load(Ordering::Relaxed),
             "unmarks": self.table.w(H_UNMARKS).load(Ordering::Relaxed),
             "marks_vetted": s.marks_vetted.load(Ordering::Relaxed),

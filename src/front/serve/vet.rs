@@ -17,7 +17,6 @@ impl Daemon {
     /// its object is foreign and, if it had live entries, written back.
     pub fn watch_opens(&self, stop: &AtomicBool) {
         let Some(g) = &self.group else { return };
-        let me = std::process::id() as u64;
         std::thread::scope(|sc| {
             let mut buf = vec![0u8; 64 * 1024];
             while !stop.load(Ordering::Relaxed) {
@@ -41,13 +40,6 @@ impl Daemon {
                     }
                 };
                 for e in evs {
-                    if e.pid == me {
-                        // The daemon's own (read) opens, to fsync objects by handle
-                        // (`baseline`, a write-back over a lower that ignores syncfs): no
-                        // program's open to count or to look at.
-                        g.allow(e);
-                        continue;
-                    }
                     self.stats.watched_opens.fetch_add(1, Ordering::Relaxed);
                     let attached = self.is_attached(e.pid);
                     if attached || !watch::open_is_write(e.pid) {
@@ -210,61 +202,11 @@ impl Daemon {
                         .then_some(f | F_VETTED)
                 },
             );
-            if let Ok(f) = vetted {
+            if vetted.is_ok() {
                 self.stats.vetted.fetch_add(1, Ordering::Relaxed);
-                // Synced by an attached process before this vetting: that sync was the
-                // lower's own and set no baseline (it began before the daemon looked for
-                // writers), nor would the next. One fsync by the daemon now does, off the
-                // program's path.
-                if f & F_SYNCED != 0 && f & (F_BASELINE | F_NOT_SEEN | F_FALLBACK) == 0 {
-                    let gen = self.table.slot(i).w(S_GEN).load(Ordering::Acquire);
-                    self.to_baseline.lock().push_back((i, gen));
-                }
             }
         }
         upto
-    }
-
-    /// fsync objects `vet` queued, for at most `budget`, and give each its baseline: every
-    /// byte written to it before the fsync began is then durable, and every writer since the
-    /// vetting, which preceded the fsync, is seen, so its next sync is absorbed (as after an
-    /// attached process's real sync that began after the vetting, `Client::real_sync`).
-    /// Not if the object was unwatched since it was vetted (a writer may have opened it
-    /// unseen; only `vet`, on this thread, clears `F_UNWATCHED`, so it cannot be vetted
-    /// again during the fsync), if its slot went to another object, or if a writer the
-    /// library cannot see turned up. Over a lower that ignores syncfs, a first sync of a file
-    /// that existed before costs milliseconds; varmail's first syncs were most of its syncs.
-    pub(super) fn baseline(&self, budget: std::time::Duration) {
-        let t0 = std::time::Instant::now();
-        while t0.elapsed() < budget {
-            let Some((i, gen)) = self.to_baseline.lock().pop_front() else {
-                return;
-            };
-            let slot = self.table.slot(i);
-            let valid = |f: u64| {
-                slot.w(S_GEN).load(Ordering::Acquire) == gen
-                    && f & F_VETTED != 0
-                    && f & (F_UNWATCHED | F_NOT_SEEN) == 0
-            };
-            let f = slot.flags();
-            if !valid(f) || f & (F_BASELINE | F_FALLBACK) != 0 {
-                continue;
-            }
-            let Some(h) = slot.handle_of_object() else {
-                continue;
-            };
-            if !matches!(self.lower.fsync_handle(&h), Ok(true)) {
-                continue;
-            }
-            let set = slot
-                .w(S_FLAGS)
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |f| {
-                    valid(f).then_some(f | F_BASELINE)
-                });
-            if set.is_ok() {
-                self.stats.baselined.fetch_add(1, Ordering::Relaxed);
-            }
-        }
     }
 
     /// Which of the slots `idxs` a process that is not attached holds open for writing or

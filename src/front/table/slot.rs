@@ -27,41 +27,22 @@ impl<'a> Slot<'a> {
     /// takes its LSN first, then the notes). The handle is stored first, the note after.
     /// Caller holds the slot lock.
     pub fn note_for_sync(&self, handle: &[u8]) {
-        if self.store_handle(handle) {
-            self.hw(0).fetch_or(HANDLE_NOTED, Ordering::SeqCst);
-        }
-    }
-
-    /// Keep the object's handle in the slot's handle record, for the daemon (which checks it
-    /// against the slot's checksum, so a half-written one is never used). False for a handle
-    /// too long to be this kernel's (the caller's records cannot bind either).
-    pub fn store_handle(&self, handle: &[u8]) -> bool {
         if handle.len() > HANDLE_MAX {
-            return false;
+            return; // not a handle of this kernel: the caller's records cannot bind either
         }
         let len = self.hw(0).load(Ordering::Acquire) & !HANDLE_NOTED;
         if len as usize != handle.len() || self.handle() != handle {
-            // A new object in this slot: its handle, then its length (the note stays as it
-            // was: the write-back's fsync of the new object does no harm).
+            // A new object in this slot: its handle first (the daemon checks it against the
+            // slot's checksum, so a half-written one is never used).
             for (k, chunk) in handle.chunks(8).enumerate() {
                 let mut w = [0u8; 8];
                 w[..chunk.len()].copy_from_slice(chunk);
                 self.hw(1 + k)
                     .store(u64::from_le_bytes(w), Ordering::Relaxed);
             }
-            let noted = self.hw(0).load(Ordering::Acquire) & HANDLE_NOTED;
-            self.hw(0)
-                .store(handle.len() as u64 | noted, Ordering::SeqCst);
+            self.hw(0).store(handle.len() as u64, Ordering::SeqCst);
         }
-        true
-    }
-
-    /// The handle the slot's record holds, if it is the handle of the object the slot holds
-    /// now (`S_GEN`, the handle's checksum).
-    pub fn handle_of_object(&self) -> Option<Vec<u8>> {
-        let h = self.handle();
-        let gen = crc32c::crc32c(&h) as u64 | 1 << 40;
-        (!h.is_empty() && self.w(S_GEN).load(Ordering::Acquire) == gen).then_some(h)
+        self.hw(0).fetch_or(HANDLE_NOTED, Ordering::SeqCst);
     }
 
     /// The stored handle of the object (empty: none).
@@ -84,7 +65,9 @@ impl<'a> Slot<'a> {
             return None;
         }
         self.hw(0).fetch_and(!HANDLE_NOTED, Ordering::SeqCst);
-        Some(self.handle_of_object())
+        let h = self.handle();
+        let gen = crc32c::crc32c(&h) as u64 | 1 << 40;
+        Some((!h.is_empty() && self.w(S_GEN).load(Ordering::Acquire) == gen).then_some(h))
     }
 
     /// Put back a note the write-back took but could not honour (it is retried).

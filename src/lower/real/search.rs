@@ -118,13 +118,6 @@ impl RealLower {
         Ok(synced)
     }
 
-    /// fsync the one object an identity-tagged handle opens (a regular file or a directory);
-    /// Err when it opens nothing (stale: no search by inode number, as `fsync_handles` does)
-    /// or the fsync fails.
-    pub fn fsync_handle(&self, h: &[u8]) -> io::Result<bool> {
-        self.fsync_node(&self.open_handle(h)?)
-    }
-
     /// fsync a regular file or a directory given by any descriptor of it (O_PATH too);
     /// false for other kinds.
     fn fsync_node(&self, node: &OwnedFd) -> io::Result<bool> {
