@@ -83,6 +83,23 @@ struct Obj {
     st: libc::stat,
 }
 
+impl Obj {
+    fn is_dir(&self) -> bool {
+        is_dir(&self.st)
+    }
+}
+
+fn is_dir(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFDIR
+}
+
+/// Whether `after` is still the directory `before` was (read before and after a call).
+fn same_dir(before: &libc::stat, after: &libc::stat) -> bool {
+    is_dir(before)
+        && is_dir(after)
+        && (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+}
+
 /// The ctime of `fd` in nanoseconds (0: unreadable).
 fn ctime(fd: i32) -> u64 {
     sys::fstat(fd).map(|st| ctime_ns(&st)).unwrap_or(0)
@@ -327,12 +344,7 @@ impl Client {
     /// `fsync_dir`). Without this, an untar, which gives each directory its times and owner
     /// back at the end, left every directory to write the namespace back at its next change.
     pub fn dir_attrs_changed(&self, before: &libc::stat, after: &libc::stat) {
-        let is_dir = |s: &libc::stat| s.st_mode & libc::S_IFMT == libc::S_IFDIR;
-        if !is_dir(before)
-            || !is_dir(after)
-            || before.st_dev != self.root_dev
-            || (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
-        {
+        if !same_dir(before, after) || before.st_dev != self.root_dev {
             return;
         }
         let Some(i) = self.table.find(before.st_dev, before.st_ino) else {
@@ -340,7 +352,17 @@ impl Client {
         };
         let slot = self.table.slot(i);
         slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-        if self.logged_up_to(&slot, ctime_ns(before)) {
+        self.ctime_follows(&slot, before, after);
+    }
+
+    /// A call moved the change time of the directory of `slot` from `before`'s to `after`'s
+    /// with a change that needs nothing written back (its attributes, a logged rename): if
+    /// every change of it was logged before, the recorded change time follows, by
+    /// compare-and-swap (a namespace operation that recorded its own in between keeps its
+    /// word, and the directory is then taken for unclean: a write-back more, never a change
+    /// missed).
+    fn ctime_follows(&self, slot: &Slot<'_>, before: &libc::stat, after: &libc::stat) {
+        if self.logged_up_to(slot, ctime_ns(before)) {
             let _ = slot.w(S_DIR_CTIME).compare_exchange(
                 ctime_ns(before),
                 ctime_ns(after),
@@ -712,29 +734,19 @@ impl Client {
     /// A logged rename moved the directory of `slot` (its change time `before` the call) to
     /// `name` in `dirfd`: the rename moved its change time (and its `..`), a change the log
     /// holds. A directory whose every change was logged stays so, as after an attribute
-    /// change (`dir_attrs_changed`): the recorded change time follows it by compare-and-swap.
-    /// Without this, the first change in a directory after it was moved wrote the namespace
-    /// back (a syncfs). Caller holds the namespace lock, taken by every attached process's
-    /// namespace operation.
+    /// change (`dir_attrs_changed`, `ctime_follows`). Without this, the first change in a
+    /// directory after it was moved wrote the namespace back (a syncfs). Caller holds the
+    /// namespace lock, taken by every attached process's namespace operation.
     fn dir_moved(&self, slot: usize, before: &libc::stat, dirfd: i32, name: &CString) {
         let slot = self.table.slot(slot);
+        // Not clean before: nothing to follow, and no stat to ask for.
         if !self.logged_up_to(&slot, ctime_ns(before)) {
             return;
         }
-        let Ok(after) = sys::fstatat(dirfd, name.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) else {
-            return;
-        };
-        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)
-            || after.st_mode & libc::S_IFMT != libc::S_IFDIR
-        {
-            return;
+        match sys::fstatat(dirfd, name.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) {
+            Ok(after) if same_dir(before, &after) => self.ctime_follows(&slot, before, &after),
+            _ => {}
         }
-        let _ = slot.w(S_DIR_CTIME).compare_exchange(
-            ctime_ns(before),
-            ctime_ns(&after),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
     }
 }
 

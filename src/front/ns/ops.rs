@@ -71,7 +71,6 @@ impl Client {
         // Directories the rename moves: (slot, stat before, whether it ends at `to`, not at
         // `from` (exchanged)).
         let moved = std::cell::RefCell::new(Vec::new());
-        let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
         self.intended(
             &[&from.dir, &to.dir],
             || (self.object_at(from), self.object_pinned(to, &mut pin)),
@@ -98,11 +97,11 @@ impl Client {
                     }
                     objs.push(v);
                 }
-                if is_dir(&s) {
+                if s.is_dir() {
                     moved.borrow_mut().push((s.slot, s.st, true));
                 }
                 match &victim {
-                    Some(v) if flags & libc::RENAME_EXCHANGE != 0 && is_dir(v) => {
+                    Some(v) if flags & libc::RENAME_EXCHANGE != 0 && v.is_dir() => {
                         moved.borrow_mut().push((v.slot, v.st, false))
                     }
                     _ => {}
@@ -140,7 +139,6 @@ impl Client {
         let born = std::cell::Cell::new(None);
         // A new directory has no unlogged change: clean from its birth, once its creation is
         // logged or written back (`logged_making`).
-        let is_dir = |o: &super::Obj| o.st.st_mode & libc::S_IFMT == libc::S_IFDIR;
         let ctime_of = |o: &super::Obj| super::ctime_ns(&o.st);
         self.logged_making(
             &dirs,
@@ -149,7 +147,7 @@ impl Client {
                 if !append {
                     // Written back instead (an unlogged change came first in the parent).
                     if target.is_none() {
-                        if let Some(o) = self.object_at(t).filter(is_dir) {
+                        if let Some(o) = self.object_at(t).filter(super::Obj::is_dir) {
                             born.set(Some((o.slot, ctime_of(&o))));
                         }
                     }
@@ -169,7 +167,7 @@ impl Client {
                         target: target.map(|t| t.to_vec()).unwrap_or_default(),
                     })
                 })?;
-                if is_dir(&o) {
+                if o.is_dir() {
                     born.set(Some((o.slot, ctime_of(&o))));
                 }
                 Ok(true)
