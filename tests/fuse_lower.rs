@@ -426,6 +426,94 @@ os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd
     o.served.stop();
 }
 
+/// `pmstack run` over a FUSE lower keeps the directories of its recent namespace operations
+/// open, as over a local one, and knows them again by the handle of the path (`ns::dirs`,
+/// `KnownBy::Handle`), never by the inode number, which bindfs takes from the file system
+/// under it. Before, no directory was kept over a FUSE lower: each logged creation or removal
+/// opened its directory anew (an open, a stat, a handle and a close: four round trips to
+/// GlusterFS). A directory removed and made again under the same name by a program outside
+/// `pmstack run` (on the file system under bindfs, until ext4 gives the new one the old inode
+/// number) then takes the next creation, logged: bindfs names its nodes by path, so there the
+/// kept node is the new directory's; a lower that names them by inode (GlusterFS, by GFID)
+/// gives the new one another handle (the unit test `elsewhere_a_directory_is_known_by_the_
+/// handle_of_its_path` shows that a new directory is not taken for a kept one).
+#[test]
+fn over_a_fuse_lower_directories_are_kept_and_known_again_by_handle() {
+    if !can_mount() {
+        return;
+    }
+    let Some(o) = ServedOverBindfs::start("dirs", &["--flush-interval-ms", "3600000"]) else {
+        return; // not CI, and no loop devices: LoopFs said so
+    };
+    let (bind, ext4) = (o.bind.0.clone(), o.ext4.dir.clone());
+    let script = r#"
+import os, stat, sys
+d, below = sys.argv[1], sys.argv[2]
+def dir_fds():
+    out = []
+    for n in os.listdir('/proc/self/fd'):
+        try:
+            t = os.readlink('/proc/self/fd/' + n)
+            st = os.stat('/proc/self/fd/' + n)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and t.startswith(d + '/'):
+            out.append(t)
+    return out
+def touch(p):
+    os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
+os.mkdir(d + '/p')
+A = d + '/p/a'
+os.mkdir(A)
+for i in range(5):
+    touch(A + '/x%d' % i)
+assert A in dir_fds(), dir_fds()
+ino = os.stat(A).st_ino
+# Outside pmstack run (the file system under bindfs): the directory goes, and one is made at
+# its name, until ext4 gives the new one the old inode number (or a few tries).
+for i in range(5):
+    os.unlink(below + '/p/a/x%d' % i)
+for attempt in range(20):
+    os.rmdir(below + '/p/a')
+    os.mkdir(below + '/p/a')
+    if os.stat(below + '/p/a').st_ino == ino:
+        break
+print('same inode number: %s' % (os.stat(A).st_ino == ino), file=sys.stderr)
+touch(A + '/y')
+fd = os.open(A + '/z', os.O_CREAT | os.O_WRONLY, 0o644)
+os.write(fd, b'in the new directory'); os.fsync(fd); os.close(fd)
+assert sorted(os.listdir(A)) == ['y', 'z'], os.listdir(A)
+assert sorted(os.listdir(below + '/p/a')) == ['y', 'z'], os.listdir(below + '/p/a')
+"#;
+    common::run_python(&bind, script, &[bind.as_os_str(), ext4.as_os_str()]);
+    // mkdir p, mkdir a, five creations, y and z: logged (the first one in the root writes
+    // the namespace back, and so does the first in the directory made again outside). The
+    // daemon adds a process's counts to its totals once it has seen it exit.
+    let stat = || {
+        let out = Command::new(common::bin())
+            .args(["stat", "--json"])
+            .arg(&bind)
+            .output()
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
+    };
+    let t0 = Instant::now();
+    while stat()["totals"]["ns_ops"].as_u64().unwrap_or(0) < 6 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "namespace operations logged: {}",
+            stat()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        fs::read(ext4.join("p/a/z")).unwrap(),
+        b"in the new directory"
+    );
+    assert!(ext4.join("p/a/y").exists() && !ext4.join("p/a/x0").exists());
+    o.served.stop();
+}
+
 /// ext4 on a loop device, bindfs over it, and `pmstack serve` over the bindfs mount with a
 /// region of its own; undone in the order of the fields (the daemon first).
 struct ServedOverBindfs {

@@ -141,6 +141,35 @@ pub fn fstat(fd: i32) -> io::Result<libc::stat> {
 }
 
 /// stat(2) relative to `dirfd` (AT_FDCWD for the working directory).
+/// What names the object at `path` (relative to `dirfd`; `flags`: AT_SYMLINK_FOLLOW,
+/// AT_EMPTY_PATH) for as long as it is held open: the id of the mount it is on and its file
+/// handle (type and bytes), as one key (`ns::dirs`). Fails where the file system gives no
+/// handles.
+pub fn handle_key(dirfd: i32, path: *const libc::c_char, flags: i32) -> io::Result<Vec<u8>> {
+    const MAX: usize = 128; // MAX_HANDLE_SZ
+    let mut buf = [0u8; 8 + MAX];
+    buf[0..4].copy_from_slice(&(MAX as u32).to_ne_bytes());
+    let mut mount_id: i32 = 0;
+    // SAFETY: `buf` is a struct file_handle with MAX bytes of f_handle space; the caller
+    // passes a NUL-terminated path.
+    check(unsafe {
+        syscall6(
+            libc::SYS_name_to_handle_at,
+            dirfd as i64,
+            path as i64,
+            buf.as_mut_ptr() as i64,
+            &mut mount_id as *mut i32 as i64,
+            flags as i64,
+            0,
+        )
+    })?;
+    let n = (u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize).min(MAX);
+    let mut key = Vec::with_capacity(8 + n);
+    key.extend_from_slice(&mount_id.to_le_bytes());
+    key.extend_from_slice(&buf[4..8 + n]);
+    Ok(key)
+}
+
 pub fn fstatat(dirfd: i32, path: *const libc::c_char, flags: i32) -> io::Result<libc::stat> {
     // SAFETY: zeroed stat is a valid out-buffer.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };

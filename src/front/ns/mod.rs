@@ -168,10 +168,11 @@ impl Client {
 
     /// The directory `parent` (relative to `dirfd`) if it lies under the root (`under()`: by
     /// its text, or for a relative path by where it starts; else the kernel is asked where it
-    /// resolved). A directory of a recent operation is found again by a stat of `parent`
-    /// (`dirs`): it was under the root when it was kept, and it is the same directory, so a
-    /// relative path that reaches it needs no look at where it starts (a stat of the
-    /// descriptor or working directory). An absolute path is taken by its text first (free).
+    /// resolved). A directory of a recent operation is found again by a stat of `parent`, or
+    /// by its handle off a local file system (`dirs`, `KnownBy`): it was under the root when
+    /// it was kept, and it is the same directory, so a relative path that reaches it needs
+    /// no look at where it starts (a stat of the descriptor or working directory). An
+    /// absolute path is taken by its text first (free).
     fn dir_at(&self, dirfd: i32, parent: &[u8], under: impl FnOnce() -> bool) -> Option<Dir> {
         let c = CString::new(parent).ok()?;
         let mut under = Some(under);
@@ -179,12 +180,31 @@ impl Client {
         if parent.starts_with(b"/") {
             known_under = under.take().map(|f| f());
         }
-        if known_under != Some(false) && self.dirs.enabled() {
-            let st = sys::fstatat(dirfd, c.as_ptr(), 0).ok()?;
-            if st.st_mode & libc::S_IFMT != libc::S_IFDIR || st.st_dev != self.root_dev {
-                return None;
-            }
-            if let Some(d) = self.dirs.get(st.st_dev, st.st_ino) {
+        if known_under != Some(false) {
+            let kept = match self.dirs.known_by() {
+                dirs::KnownBy::Stat => {
+                    let st = sys::fstatat(dirfd, c.as_ptr(), 0).ok()?;
+                    if st.st_mode & libc::S_IFMT != libc::S_IFDIR || st.st_dev != self.root_dev {
+                        return None;
+                    }
+                    self.dirs.get(st.st_dev, st.st_ino).map(|d| (d, st))
+                }
+                // A path the kernel cannot give a handle of goes the long way (and fails
+                // there as the program's call would).
+                dirs::KnownBy::Handle if !self.dirs.any() => None,
+                dirs::KnownBy::Handle => {
+                    sys::handle_key(dirfd, c.as_ptr(), libc::AT_SYMLINK_FOLLOW)
+                        .ok()
+                        .and_then(|k| self.dirs.get_by_key(&k))
+                        .map(|(d, dev, ino)| {
+                            // SAFETY: zeroed stat is a valid value.
+                            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+                            (st.st_dev, st.st_ino, st.st_mode) = (dev, ino, libc::S_IFDIR);
+                            (d, st)
+                        })
+                }
+            };
+            if let Some((d, st)) = kept {
                 let idx = claim(&self.table, &st, d.gen, |_| ()).map_or(NO_SLOT, |(i, ())| i);
                 return Some(Dir {
                     fd: d.fd,
