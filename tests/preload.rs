@@ -4171,7 +4171,10 @@ fn a_silent_or_stalled_peer_of_the_daemon_holds_up_no_attach() {
     let _silent = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     let mut stalled = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     stalled.write_all(b"atta").unwrap();
-    let before = s.stats()["attaches"].as_u64().unwrap();
+    // The daemon writes its first stats a moment after its socket answers.
+    let before = s.wait_stats("the daemon's first stats", |v| v["attaches"].is_u64())["attaches"]
+        .as_u64()
+        .unwrap();
     for i in 0..3 {
         let mut c = s
             .run()
