@@ -23,6 +23,7 @@ const LINKS: Kinds = Kinds {
     lost_rmdirs: false,
     outside: false,
     kills: false,
+    exchanges: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -348,6 +349,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 lost_rmdirs: false,
                 outside: false,
                 kills: false,
+                exchanges: false,
             },
         )
     });
@@ -376,6 +378,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 lost_rmdirs: false,
                 outside: false,
                 kills: false,
+                exchanges: false,
             },
         )
     });

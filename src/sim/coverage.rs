@@ -40,6 +40,8 @@ pub struct Coverage {
     pub rmdirs: u64,
     /// Renames of directories.
     pub dir_renames: u64,
+    /// RENAME_EXCHANGEs of two directories (`pmstack run`).
+    pub dir_exchanges: u64,
     /// Objects recovery had to create again.
     pub recreated: u64,
     /// `pmstack run`: times the daemon was taken for dead (its heartbeat aged), operations
@@ -103,6 +105,7 @@ impl Coverage {
         self.mkdirs += o.mkdirs;
         self.rmdirs += o.rmdirs;
         self.dir_renames += o.dir_renames;
+        self.dir_exchanges += o.dir_exchanges;
         self.recreated += o.recreated;
         self.daemon_deaths += o.daemon_deaths;
         self.unserved_ops += o.unserved_ops;

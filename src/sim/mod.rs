@@ -153,6 +153,9 @@ pub struct Kinds {
     /// programs and the daemon of `pmstack run`) instead of a power cut: PM keeps every store,
     /// the lower everything it was given.
     pub kills: bool,
+    /// `pmstack run`: renames with RENAME_EXCHANGE, of two files and of two directories
+    /// (with what is in them). The mount's histories always have exchanges of files.
+    pub exchanges: bool,
 }
 
 impl Kinds {
@@ -166,6 +169,14 @@ impl Kinds {
         lost_rmdirs: true,
         outside: true,
         kills: true,
+        exchanges: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had exchanges (2026-11-27): what the
+    /// seeds found before run with.
+    pub const CAMPAIGN_BEFORE_EXCHANGES: Kinds = Kinds {
+        exchanges: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before histories had programs that are not attached and kills
@@ -173,7 +184,7 @@ impl Kinds {
     pub const CAMPAIGN_BEFORE_KILLS: Kinds = Kinds {
         outside: false,
         kills: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_EXCHANGES
     };
 
     /// The simulate example's flags that select these kinds.
@@ -202,6 +213,9 @@ impl Kinds {
         }
         if !self.kills {
             f += " --no-kills";
+        }
+        if !self.exchanges {
+            f += " --no-exchanges";
         }
         f
     }

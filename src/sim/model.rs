@@ -225,6 +225,18 @@ impl Model {
         self.names.insert(b.to_string(), ia);
     }
 
+    /// RENAME_EXCHANGE of the directories `a` and `b` (neither in the other): each takes
+    /// the other's name, with everything in it.
+    pub(super) fn exchange_dirs(&mut self, a: &str, b: &str) {
+        let swapped = |n: &String| match (n.strip_prefix(a), n.strip_prefix(b)) {
+            (Some(rest), _) => format!("{b}{rest}"),
+            (_, Some(rest)) => format!("{a}{rest}"),
+            _ => n.clone(),
+        };
+        self.dirs = self.dirs.iter().map(swapped).collect();
+        self.names = self.names.iter().map(|(n, &i)| (swapped(n), i)).collect();
+    }
+
     pub(super) fn link(&mut self, a: &str, b: &str) {
         self.names.insert(b.to_string(), self.names[a]);
     }
@@ -452,6 +464,25 @@ pub(super) enum DirOp {
 /// Draw a directory operation the file system would do: directories `d0` to `d3`, at the root
 /// or in a directory at the root (two levels at most); rmdir of an empty directory; a rename
 /// not into itself, keeping two levels. None: the draw found nothing to do.
+/// Two directories a RENAME_EXCHANGE may swap: neither in the other, and each fits where the
+/// other is (two levels at most: a directory with directories in it stays at the root).
+pub(super) fn dirs_to_exchange(rng: &mut StdRng, m: &Model) -> Option<(String, String)> {
+    let dirs: Vec<&String> = m.dirs.iter().collect();
+    if dirs.len() < 2 {
+        return None;
+    }
+    let depth = |d: &str| d.matches('/').count();
+    let has_subdirs = |d: &str| m.dirs.iter().any(|x| x != d && x.starts_with(d));
+    let fits = |d: &str, at: &str| !has_subdirs(d) || depth(at) <= 1;
+    // A few draws: most pairs of a small tree are one in the other.
+    (0..4).find_map(|_| {
+        let a = dirs[rng.gen_range(0..dirs.len())];
+        let b = dirs[rng.gen_range(0..dirs.len())];
+        let apart = !a.starts_with(b.as_str()) && !b.starts_with(a.as_str());
+        (apart && fits(a, b) && fits(b, a)).then(|| (a.clone(), b.clone()))
+    })
+}
+
 pub(super) fn dir_op(rng: &mut StdRng, m: &Model) -> Option<DirOp> {
     let dirs: Vec<&String> = m.dirs.iter().collect();
     let depth = |d: &str| d.matches('/').count();

@@ -36,8 +36,9 @@ use super::procs::{
 };
 use super::waker::{done, Waker};
 use super::{
-    dir_op, new_file_name, new_files_empty, pattern, read_tree, recover_and_check, Coverage, Crash,
-    DirOp, Falloc, FenceTrees, InOpSyncs, Kinds, Model, ScratchDir, Stash, SyncsSeen, Tree, REC,
+    dir_op, dirs_to_exchange, new_file_name, new_files_empty, pattern, read_tree,
+    recover_and_check, Coverage, Crash, DirOp, Falloc, FenceTrees, InOpSyncs, Kinds, Model,
+    ScratchDir, Stash, SyncsSeen, Tree, REC,
 };
 use crate::engine::Log;
 use crate::front::client::Client;
@@ -292,7 +293,20 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             8 if !names.is_empty() => {
                 let a = pick(&mut rng);
                 let b = new_file_name(&mut rng, &model, kinds);
-                if a != b {
+                // Two files swap names (`Kinds::exchanges`; drawn only then, so histories
+                // without them are as before).
+                if a != b && kinds.exchanges && model.names.contains_key(&b) && rng.gen_bool(0.5) {
+                    cov.exchanges += 1;
+                    ns_op = true;
+                    for n in [&a, &b] {
+                        model.names.get(n).map(|id| outside_ids.remove(id));
+                    }
+                    let swapped = c.rename(&target(c, &a), &target(c, &b), libc::RENAME_EXCHANGE);
+                    match done(swapped, may_refuse, "exchange") {
+                        Some(()) => model.exchange(&a, &b),
+                        None => refused = true,
+                    }
+                } else if a != b {
                     cov.renames += 1;
                     ns_op = true;
                     stash.keep_last(&lower, &b);
@@ -443,6 +457,18 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     None => refused_data = true,
                 }
                 synced = Some((o.ino, true));
+            }
+            // Two directories swap names, with what is in them (`Kinds::exchanges`).
+            19 | 20 if kinds.dirs && kinds.exchanges && rng.gen_bool(0.4) => {
+                if let Some((a, b)) = dirs_to_exchange(&mut rng, &model) {
+                    cov.dir_exchanges += 1;
+                    ns_op = true;
+                    let swapped = c.rename(&target(c, &a), &target(c, &b), libc::RENAME_EXCHANGE);
+                    match done(swapped, may_refuse, "exchange") {
+                        Some(()) => model.exchange_dirs(&a, &b),
+                        None => refused = true,
+                    }
+                }
             }
             19 | 20 if kinds.dirs => match dir_op(&mut rng, &model) {
                 Some(DirOp::Mkdir(d)) => {

@@ -21,6 +21,7 @@ fn crash_histories_through_pmstack_run_keep_the_contract() {
             && c.multi_area_logs > 0
             && c.outside_changes > 0
             && c.kills > 0
+            && c.exchanges > 0
     };
     until_covered(Kinds::CAMPAIGN, covered);
 }
@@ -160,6 +161,22 @@ fn until_covered(kinds: Kinds, covered: impl Fn(&Coverage) -> bool) {
     assert!(covered(&cov), "{cov:?}");
 }
 
+/// Histories with RENAME_EXCHANGE (`Kinds::exchanges`): two files, and two directories with
+/// what is in them, swap names through `Client::rename` (the simulator's histories of
+/// `pmstack run` had none before 2026-11-27). Seeds among which four histories exchange
+/// directories, over a local lower and over one that ignores syncfs.
+#[test]
+fn exchanges_of_files_and_directories_keep_the_contract() {
+    for syncfs_ignored in [false, true] {
+        let kinds = Kinds {
+            syncfs_ignored,
+            ..Kinds::CAMPAIGN
+        };
+        let cov = expect_contract(40000600..40000630, |s| run_history_preload(s, 50, kinds));
+        assert!(cov.exchanges > 0 && cov.dir_exchanges > 0, "{cov:?}");
+    }
+}
+
 /// Seeds of the long run over a lower that ignores syncfs whose history failed in the
 /// harness: an ftruncate (and a fallocate) returned ENOENT. The daemon was taken for dead,
 /// the file had live records and was new (`F_BORN_UNSYNCED`), so the real sync before the
@@ -171,7 +188,7 @@ fn until_covered(kinds: Kinds, covered: impl Fn(&Coverage) -> bool) {
 fn a_real_sync_that_cannot_sync_a_removed_path_refuses_with_eio_not_enoent() {
     let kinds = Kinds {
         syncfs_ignored: true,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_EXCHANGES
     };
     let cov = expect_contract([20269584, 20274234], |s| run_history_preload(s, 50, kinds));
     assert!(cov.refused_unserved_data > 0, "{cov:?}");
