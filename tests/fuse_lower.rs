@@ -36,6 +36,16 @@ impl Drop for BindFs {
     }
 }
 
+/// `pmstack stat --json` of the served directory `dir` (null if it answers nothing).
+fn pmstack_stat(dir: &Path) -> serde_json::Value {
+    let out = Command::new(common::bin())
+        .args(["stat", "--json"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_default()
+}
+
 /// A scratch directory under /var/tmp (removed on drop) with an empty `src` in it.
 fn scratch_with_src(prefix: &str) -> (tempfile::TempDir, PathBuf) {
     let base = tempfile::Builder::new()
@@ -305,14 +315,7 @@ os.fsync(fd); os.close(fd)
 "#;
     let stats = pmstack::front::paths(&bind).2;
     common::run_python(&bind, script, &[bind.as_os_str(), stats.as_os_str()]);
-    let stat = || {
-        let out = Command::new(common::bin())
-            .args(["stat", "--json"])
-            .arg(&bind)
-            .output()
-            .unwrap();
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
-    };
+    let stat = || pmstack_stat(&bind);
     assert_eq!(stat()["syncfs_trusted"], false, "{}", stat());
     let w0 = stat()["writebacks"].as_u64().unwrap_or(0);
     let t0 = Instant::now();
@@ -382,14 +385,7 @@ os.write(fd, bytes((k % 253) for k in range(65536))); os.fsync(fd)
 os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd)
 "#;
     common::run_python(&bind, script, &[bind.as_os_str()]);
-    let stat = || {
-        let out = Command::new(common::bin())
-            .args(["stat", "--json"])
-            .arg(&bind)
-            .output()
-            .unwrap();
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
-    };
+    let stat = || pmstack_stat(&bind);
     assert!(
         unsynced_pages(&ext4.join("f")) > 0,
         "the file's bytes are already durable below: this test cannot show what it is for"
@@ -489,14 +485,7 @@ assert sorted(os.listdir(below + '/p/a')) == ['y', 'z'], os.listdir(below + '/p/
     // mkdir p, mkdir a, five creations, y and z: logged (the first one in the root writes
     // the namespace back, and so does the first in the directory made again outside). The
     // daemon adds a process's counts to its totals once it has seen it exit.
-    let stat = || {
-        let out = Command::new(common::bin())
-            .args(["stat", "--json"])
-            .arg(&bind)
-            .output()
-            .unwrap();
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
-    };
+    let stat = || pmstack_stat(&bind);
     let t0 = Instant::now();
     while stat()["totals"]["ns_ops"].as_u64().unwrap_or(0) < 6 {
         assert!(
