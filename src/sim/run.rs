@@ -101,8 +101,13 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // waker's (those a process waits for).
     let seen = per_object.then(|| SyncsSeen::watch(None));
     let waker = seen.as_ref().map(|s| Waker::start(d.clone(), s.share()));
-    let (pids, clients) =
+    let (pids, mut clients) =
         attach_processes(kinds.threads, &table_path, d.table.epoch(), &sim, &lower);
+    if per_object {
+        // A FUSE or network lower's client finds the directories it keeps open by their
+        // handle (`ns::dirs`); a local one's, by a stat.
+        clients.iter_mut().for_each(Client::know_dirs_by_handle);
+    }
     let path = |n: &str| {
         lower
             .join(n.trim_end_matches('/'))
@@ -110,8 +115,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             .as_bytes()
             .to_vec()
     };
+    // Every path is absolute, under the lower by its text (as the library takes it: kept
+    // directories are then found again without opening them, `Client::dir_at`).
     let target = |c: &Client, n: &str| {
-        c.targets(&[(libc::AT_FDCWD, path(n))], |_, _| false)
+        c.targets(&[(libc::AT_FDCWD, path(n))], |_, _| true)
             .and_then(|mut t| t.pop())
             .expect("a name under the root")
     };

@@ -194,6 +194,14 @@ impl Client {
         Self::attach_as(table, epoch, pm, root, my_pid())
     }
 
+    /// Find the directories of namespace operations again by their file handle, as over a
+    /// lower that is not a local file system (`ns::dirs::KnownBy::Handle`): the crash
+    /// simulator's histories of such a lower run over a local directory.
+    #[doc(hidden)]
+    pub fn know_dirs_by_handle(&mut self) {
+        self.dirs = crate::front::ns::dirs::DirCache::new(false);
+    }
+
     /// `attach_to` as the process `pid` (the crash simulator runs the clients of several
     /// processes in one; each takes an append area and a process record of its own).
     #[doc(hidden)]
