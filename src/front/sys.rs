@@ -140,7 +140,6 @@ pub fn fstat(fd: i32) -> io::Result<libc::stat> {
     Ok(st)
 }
 
-/// stat(2) relative to `dirfd` (AT_FDCWD for the working directory).
 /// What names the object at `path` (relative to `dirfd`; `flags`: AT_SYMLINK_FOLLOW,
 /// AT_EMPTY_PATH) for as long as it is held open: the id of the mount it is on and its file
 /// handle (type and bytes), as one key (`ns::dirs`). Fails where the file system gives no
@@ -170,6 +169,7 @@ pub fn handle_key(dirfd: i32, path: *const libc::c_char, flags: i32) -> io::Resu
     Ok(key)
 }
 
+/// stat(2) relative to `dirfd` (AT_FDCWD for the working directory).
 pub fn fstatat(dirfd: i32, path: *const libc::c_char, flags: i32) -> io::Result<libc::stat> {
     // SAFETY: zeroed stat is a valid out-buffer.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };

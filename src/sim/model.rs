@@ -461,9 +461,6 @@ pub(super) enum DirOp {
     Rename(String, String),
 }
 
-/// Draw a directory operation the file system would do: directories `d0` to `d3`, at the root
-/// or in a directory at the root (two levels at most); rmdir of an empty directory; a rename
-/// not into itself, keeping two levels. None: the draw found nothing to do.
 /// Two directories a RENAME_EXCHANGE may swap: neither in the other, and each fits where the
 /// other is (two levels at most: a directory with directories in it stays at the root).
 pub(super) fn dirs_to_exchange(rng: &mut StdRng, m: &Model) -> Option<(String, String)> {
@@ -483,6 +480,9 @@ pub(super) fn dirs_to_exchange(rng: &mut StdRng, m: &Model) -> Option<(String, S
     })
 }
 
+/// Draw a directory operation the file system would do: directories `d0` to `d3`, at the root
+/// or in a directory at the root (two levels at most); rmdir of an empty directory; a rename
+/// not into itself, keeping two levels. None: the draw found nothing to do.
 pub(super) fn dir_op(rng: &mut StdRng, m: &Model) -> Option<DirOp> {
     let dirs: Vec<&String> = m.dirs.iter().collect();
     let depth = |d: &str| d.matches('/').count();

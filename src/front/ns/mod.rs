@@ -184,7 +184,7 @@ impl Client {
             let kept = match self.dirs.known_by() {
                 dirs::KnownBy::Stat => {
                     let st = sys::fstatat(dirfd, c.as_ptr(), 0).ok()?;
-                    if st.st_mode & libc::S_IFMT != libc::S_IFDIR || st.st_dev != self.root_dev {
+                    if !is_dir(&st) || st.st_dev != self.root_dev {
                         return None;
                     }
                     self.dirs.get(st.st_dev, st.st_ino).map(|d| (d, st))
