@@ -837,12 +837,15 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
     }
 }
 
-/// Python: wait until the daemon vetted `n` files (looked for writers outside `pmstack run`
-/// that opened them earlier): the first sync after that is real, later ones are absorbed.
-/// Python helpers for the watch: `wait_vetted(n)` waits until the daemon vetted `n` marked
-/// objects; `expect_syncs()` syncs the root directory, so that the files the process opens
-/// for writing from then on are marked for the watch at once (`Client::sync_expected`).
-const WAIT_VETTED: &str = "def expect_syncs():\n    fd = os.open(d, os.O_RDONLY)\n    os.fsync(fd)\n    os.close(fd)\ndef wait_vetted(n):\n    import json, time\n    while True:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                if json.load(f).get('marks_vetted', 0) >= n:\n                    return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n";
+/// Python helpers for the watch: `wait_vetted(n)` waits until the daemon vetted `n` objects
+/// (looked for writers outside `pmstack run` that opened them before they were watched, and
+/// found none: `F_VETTED`), so the first sync after that is real and sets the baseline, and
+/// later ones are absorbed. It counts vetted objects (`objects_vetted`), not marks looked at
+/// (`marks_vetted`): a look whose vetting was voided (the object unmarked or spawning in
+/// between) moves the ring on but vets nothing. `expect_syncs()` syncs the root directory,
+/// so that the files the process opens for writing from then on are marked for the watch at
+/// once (`Client::sync_expected`); the directory itself is not marked.
+const WAIT_VETTED: &str = "def expect_syncs():\n    fd = os.open(d, os.O_RDONLY)\n    os.fsync(fd)\n    os.close(fd)\ndef wait_vetted(n):\n    import json, time\n    t0, v = time.time(), None\n    while time.time() - t0 < 60:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                v = json.load(f)\n            if v.get('objects_vetted', 0) >= n:\n                return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n    sys.exit(f'{n} objects not vetted in 60 s: {v}')\n";
 
 /// Each case the library cannot follow: (name, prelude makes the file's entries live, code
 /// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs,
@@ -1207,11 +1210,11 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     fs::write(root.join("f"), b"").unwrap(); // watched from the open, not its birth
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     // Holder 0 opens f, makes its first (real) sync, then waits; holders 1..7 take the rest
-    // of the areas.
+    // of the areas (their files are new: watched from their birth, never vetted).
     let holder = format!(
         "import os, sys\n{WAIT_VETTED}d, k = sys.argv[1], sys.argv[2]\n\
          expect_syncs()\nfd = os.open(os.path.join(d, 'f' if k == '0' else 'h' + k), os.O_RDWR | os.O_CREAT, 0o644)\n\
-         wait_vetted(1)\nos.pwrite(fd, b'o' * 100, 0)\nos.fsync(fd)\nprint('ready', flush=True)\n\
+         if k == '0':\n    wait_vetted(1)\nos.pwrite(fd, b'o' * 100, 0)\nos.fsync(fd)\nprint('ready', flush=True)\n\
          sys.stdin.readline()\nos.fsync(fd)\nprint('synced', flush=True)\nsys.stdin.readline()\n"
     );
     let mut holders: Vec<(Child, BufReader<std::process::ChildStdout>)> = (0..8)
