@@ -193,7 +193,7 @@ fn main() {
             cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.mkdirs, cov.rmdirs, cov.dir_renames, cov.dir_exchanges, cov.recreated
         );
         println!(
-            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {}; histories with a table of 16 slots {} (slots freed {})",
+            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {}; histories with a small table (16 slots for 50 operations) {} (slots freed {})",
             cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes, cov.small_tables, cov.slots_freed
         );
         println!(
