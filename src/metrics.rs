@@ -128,6 +128,7 @@ pub const METRICS: &[Metric] = &[
     m("slots", Gauge, Count, Serve, "slots of the shared table: objects that can be tracked at once (`serve --table-slots`)"),
     m("slots_used", Gauge, Count, Serve, "slots of the shared table holding an object now; past half of them, the daemon frees those of objects nothing needs tracked (closed, nothing live in the log)"),
     m("slots_freed", Counter, Count, Serve, "slots of the shared table freed (the object is tracked anew, in a new slot, if it is used again)"),
+    m("slot_claims_refused", Counter, Count, Serve, "times an attached process found no free slot for an object (raise --table-slots): the object ran on the lower alone, untracked, and the daemon's vetting counts such processes as writers it cannot see"),
     m("areas_leased", Gauge, Count, Serve, "append areas of the PM log leased to processes now"),
     m("lsn", Gauge, Lsn, Serve, "the log's next sequence number"),
     m("recovery.namespace_ops", Gauge, Count, Both, "recovery at start: namespace records evaluated"),

@@ -4556,3 +4556,54 @@ fn recovery_keeps_the_tree_after(root: &Path, pm: &Path, s: &mut Serve, then: im
     assert_eq!(tree(root), before, "recovery changed the tree");
     let _ = fs::remove_file(pm);
 }
+
+/// An attached process that finds no free slot for a file it opens for writing writes it
+/// untracked, as a process outside `pmstack run` would. Once the file gets a slot (others'
+/// slots freed) and another attached process syncs it, the daemon's vetting must count the
+/// first process as a writer it cannot see: every sync of the file is real while it holds
+/// the file, or a sync absorbed from the log would not cover its writes (and replay could
+/// roll them back). Before, attached processes were taken for seen whatever they held, and
+/// the second sync here was absorbed.
+#[test]
+fn an_attached_process_that_found_no_slot_is_a_writer_the_daemon_cannot_see() {
+    let Some((_d, root, pm, s)) = served_tmp(
+        "noslot",
+        &["--flush-interval-ms", "3600000", "--table-slots", "16"],
+    ) else {
+        return;
+    };
+    for i in 0..16 {
+        fs::write(root.join(format!("h{i}")), b"").unwrap();
+    }
+    fs::write(root.join("f"), b"").unwrap();
+    // A: sixteen files open for writing take the sixteen slots; f finds none.
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec("hs = [os.open(os.path.join(d, f'h{i}'), os.O_RDWR) for i in range(16)]");
+    a.exec("ff = os.open(os.path.join(d, 'f'), os.O_RDWR)\nos.pwrite(ff, b'a' * 100, 0)");
+    s.wait_stats("f found no slot", |v| {
+        v["slot_claims_refused"].as_u64() >= Some(1)
+    });
+    // A lets the sixteen go: the daemon frees their slots (more than half are in use).
+    a.exec("for h in hs:\n    os.close(h)");
+    s.wait_stats("idle slots freed", |v| v["slots_freed"].as_u64() >= Some(1));
+    // B opens f (it gets a slot now), waits for the daemon to vet it, and syncs it twice,
+    // A writing in between through its untracked descriptor.
+    let mut b = Py::spawn(s.run(), &root);
+    b.exec("expect_syncs()\nfd = os.open(os.path.join(d, 'f'), os.O_RDWR)\nwait_vetted(1)");
+    b.exec("os.pwrite(fd, b'b' * 10, 200)\nos.fsync(fd)");
+    a.exec("os.pwrite(ff, b'c' * 100, 0)");
+    b.exec("os.pwrite(fd, b'b' * 10, 300)\nos.fsync(fd)");
+    let v = s.wait_stats("B's two syncs", |v| {
+        proc_stats(v, b.pid()).is_some_and(|p| {
+            p["real_syncs"].as_u64().unwrap_or(0) + p["absorbed_fsync"].as_u64().unwrap_or(0) >= 2
+        })
+    });
+    let p = proc_stats(&v, b.pid()).unwrap();
+    assert!(v["foreign_writers"].as_u64() >= Some(1), "{v}");
+    assert_eq!(p["absorbed_fsync"], 0, "{v}");
+    assert_eq!(p["real_syncs"], 2, "{v}");
+    drop(a);
+    drop(b);
+    drop(s);
+    let _ = fs::remove_file(&pm);
+}

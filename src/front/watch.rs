@@ -433,10 +433,13 @@ fn maps_dev(s: &str) -> Option<u64> {
 }
 
 /// Which of the objects `targets` ((dev, ino)) some process for which `attached` is false holds
-/// open for writing or maps shared and writable.
+/// open for writing or maps shared and writable. With `holds`, also those an attached process
+/// holds so for which `holds(pid, object)` is false: one whose library did not track the
+/// object (`table::H_CLAIMS_REFUSED`), so writes it unseen.
 pub fn foreign_writers(
     targets: &HashSet<(u64, u64)>,
     attached: &mut dyn FnMut(u64) -> bool,
+    mut holds: Option<&mut dyn FnMut(u64, (u64, u64)) -> bool>,
 ) -> HashSet<(u64, u64)> {
     let mut found = HashSet::new();
     if targets.is_empty() {
@@ -450,10 +453,18 @@ pub fn foreign_writers(
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u64>() else {
             continue;
         };
-        if pid == me || attached(pid) {
+        if pid == me {
             continue;
         }
-        found.extend(held_for_write(pid, targets));
+        if !attached(pid) {
+            found.extend(held_for_write(pid, targets));
+        } else if let Some(h) = holds.as_mut() {
+            found.extend(
+                held_for_write(pid, targets)
+                    .into_iter()
+                    .filter(|&id| !h(pid, id)),
+            );
+        }
     }
     found
 }
@@ -583,7 +594,7 @@ mod tests {
         let want: HashSet<_> = [id(&w), id(&m)].into_iter().collect();
         assert_eq!(held_for_write(me, &targets), want);
         // The scan never reports the calling process, nor processes it is told are attached.
-        assert!(foreign_writers(&targets, &mut |_| false).is_empty());
+        assert!(foreign_writers(&targets, &mut |_| false, None).is_empty());
         drop(map);
         assert!(exe_ident(me) != 0 && start_time(me) != 0);
         let _ = std::fs::remove_dir_all(&d);

@@ -667,7 +667,11 @@ pub(super) fn claim<R>(
     gen: u64,
     f: impl FnOnce(&Slot<'_>) -> R,
 ) -> Option<(usize, R)> {
-    let (slot, _g) = table.locked_slot_of(st.st_dev, st.st_ino)?;
+    let Some((slot, _g)) = table.locked_slot_of(st.st_dev, st.st_ino) else {
+        // The object stays untracked (see `H_CLAIMS_REFUSED`).
+        table.w(H_CLAIMS_REFUSED).fetch_add(1, Ordering::AcqRel);
+        return None;
+    };
     ensure_gen(&slot, gen);
     if st.st_mode & libc::S_IFMT == libc::S_IFDIR && slot.flags() & F_DIR == 0 {
         slot.w(S_FLAGS).fetch_or(F_DIR, Ordering::AcqRel);

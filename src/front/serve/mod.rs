@@ -625,6 +625,7 @@ impl Daemon {
             "slots": self.table.nslots(),
             "slots_used": self.table.slots_used(),
             "slots_freed": s.slots_freed.load(Ordering::Relaxed),
+            "slot_claims_refused": self.table.w(H_CLAIMS_REFUSED).load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

@@ -220,7 +220,25 @@ impl Daemon {
             )
         };
         let targets: HashSet<(u64, u64)> = idxs.iter().map(|&i| id(i)).collect();
-        let found = watch::foreign_writers(&targets, &mut |pid| self.is_attached(pid));
+        // Once some object found no slot, an attached process may hold one of these for
+        // writing without tracking it (it had none then): its writes are unseen unless it
+        // is among the slot's holders.
+        let slot_of: std::collections::HashMap<(u64, u64), usize> =
+            idxs.iter().map(|&i| (id(i), i)).collect();
+        let mut holds = |pid: u64, obj: (u64, u64)| {
+            slot_of.get(&obj).is_some_and(|&i| {
+                let holders: Vec<usize> = self.table.slot(i).holders().collect();
+                holders
+                    .into_iter()
+                    .any(|r| self.table.proc_word(r, P_PID).load(Ordering::Acquire) == pid)
+            })
+        };
+        let refused = self.table.w(H_CLAIMS_REFUSED).load(Ordering::Acquire) != 0;
+        let found = watch::foreign_writers(
+            &targets,
+            &mut |pid| self.is_attached(pid),
+            if refused { Some(&mut holds) } else { None },
+        );
         idxs.iter()
             .copied()
             .filter(|&i| found.contains(&id(i)))

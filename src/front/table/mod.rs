@@ -21,7 +21,7 @@ pub use lock::{alive, forget_pid, my_pid, now_ns, quiesce_for_exec, reaped, PidL
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 5;
+pub const VERSION: u64 = 6;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -75,6 +75,13 @@ pub const H_RETIRED: usize = 48;
 /// logged). The last header word, after the retired counters (`COUNTERS` name process words
 /// below 15).
 pub const H_COARSE_CTIME: usize = 63;
+/// How many times an attached process found no slot for an object (the table full along
+/// the object's chain). Such an object is not tracked: a process that opened it for writing
+/// writes it unseen, and if the object gets a slot later (other objects' slots freed), the
+/// daemon's vetting must count that process as a writer it cannot see (`Daemon::vet`: an
+/// attached process holding the object for writing that is not among the slot's holders).
+/// Zero, the vetting does not look at attached processes at all.
+pub const H_CLAIMS_REFUSED: usize = 64;
 const _: () = {
     let mut i = 0;
     while i < COUNTERS.len() {
@@ -83,7 +90,7 @@ const _: () = {
         assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
         i += 1;
     }
-    assert!(H_COARSE_CTIME < PROCS_AT);
+    assert!(H_COARSE_CTIME < PROCS_AT && H_CLAIMS_REFUSED < PROCS_AT);
     assert!(P_IN_FLIGHT < PROC_WORDS);
 };
 
@@ -108,7 +115,7 @@ pub const FREED: u64 = u64::MAX;
 const PROBES: usize = 256;
 
 /// Attached processes: `MAX_PROCS` records of `PROC_WORDS` words from word `PROCS_AT`.
-pub const PROCS_AT: usize = 64;
+pub const PROCS_AT: usize = 128;
 pub const MAX_PROCS: usize = 128;
 pub const PROC_WORDS: usize = 16;
 /// Process record words.
