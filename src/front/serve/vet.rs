@@ -227,9 +227,9 @@ impl Daemon {
             idxs.iter().map(|&i| (id(i), i)).collect();
         let mut holds = |pid: u64, obj: (u64, u64)| {
             slot_of.get(&obj).is_some_and(|&i| {
-                let holders: Vec<usize> = self.table.slot(i).holders().collect();
-                holders
-                    .into_iter()
+                self.table
+                    .slot(i)
+                    .holders()
                     .any(|r| self.table.proc_word(r, P_PID).load(Ordering::Acquire) == pid)
             })
         };
