@@ -222,9 +222,13 @@ impl Daemon {
         let targets: HashSet<(u64, u64)> = idxs.iter().map(|&i| id(i)).collect();
         // Once some object found no slot, an attached process may hold one of these for
         // writing without tracking it (it had none then): its writes are unseen unless it
-        // is among the slot's holders.
-        let slot_of: std::collections::HashMap<(u64, u64), usize> =
-            idxs.iter().map(|&i| (id(i), i)).collect();
+        // is among the slot's holders. (Nothing to look up otherwise.)
+        let refused = self.table.w(H_CLAIMS_REFUSED).load(Ordering::Acquire) != 0;
+        let slot_of: std::collections::HashMap<(u64, u64), usize> = if refused {
+            idxs.iter().map(|&i| (id(i), i)).collect()
+        } else {
+            Default::default()
+        };
         let mut holds = |pid: u64, obj: (u64, u64)| {
             slot_of.get(&obj).is_some_and(|&i| {
                 self.table
@@ -233,7 +237,6 @@ impl Daemon {
                     .any(|r| self.table.proc_word(r, P_PID).load(Ordering::Acquire) == pid)
             })
         };
-        let refused = self.table.w(H_CLAIMS_REFUSED).load(Ordering::Acquire) != 0;
         let found = watch::foreign_writers(
             &targets,
             &mut |pid| self.is_attached(pid),
