@@ -129,6 +129,8 @@ pub const METRICS: &[Metric] = &[
     m("slots_used", Gauge, Count, Serve, "slots of the shared table holding an object now; past half of them, the daemon frees those of objects nothing needs tracked (closed, nothing live in the log)"),
     m("slots_freed", Counter, Count, Serve, "slots of the shared table freed (the object is tracked anew, in a new slot, if it is used again)"),
     m("slot_claims_refused", Counter, Count, Serve, "times an attached process found no free slot for an object (raise --table-slots): the object ran on the lower alone, untracked, and the daemon's vetting counts such processes as writers it cannot see"),
+    m("baselines_logged", Counter, Count, Serve, "first syncs of an object since it was vetted absorbed by logging the whole file (at most 256 KiB) instead of the lower file system's own fsync"),
+    m("vetted_at_open", Counter, Count, Serve, "objects vetted by the process that opened them, at the open (a lease test: no other open file writes or reads the object), without the daemon's scan of /proc"),
     m("areas_leased", Gauge, Count, Serve, "append areas of the PM log leased to processes now"),
     m("lsn", Gauge, Lsn, Serve, "the log's next sequence number"),
     m("recovery.namespace_ops", Gauge, Count, Both, "recovery at start: namespace records evaluated"),

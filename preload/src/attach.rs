@@ -101,6 +101,8 @@ fn pause(i: &mut u32) {
 
 extern "C" fn after_fork_child() {
     pmstack::front::table::forget_pid();
+    // The start that made this process is over here.
+    pmstack::front::client::spawn_started();
     // The directories the parent's client keeps open are copies here that nothing will use.
     // SAFETY: set by `client` from a leaked Box, never freed.
     if let Some(c) = unsafe { CLIENT.load(Ordering::Acquire).as_ref() } {

@@ -41,6 +41,8 @@ pub(crate) unsafe fn do_open(
         return plain(flags);
     }
     let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
+    // Before the open: a child started from here on may hold the new descriptor.
+    let spawns = pmstack::front::client::spawn_mark();
     // A file this call created: what the creation learnt of it.
     let mut born = None;
     let fd = if plan.create {
@@ -83,7 +85,7 @@ pub(crate) unsafe fn do_open(
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
             }
-            c.and_then(|c| c.track_under(fd, sync, Some(flags)).map(|t| (c, t)))
+            c.and_then(|c| c.track_opened(fd, sync, flags, spawns).map(|t| (c, t)))
         }
     };
     match tracked {

@@ -32,11 +32,13 @@ fn starting<R>(start: impl FnOnce() -> R) -> R {
 }
 
 pub(crate) extern "C" fn before_fork() {
+    pmstack::front::client::spawn_starting();
     with_client(|c| c.spawn_prepare());
 }
 
 pub(crate) extern "C" fn after_fork_parent() {
     with_client(|c| c.spawn_done());
+    pmstack::front::client::spawn_started();
 }
 
 type SpawnFn = unsafe extern "C" fn(

@@ -225,6 +225,35 @@ pub fn fcntl(fd: i32, cmd: i32, arg: i64) -> io::Result<i64> {
     check(unsafe { syscall6(libc::SYS_fcntl, fd as i64, cmd as i64, arg, 0, 0, 0) })
 }
 
+/// Whether the open file of `fd` (just opened by this process, for writing) is the only
+/// open file of its object on this host: nothing else writes it (no other open file for
+/// writing, no shared writable mapping, whose file stays open after its descriptor is
+/// closed) or reads it. The kernel grants a write lease only then (it compares the inode's
+/// counts of open files for writing and for reading with the caller's own), so the test
+/// takes one and releases it at once. A process that does not own the file (without
+/// CAP_LEASE), a file system without leases, or any other open file: false.
+///
+/// While the lease is held (two system calls), another open of the object waits for its
+/// release (or fails with EWOULDBLOCK if non-blocking), and the kernel signals the lease's
+/// holder, this process: SIGIO by default, whose default action ends it. So the break is
+/// signalled with SIGURG, ignored by default (and taken for a spurious wake-up by programs
+/// that handle it: Go's runtime, out-of-band data on sockets), and the descriptor's signal
+/// and owner are put back as a fresh descriptor has them (0: none).
+pub fn sole_open_file(fd: i32) -> bool {
+    // Linux's F_SETSIG (the libc crate does not name it).
+    const F_SETSIG: i32 = 10;
+    if fcntl(fd, F_SETSIG, libc::SIGURG as i64).is_err() {
+        return false;
+    }
+    let held = fcntl(fd, libc::F_SETLEASE, libc::F_WRLCK as i64).is_ok();
+    if held {
+        let _ = fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK as i64);
+        let _ = fcntl(fd, libc::F_SETOWN, 0);
+    }
+    let _ = fcntl(fd, F_SETSIG, 0);
+    held
+}
+
 /// The path of an open descriptor (readlink of /proc/self/fd/N).
 pub fn fd_path(fd: i32) -> Option<Vec<u8>> {
     let p = format!("/proc/self/fd/{fd}\0");

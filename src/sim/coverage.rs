@@ -79,6 +79,9 @@ pub struct Coverage {
     /// `pmstack run`: changes of a directory's mode before its fsync (a clean directory stays
     /// clean, and the fsync is real).
     pub dir_attr_changes: u64,
+    /// `pmstack run`: first syncs of objects with no baseline (a slot claimed again after the
+    /// daemon freed it) absorbed by logging the whole file (`Client::log_baseline`).
+    pub baselines_logged: u64,
 }
 
 impl Coverage {
@@ -122,5 +125,6 @@ impl Coverage {
         self.small_tables += o.small_tables;
         self.slots_freed += o.slots_freed;
         self.dir_attr_changes += o.dir_attr_changes;
+        self.baselines_logged += o.baselines_logged;
     }
 }

@@ -43,7 +43,7 @@ use super::{
 use crate::engine::Log;
 use crate::front::client::Client;
 use crate::front::serve::{Daemon, ServeOpts};
-use crate::front::table::{Table, DEFAULT_SLOTS, H_HEARTBEAT, H_WAKE};
+use crate::front::table::{Table, DEFAULT_SLOTS, H_BASELINES_LOGGED, H_HEARTBEAT, H_WAKE};
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
 
@@ -571,6 +571,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         }
 
         let after = counters(&d.table, &pids);
+        cov.baselines_logged = d.table.w(H_BASELINES_LOGGED).load(Ordering::Relaxed);
         cov.unserved_ops += (after.2 > before.2) as u64;
         cov.real_syncs += after.0 - before.0 + after.1 - before.1;
         cov.paths_synced += after.4 - before.4;

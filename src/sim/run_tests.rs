@@ -22,6 +22,7 @@ fn crash_histories_through_pmstack_run_keep_the_contract() {
             && c.outside_changes > 0
             && c.kills > 0
             && c.exchanges > 0
+            && c.baselines_logged > 0
     };
     until_covered(Kinds::CAMPAIGN, covered);
 }

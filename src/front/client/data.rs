@@ -145,7 +145,14 @@ impl Client {
         self.note_sync(&slot, t, fd);
         let mut p = t.ino.p.lock();
         let cp = self.log.checkpoint_lsn();
-        if !self.serving() || !self.absorbable(slot.flags()) || slot.others_lazy(self.pid, cp) {
+        if !self.serving() || slot.others_lazy(self.pid, cp) {
+            return self.real_sync(&slot, fd, &mut p);
+        }
+        if !self.absorbable(slot.flags()) {
+            if self.baseline_loggable(slot.flags()) && self.log_baseline(&slot, t, fd, &mut p) {
+                self.count(P_ABSORBED_FSYNC, 1);
+                return Ok(());
+            }
             return self.real_sync(&slot, fd, &mut p);
         }
         if !p.dirty.is_empty() && p.mark >= cp {
@@ -161,22 +168,11 @@ impl Client {
                         let rfd = if !*fd_write_only.get_or_insert_with(|| write_only(fd)) {
                             fd
                         } else {
-                            p.forget_stale_rfd(fd);
-                            if p.rfd.is_none() {
-                                let path = format!("/proc/self/fd/{fd}\0");
-                                let Ok(r) = sys::openat(
-                                    libc::AT_FDCWD,
-                                    path.as_ptr() as *const _,
-                                    libc::O_RDONLY | libc::O_CLOEXEC,
-                                    0,
-                                ) else {
-                                    // Not readable by this process: the lower's own sync.
-                                    return self.real_sync(&slot, fd, &mut p);
-                                };
-                                // SAFETY: a fresh descriptor we own.
-                                p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
+                            match self.reader(fd, &mut p) {
+                                Some(r) => r,
+                                // Not readable by this process: the lower's own sync.
+                                None => return self.real_sync(&slot, fd, &mut p),
                             }
-                            p.rfd.as_ref().expect("set").as_raw_fd()
                         };
                         let mut buf = vec![0u8; (e - s) as usize];
                         let n = sys::pread(rfd, &mut buf, s)?;
@@ -193,6 +189,88 @@ impl Client {
         slot.clear_lazy(Some(self.pid));
         self.count(P_ABSORBED_FSYNC, 1);
         Ok(())
+    }
+
+    /// The object's syncs could be absorbed but for its baseline: every writer is seen from
+    /// now on (vetted, nothing unseen, no change left to a real sync), but what writers left
+    /// before it was vetted (a program before this one, this process before the daemon
+    /// started) is in the page cache only. Its first sync may then log the whole file
+    /// (`log_baseline`) instead of the lower's own fsync.
+    fn baseline_loggable(&self, f: u64) -> bool {
+        self.loggable(f) && f & (F_FALLBACK | F_BASELINE | F_SPAWNING) == 0
+    }
+
+    /// The baseline of a vetted object, logged: its size (a truncate record: the lower may
+    /// hold a longer file) and every byte of it as the page cache has it now (what any earlier
+    /// writer left, and this process's dirty bytes), read under the slot lock that every
+    /// attached writer takes (and no other writer exists: it is vetted). Replayed, they give
+    /// the file as this sync saw it, as the lower's own fsync would have made it durable; the
+    /// object's later syncs are absorbed as usual. Only files up to `BASELINE_LOG_MAX` bytes
+    /// (a larger one costs more to log than the lower's fsync of what changed); false, with
+    /// nothing changed but records that repeat the file's present content, where it cannot
+    /// (a read or an append failed): the caller syncs for real. Caller holds the slot lock.
+    ///
+    /// What a real fsync would also have made durable and this does not: attribute changes
+    /// before the object was vetted (mode, owner, times, extended attributes) by a process
+    /// the library does not see. Its own are logged or leave `F_FALLBACK`, which makes this
+    /// sync real. Logging them here could undo a later change by such a process (a chmod by
+    /// path raises no event of the watch).
+    fn log_baseline(&self, slot: &Slot<'_>, t: &Tracked, fd: i32, p: &mut Private) -> bool {
+        let Ok(st) = sys::fstat(fd) else { return false };
+        let size = st.st_size as u64;
+        if size > BASELINE_LOG_MAX {
+            return false;
+        }
+        // A descriptor that reads the page cache (the program's own may be write-only, or
+        // O_DIRECT, which needs aligned buffers).
+        let direct_or_write_only = sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| {
+            f as i32 & libc::O_ACCMODE == libc::O_WRONLY || f as i32 & libc::O_DIRECT != 0
+        });
+        let rfd = if direct_or_write_only {
+            match self.reader(fd, p) {
+                Some(r) => r,
+                None => return false,
+            }
+        } else {
+            fd
+        };
+        let mut buf = vec![0u8; size as usize];
+        let mut got = 0;
+        while got < buf.len() {
+            match sys::pread(rfd, &mut buf[got..], got as u64) {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => got += n,
+            }
+        }
+        if self.log_attr(slot, &t.ino, AttrOp::Truncate(size)).is_err()
+            || (size > 0 && self.log_data(slot, &t.ino, 0, &buf).is_err())
+        {
+            return false;
+        }
+        slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
+        p.dirty.clear();
+        slot.clear_lazy(Some(self.pid));
+        self.table.w(H_BASELINES_LOGGED).fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// A descriptor of this process's own that reads the object of `fd` (opened once through
+    /// `/proc/self/fd`, and kept); None where this process may not read it.
+    fn reader(&self, fd: i32, p: &mut Private) -> Option<i32> {
+        p.forget_stale_rfd(fd);
+        if p.rfd.is_none() {
+            let path = format!("/proc/self/fd/{fd}\0");
+            let r = sys::openat(
+                libc::AT_FDCWD,
+                path.as_ptr() as *const _,
+                libc::O_RDONLY | libc::O_CLOEXEC,
+                0,
+            )
+            .ok()?;
+            // SAFETY: a fresh descriptor we own.
+            p.rfd = Some(unsafe { OwnedFd::from_raw_fd(r) });
+        }
+        p.rfd.as_ref().map(|r| r.as_raw_fd())
     }
 
     /// ftruncate, then a truncate entry if the object has live entries (ordered with them at

@@ -60,6 +60,43 @@ impl Client {
         }
     }
 
+    /// Vet the object of `fd`, which the program's open just made and `track` marked for the
+    /// watch, here and now instead of by the daemon's scan of /proc: the object has no other
+    /// open file on this host (`sys::sole_open_file`: nothing else writes it, maps it shared
+    /// and writable, or reads it). A writer that opened the object before the mark would hold
+    /// an open file of it; every open since the mark waits for the daemon, which makes a
+    /// foreign writer's object foreign. (The kernel takes an opener's write access before it
+    /// asks the watch, so an open the mark missed is counted.) A child shares its parent's
+    /// open files without another count, so not if a child was being started since before
+    /// the open (`spawn_mark`, taken then): one started after this sees the descriptor
+    /// tracked (`spawn_prepare`). Nor while the object is not marked, already vetted, written
+    /// unseen, or inherited by a child being started.
+    ///
+    /// The first sync of a vetted object then logs the file whole (`log_baseline`) rather
+    /// than asking the lower for a real one: a program that opens an existing file and syncs
+    /// it at once (a mail server appending to a mailbox, a database opening its files) is
+    /// absorbed from its first sync, where it waited for the lower's fsync twice before (the
+    /// sync before the daemon had looked, then the first after).
+    pub(super) fn vet_at_open(&self, t: &Tracked, fd: i32, mark: u64) {
+        let unsettled = |f: u64| {
+            f & F_MARKED != 0 && f & (F_VETTED | F_NOT_SEEN | F_SPAWNING) == 0
+        };
+        let slot = self.table.slot(t.ino.slot);
+        if !self.watching || self.blind.load(Ordering::Relaxed) || !unsettled(slot.flags()) {
+            return;
+        }
+        let _g = slot.lock();
+        if slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen
+            || !unsettled(slot.flags())
+            || !sys::sole_open_file(fd)
+            || !super::spawn::no_spawn_since(mark)
+        {
+            return;
+        }
+        slot.w(S_FLAGS).fetch_or(F_VETTED, Ordering::AcqRel);
+        self.table.w(H_VETTED_AT_OPEN).fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Whether objects may be marked for the daemon's watch: it watches and serves. Never
     /// once it stopped: it removed every mark of its group before it went, and no one is
     /// left to answer the opens of an object marked since.

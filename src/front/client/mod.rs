@@ -39,6 +39,8 @@ mod logging;
 mod maps;
 mod spawn;
 
+pub use spawn::{spawn_mark, spawn_started, spawn_starting};
+
 pub use fdlock::{Exclusive, Held};
 pub(in crate::front) use logging::unwatch;
 pub use logging::{mark_unseen, Born};
@@ -430,14 +432,27 @@ impl Client {
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
-        self.track_if(fd, sync, None, || self.fd_under_root(fd))
+        self.track_if(fd, sync, None, None, || self.fd_under_root(fd))
     }
 
     /// `track` of a descriptor the caller knows to be under the root (by the path it was
     /// opened with, `open::given_under`, or the path the kernel reports), with the flags it
     /// was opened with when the caller knows them (`OpenFlags`).
     pub fn track_under(&self, fd: i32, sync: bool, flags: Option<i32>) -> Option<Arc<Tracked>> {
-        self.track_if(fd, sync, flags, || true)
+        self.track_if(fd, sync, flags, None, || true)
+    }
+
+    /// `track_under` of a descriptor the program's open just made (with the flags it was
+    /// opened with), `spawn_mark()` taken before that open: the object may be vetted at once
+    /// (`vet_at_open`).
+    pub fn track_opened(
+        &self,
+        fd: i32,
+        sync: bool,
+        flags: i32,
+        spawn_mark: u64,
+    ) -> Option<Arc<Tracked>> {
+        self.track_if(fd, sync, Some(flags), Some(spawn_mark), || true)
     }
 
     /// Track `fd` if it is a regular file of the root's file system and `under()` says it
@@ -447,6 +462,7 @@ impl Client {
         fd: i32,
         sync: bool,
         flags: Option<i32>,
+        opened: Option<u64>,
         under: impl FnOnce() -> bool,
     ) -> Option<Arc<Tracked>> {
         let st = sys::fstat(fd).ok()?;
@@ -455,7 +471,11 @@ impl Client {
         }
         let (handle, gen) = object_gen(fd, st.st_ino)?;
         let watch = self.sync_expected(sync);
-        self.track_object(fd, sync, &st, (handle, gen, None), flags, watch)
+        let t = self.track_object(fd, sync, &st, (handle, gen, None), flags, watch)?;
+        if let Some(mark) = opened {
+            self.vet_at_open(&t, fd, mark);
+        }
+        Some(t)
     }
 
     /// `track` of a file `create` just made (`Born`: what it already knows of it, so the
@@ -687,3 +707,9 @@ fn write_only(fd: i32) -> bool {
 /// Pages of unsynced writes through a write-only descriptor a process keeps a copy of per
 /// object (64 KiB): a sync after more reads the rest back through a descriptor of its own.
 const WRITE_ONLY_COPY_PAGES: usize = 16;
+
+/// The largest file whose first sync since it was vetted logs the whole file instead of
+/// the lower's own fsync (`Client::log_baseline`): reading and logging 256 KiB costs about
+/// what ext4's fsync of a small change does here (tens of microseconds), far less than a
+/// distributed file system's (milliseconds).
+pub(crate) const BASELINE_LOG_MAX: u64 = 256 << 10;

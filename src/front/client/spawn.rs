@@ -20,8 +20,37 @@
 //! Objects the watch does not cover are never absorbed anyway (`absorbable` needs vetting).
 
 use std::cell::RefCell;
+use std::sync::atomic::AtomicU64;
 
 use super::*;
+
+/// Children this process is starting (the low 32 bits) and has started (the high 32 bits),
+/// counted by the library around every start whether or not the process is attached yet:
+/// an object opened while a child was being started may have its descriptor in the child
+/// before `spawn_prepare` could see it tracked, so it is not vetted at its open
+/// (`Client::vet_at_open`).
+static SPAWNS: AtomicU64 = AtomicU64::new(0);
+
+/// A child is about to be started (before `spawn_prepare`).
+pub fn spawn_starting() {
+    SPAWNS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// The child was started, or failed to start (after `spawn_done`); in a forked child, the
+/// start that made it is over too.
+pub fn spawn_started() {
+    SPAWNS.fetch_add((1 << 32) - 1, Ordering::SeqCst);
+}
+
+/// Where the starts stand now: taken before an open, for `no_spawn_since`.
+pub fn spawn_mark() -> u64 {
+    SPAWNS.load(Ordering::SeqCst)
+}
+
+/// No start was under way at `mark`, and none began since.
+pub(super) fn no_spawn_since(mark: u64) -> bool {
+    mark & 0xffff_ffff == 0 && SPAWNS.load(Ordering::SeqCst) == mark
+}
 
 thread_local! {
     /// The objects (slot, generation) `spawn_prepare` took on this thread, for `spawn_done`.

@@ -626,6 +626,8 @@ impl Daemon {
             "slots_used": self.table.slots_used(),
             "slots_freed": s.slots_freed.load(Ordering::Relaxed),
             "slot_claims_refused": self.table.w(H_CLAIMS_REFUSED).load(Ordering::Relaxed),
+            "baselines_logged": self.table.w(H_BASELINES_LOGGED).load(Ordering::Relaxed),
+            "vetted_at_open": self.table.w(H_VETTED_AT_OPEN).load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

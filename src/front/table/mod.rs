@@ -21,7 +21,7 @@ pub use lock::{alive, forget_pid, my_pid, now_ns, quiesce_for_exec, reaped, PidL
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 6;
+pub const VERSION: u64 = 7;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -82,6 +82,12 @@ pub const H_COARSE_CTIME: usize = 63;
 /// attached process holding the object for writing that is not among the slot's holders).
 /// Zero, the vetting does not look at attached processes at all.
 pub const H_CLAIMS_REFUSED: usize = 64;
+/// Syncs of an object with no baseline (its first since it was vetted) absorbed by logging
+/// the whole file (`Client::log_baseline`) instead of the lower's own fsync.
+pub const H_BASELINES_LOGGED: usize = 65;
+/// Objects vetted by the process that opened them, at the open (`Client::vet_at_open`:
+/// no other open file of the object writes or reads it), without the daemon's scan.
+pub const H_VETTED_AT_OPEN: usize = 66;
 const _: () = {
     let mut i = 0;
     while i < COUNTERS.len() {
@@ -90,7 +96,7 @@ const _: () = {
         assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
         i += 1;
     }
-    assert!(H_COARSE_CTIME < PROCS_AT && H_CLAIMS_REFUSED < PROCS_AT);
+    assert!(H_COARSE_CTIME < PROCS_AT && H_VETTED_AT_OPEN < PROCS_AT);
     assert!(P_IN_FLIGHT < PROC_WORDS);
 };
 
