@@ -837,99 +837,113 @@ fn daemon_death_makes_programs_fall_back_and_finish() {
     }
 }
 
-/// Python helpers for the watch: `wait_vetted(n)` waits until the daemon vetted `n` objects
-/// (looked for writers outside `pmstack run` that opened them before they were watched, and
-/// found none: `F_VETTED`), so the first sync after that is real and sets the baseline, and
-/// later ones are absorbed. It counts vetted objects (`objects_vetted`), not marks looked at
-/// (`marks_vetted`): a look whose vetting was voided (the object unmarked or spawning in
-/// between) moves the ring on but vets nothing. `expect_syncs()` syncs the root directory,
+/// Python helpers for the watch: `wait_vetted(n)` waits until `n` objects were vetted (the
+/// daemon, or the library at the open, ruled out writers outside `pmstack run` that opened
+/// them before they were watched: `F_VETTED`), so the first sync after that logs the file
+/// whole or is real, and sets the baseline, and later ones are absorbed. It counts vetted
+/// objects (`objects_vetted`, `vetted_at_open`), not marks looked at (`marks_vetted`): a look
+/// whose vetting was voided (the object unmarked or spawning in between) moves the ring on
+/// but vets nothing. `expect_syncs()` syncs the root directory,
 /// so that the files the process opens for writing from then on are marked for the watch at
 /// once (`Client::sync_expected`); the directory itself is not marked.
-const WAIT_VETTED: &str = "def expect_syncs():\n    fd = os.open(d, os.O_RDONLY)\n    os.fsync(fd)\n    os.close(fd)\ndef wait_vetted(n):\n    import json, time\n    t0, v = time.time(), None\n    while time.time() - t0 < 60:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                v = json.load(f)\n            if v.get('objects_vetted', 0) >= n:\n                return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n    sys.exit(f'{n} objects not vetted in 60 s: {v}')\n";
+const WAIT_VETTED: &str = "def expect_syncs():\n    fd = os.open(d, os.O_RDONLY)\n    os.fsync(fd)\n    os.close(fd)\ndef wait_vetted(n):\n    import json, time\n    t0, v = time.time(), None\n    while time.time() - t0 < 60:\n        try:\n            with open(os.environ['PMSTACK_TEST_STATS']) as f:\n                v = json.load(f)\n            if v.get('objects_vetted', 0) + v.get('vetted_at_open', 0) >= n:\n                return\n        except (OSError, ValueError):\n            pass\n        time.sleep(0.05)\n    sys.exit(f'{n} objects not vetted in 60 s: {v}')\n";
 
-/// Each case the library cannot follow: (name, prelude makes the file's entries live, code
-/// that changes bytes 100..200 of `f` through the unseen path and syncs, absorbed syncs,
-/// real syncs: the file's first, one when a writer the library cannot see appears while
-/// the file has live entries (mmap, stdio), and the sync after the unseen write).
-const FALLBACK_CASES: &[(&str, bool, &str, u64, u64)] = &[
+/// Each case the library cannot follow: (name, prelude makes the file's entries live, the
+/// flags `f` is opened with, code that changes bytes 100..200 of `f` through the unseen path
+/// and syncs, absorbed syncs, real syncs). Absorbed: the file's first sync (it logs the file
+/// whole: `Client::log_baseline`) and the prelude's. Real: one when a writer the library
+/// cannot see appears while the file has live entries (mmap, stdio), and the sync after the
+/// unseen write. Opened write-only (`other_process`), the first sync is real: the library
+/// cannot read the file to log it whole (and opens no descriptor of a watched file to do so).
+const FALLBACK_CASES: &[(&str, bool, &str, &str, u64, u64)] = &[
     (
         "mmap",
         true,
+        "os.O_RDWR",
         "import mmap\nm = mmap.mmap(fd, 8192, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)\nm[100:200] = NEW[:100]\nos.fsync(fd)",
-        2,
         3,
+        2,
     ),
     (
         "copy_file_range",
         true,
+        "os.O_RDWR",
         "src = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\nos.copy_file_range(src, fd, 100, 0, 100)\nos.fsync(fd)",
-        2,
+        3,
         // Live entries are expired by a real sync before the kernel copies; the next
         // sync is real too.
-        3,
+        2,
     ),
     (
         "sendfile",
         true,
+        "os.O_RDWR",
         "src = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\nos.lseek(fd, 100, 0)\nos.sendfile(fd, src, 0, 100)\nos.fsync(fd)",
-        2,
+        3,
         // Live entries are expired by a real sync before the kernel copies; the next
         // sync is real too.
-        3,
+        2,
     ),
     // A read-only shared mapping of the file (opened for writing) made writable by mprotect.
     (
         "mprotect",
         true,
+        "os.O_RDWR",
         "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\np = lc.mmap(None, 8192, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nlc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\nassert lc.mprotect(p, 8192, 3) == 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
-        2,
         3,
+        2,
     ),
     // The same, the read-only mapping moved by mremap before mprotect makes it writable.
     (
         "mremap",
         true,
+        "os.O_RDWR",
         "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nlc.mremap.restype = ctypes.c_void_p\nlc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]\np = lc.mmap(None, 4096, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\nq = lc.mremap(p, 4096, 8192, 1)\nassert q and q != 2**64 - 1\nlc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\nassert lc.mprotect(q, 8192, 3) == 0\nctypes.memmove(q + 100, NEW[:100], 100)\nos.fsync(fd)",
-        2,
         3,
+        2,
     ),
     // The same, made writable by a forked child (which has the parent's mappings): the
     // parent's sync after the child's stores is real.
     (
         "mprotect_in_a_child",
         true,
+        "os.O_RDWR",
         "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.mmap.restype = ctypes.c_void_p\nlc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nlc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\np = lc.mmap(None, 8192, 1, 1, fd, 0)\nassert p and p != 2**64 - 1\npid = os.fork()\nif pid == 0:\n    ok = lc.mprotect(p, 8192, 3) == 0\n    if ok:\n        ctypes.memmove(p + 100, NEW[:100], 100)\n    os._exit(0 if ok else 1)\nassert os.waitpid(pid, 0)[1] == 0\nos.fsync(fd)",
-        2,
-        2,
+        3,
+        1,
     ),
     // The same paths taken through syscall(2), as programs written before the C library had
     // a wrapper do.
     (
         "copy_file_range_syscall",
         true,
+        "os.O_RDWR",
         "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nsrc = os.open(os.path.join(d, 'src'), os.O_RDWR | os.O_CREAT)\nos.pwrite(src, NEW[:100], 0)\noi = ctypes.c_int64(0)\noo = ctypes.c_int64(100)\nL = ctypes.c_long\nassert lc.syscall(L(326), L(src), ctypes.byref(oi), L(fd), ctypes.byref(oo), L(100), L(0)) == 100\nos.fsync(fd)",
-        2,
         3,
+        2,
     ),
     (
         "mmap_syscall",
         true,
+        "os.O_RDWR",
         "import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\nlc.syscall.restype = ctypes.c_long\nL = ctypes.c_long\np = lc.syscall(L(9), None, L(8192), L(3), L(1), L(fd), L(0))\nassert p > 0\nctypes.memmove(p + 100, NEW[:100], 100)\nos.fsync(fd)",
-        2,
         3,
+        2,
     ),
     (
         "stdio",
         true,
+        "os.O_RDWR",
         "import ctypes\nlc = ctypes.CDLL(None)\nlc.fopen.restype = ctypes.c_void_p\nfp = lc.fopen(os.path.join(d, 'f').encode(), b'r+')\nlc.fseek(ctypes.c_void_p(fp), 100, 0)\nlc.fwrite(NEW[:100], 1, 100, ctypes.c_void_p(fp))\nlc.fflush(ctypes.c_void_p(fp))\nos.fsync(fd)",
-        2,
         3,
+        2,
     ),
     // Another process's writes not yet logged (the file has no live entries, so they are
     // lazy): this process's fsync must cover them, as the kernel's would.
     (
         "other_process",
         false,
+        "os.O_WRONLY",
         // The writer stays alive until the sync returned: once it exits, the daemon may write
         // back what it wrote before the sync, which is then absorbed.
         "r, w = os.pipe()\nr2, w2 = os.pipe()\npid = os.fork()\nif pid == 0:\n    g = os.open(os.path.join(d, 'f'), os.O_RDWR)\n    os.pwrite(g, OLD, 0)\n    os.pwrite(g, NEW[:100], 100)\n    os.write(w, b'x')\n    os.read(r2, 1)\n    os._exit(0)\nos.read(r, 1)\nos.fsync(fd)\nos.write(w2, b'x')\nos.waitpid(pid, 0)",
@@ -943,12 +957,12 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
     if !common::can_mount() || !have("python3") {
         return;
     }
-    for (name, live, code, absorbed, real) in FALLBACK_CASES {
+    for (name, live, flags, code, absorbed, real) in FALLBACK_CASES {
         let d = tempfile::tempdir_in("/var/tmp").unwrap();
         let pm = d.path().join("region.pm");
         let root = fs::canonicalize(d.path()).unwrap();
-        // `f` exists before: it is watched from the open (after `expect_syncs`), so its first
-        // sync is real, not absorbed as that of a file watched from its birth.
+        // `f` exists before: it is watched from the open (after `expect_syncs`), not from its
+        // birth, and vetted at the open.
         fs::write(root.join("f"), b"").unwrap();
         let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
         let prelude = if *live {
@@ -958,7 +972,7 @@ fn every_unseen_write_path_gets_a_real_sync_and_is_never_rolled_back() {
         };
         let script = format!(
             "import os, sys, time\n{WAIT_VETTED}d = sys.argv[1]\nOLD = b'o' * 8192\nNEW = b'n' * 8192\n\
-             expect_syncs()\nfd = os.open(os.path.join(d, 'f'), os.O_RDWR | os.O_CREAT, 0o644)\n\
+             expect_syncs()\nfd = os.open(os.path.join(d, 'f'), {flags} | os.O_CREAT, 0o644)\n\
              wait_vetted(1)\nos.fsync(fd)\n{prelude}{code}\nprint('synced', flush=True)\ntime.sleep(30)\n"
         );
         let mut k = s
@@ -1209,7 +1223,7 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     );
     fs::write(root.join("f"), b"").unwrap(); // watched from the open, not its birth
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
-    // Holder 0 opens f, makes its first (real) sync, then waits; holders 1..7 take the rest
+    // Holder 0 opens f, makes its first sync, then waits; holders 1..7 take the rest
     // of the areas (their files are new: watched from their birth, never vetted).
     let holder = format!(
         "import os, sys\n{WAIT_VETTED}d, k = sys.argv[1], sys.argv[2]\n\
@@ -1256,14 +1270,15 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
         "the ninth process attached after all: {}",
         String::from_utf8_lossy(&st.stderr)
     );
-    // Holder 0 syncs f: it must be real (its first sync was real too: 2).
+    // Holder 0 syncs f: it must be real (its first sync logged f whole, absorbed).
     let (c0, out0) = &mut holders[0];
     writeln!(c0.stdin.as_mut().unwrap(), "go").unwrap();
     let mut line = String::new();
     out0.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "synced");
-    let (p, v) = s.wait_real_syncs("holder 0 synced", c0.id() as u64, 2);
-    assert_eq!(p["absorbed_fsync"], 0, "{v}");
+    let (p, v) = s.wait_real_syncs("holder 0 synced", c0.id() as u64, 1);
+    assert_eq!(p["absorbed_fsync"], 1, "{v}");
+    assert_eq!(p["real_syncs"], 1, "{v}");
     for (mut c, _) in holders {
         let _ = c.kill();
         let _ = c.wait();
@@ -1424,7 +1439,11 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     a.exec(
         "os.pwrite(fd, b'o' * 8192, 0)\nos.fsync(fd)\nos.pwrite(fd, b'a' * 100, 100)\nos.fsync(fd)",
     );
-    wait_counts(&s, a.pid(), (1, 1));
+    // Vetted at the open (no other open file of `f`), so its first sync logs it whole.
+    wait_counts(&s, a.pid(), (2, 0));
+    let v = s.stats();
+    assert_eq!(v["vetted_at_open"], 1, "{v}");
+    assert_eq!(v["baselines_logged"], 1, "{v}");
     // A reader outside is no writer.
     let st = plain().arg("cat").arg(root.join("f")).output().unwrap();
     assert!(st.status.success());
@@ -1441,7 +1460,7 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     );
     // While it may write, the attached process's syncs are real.
     a.exec("os.pwrite(fd, b'b' * 50, 300)\nos.fsync(fd)");
-    wait_counts(&s, a.pid(), (1, 2));
+    wait_counts(&s, a.pid(), (2, 1));
     // Kill everything: recovery must not apply the entry of bytes 100..200 over the foreign
     // writer's durable bytes.
     drop(a);
@@ -1459,10 +1478,12 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     f.exec("g = os.open(os.path.join(d, 'g'), os.O_RDWR | os.O_CREAT, 0o644)");
     let mut a = Py::spawn(s2.run(), &root);
     a.exec("expect_syncs()\nfd = os.open(os.path.join(d, 'g'), os.O_RDWR)");
-    // Vetting g (marked at the open: the process syncs) finds the writer.
-    s2.wait_stats("the writer from before the mark is found", |v| {
+    // Vetting g (marked at the open: the process syncs) finds the writer: the daemon's, since
+    // the writer's open file kept the library from vetting it at the open.
+    let v = s2.wait_stats("the writer from before the mark is found", |v| {
         v["foreign_writers"].as_u64() >= Some(1)
     });
+    assert_eq!(v["vetted_at_open"], 0, "{v}");
     a.exec("os.fsync(fd)");
     f.exec("os.pwrite(g, b'z' * 10, 0)");
     a.exec("os.fsync(fd)");
@@ -1478,6 +1499,93 @@ fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     let got = fs::read(root.join("g")).unwrap();
     assert_eq!(&got[..10], b"zzzzzzzzzz");
     assert_eq!(&got[40..50], b"xxxxxxxxxx");
+}
+
+/// A file that existed before, written last by a program outside `pmstack run` that left
+/// its bytes in the page cache only, is absorbed from the first sync of an attached program
+/// that opens it (a mail server appending to a mailbox, a database opening its file): the
+/// library vets it at the open (no other open file of it on the host) and that first sync
+/// logs the file whole. A power cut that loses everything the lower did not make durable,
+/// then recovery, gives back both programs' bytes, as the lower's own fsync would have kept
+/// them. A file over 256 KiB still gets a real first sync. (Before, each such file's first
+/// sync after vetting was real, and so was a sync before the daemon had vetted it.)
+#[test]
+fn an_existing_file_is_absorbed_from_its_first_sync_and_keeps_what_an_earlier_writer_left() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("existing");
+    fs::write(root.join("mbox"), vec![b'a'; 10_000]).unwrap();
+    fs::write(root.join("big"), vec![b'b'; 300 << 10]).unwrap();
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    // `a` syncs from now on, so the files it opens for writing are marked at the open.
+    a.exec("expect_syncs()");
+    assert!(Command::new("sync").status().unwrap().success());
+    let durable = snapshot(&root);
+    // A program outside `pmstack run` overwrites the head of the mailbox and extends it, and
+    // syncs nothing.
+    let st = Command::new("python3")
+        .arg("-c")
+        .arg("import os, sys\nfd = os.open(os.path.join(sys.argv[1], 'mbox'), os.O_RDWR)\nos.pwrite(fd, b'x' * 100, 0)\nos.pwrite(fd, b'y' * 500, 10000)\nos.close(fd)")
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let pid = a.pid();
+    let counts = |s: &Serve| {
+        let v = s.stats();
+        let p = proc_stats(&v, pid).unwrap_or_default();
+        (
+            p["absorbed_fsync"].as_u64().unwrap_or(0),
+            p["real_syncs"].as_u64().unwrap_or(0),
+            v,
+        )
+    };
+    a.exec("fd = os.open(os.path.join(d, 'mbox'), os.O_RDWR | os.O_APPEND)\nos.write(fd, b'z' * 700)\nos.fsync(fd)\nos.close(fd)");
+    let v = s.wait_stats("the mailbox's sync is counted", |v| {
+        proc_stats(v, pid).is_some_and(|p| {
+            p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0) >= 1
+        })
+    });
+    let (absorbed, real, _) = counts(&s);
+    assert_eq!((absorbed, real), (1, 0), "the mailbox's first sync: {v}");
+    assert_eq!(v["vetted_at_open"], 1, "{v}");
+    assert_eq!(v["baselines_logged"], 1, "{v}");
+    a.exec("g = os.open(os.path.join(d, 'big'), os.O_RDWR | os.O_APPEND)\nos.write(g, b'w' * 10)\nos.fsync(g)\nos.close(g)");
+    let v = s.wait_stats("the big file's sync is counted", |v| {
+        proc_stats(v, pid).is_some_and(|p| p["real_syncs"].as_u64().unwrap_or(0) >= 1)
+    });
+    let (absorbed, real, _) = counts(&s);
+    assert_eq!(
+        (absorbed, real),
+        (1, 1),
+        "the big file's first sync is real: {v}"
+    );
+    assert_eq!(v["baselines_logged"], 1, "{v}");
+    drop(a);
+    s.kill9();
+    // The power cut: the mailbox as it was last made durable (nothing of it was since: its
+    // only sync was absorbed); the big file keeps what its real sync made durable.
+    fs::write(root.join("mbox"), &durable["mbox"]).unwrap();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    let mut want = vec![b'x'; 100];
+    want.extend(vec![b'a'; 9_900]);
+    want.extend(vec![b'y'; 500]);
+    want.extend(vec![b'z'; 700]);
+    let got = fs::read(root.join("mbox")).unwrap();
+    assert_eq!(got.len(), want.len(), "the mailbox's size after recovery");
+    assert!(
+        got == want,
+        "the mailbox after recovery differs from what was synced"
+    );
+    let mut big = vec![b'b'; 300 << 10];
+    big.extend(vec![b'w'; 10]);
+    assert!(fs::read(root.join("big")).unwrap() == big, "the big file");
+    let _ = fs::remove_file(&pm);
 }
 
 /// What the namespace workload acknowledged: name -> state ("SEQ", "old:NAME", "dir", "-"),

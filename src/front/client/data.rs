@@ -221,14 +221,18 @@ impl Client {
         if size > BASELINE_LOG_MAX {
             return false;
         }
-        // A descriptor that reads the page cache (the program's own may be write-only, or
-        // O_DIRECT, which needs aligned buffers).
+        // A descriptor that reads the page cache: the program's own, unless it is write-only
+        // or O_DIRECT (which needs aligned buffers); else one this process keeps already. A
+        // new one is not opened here: the object is watched, so its open would wait for the
+        // daemon, and a daemon killed just now (its heartbeat still fresh) would never
+        // answer while this process holds the watch's group open.
         let direct_or_write_only = sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| {
             f as i32 & libc::O_ACCMODE == libc::O_WRONLY || f as i32 & libc::O_DIRECT != 0
         });
         let rfd = if direct_or_write_only {
-            match self.reader(fd, p) {
-                Some(r) => r,
+            p.forget_stale_rfd(fd);
+            match &p.rfd {
+                Some(r) => r.as_raw_fd(),
                 None => return false,
             }
         } else {
@@ -250,7 +254,9 @@ impl Client {
         slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
         p.dirty.clear();
         slot.clear_lazy(Some(self.pid));
-        self.table.w(H_BASELINES_LOGGED).fetch_add(1, Ordering::Relaxed);
+        self.table
+            .w(H_BASELINES_LOGGED)
+            .fetch_add(1, Ordering::Relaxed);
         true
     }
 

@@ -78,9 +78,7 @@ impl Client {
     /// absorbed from its first sync, where it waited for the lower's fsync twice before (the
     /// sync before the daemon had looked, then the first after).
     pub(super) fn vet_at_open(&self, t: &Tracked, fd: i32, mark: u64) {
-        let unsettled = |f: u64| {
-            f & F_MARKED != 0 && f & (F_VETTED | F_NOT_SEEN | F_SPAWNING) == 0
-        };
+        let unsettled = |f: u64| f & F_MARKED != 0 && f & (F_VETTED | F_NOT_SEEN | F_SPAWNING) == 0;
         let slot = self.table.slot(t.ino.slot);
         if !self.watching || self.blind.load(Ordering::Relaxed) || !unsettled(slot.flags()) {
             return;
@@ -94,7 +92,9 @@ impl Client {
             return;
         }
         slot.w(S_FLAGS).fetch_or(F_VETTED, Ordering::AcqRel);
-        self.table.w(H_VETTED_AT_OPEN).fetch_add(1, Ordering::Relaxed);
+        self.table
+            .w(H_VETTED_AT_OPEN)
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Whether objects may be marked for the daemon's watch: it watches and serves. Never
