@@ -222,14 +222,10 @@ impl Client {
             return false;
         }
         // A descriptor that reads the page cache: the program's own, unless it is write-only
-        // or O_DIRECT (which needs aligned buffers); else one this process keeps already. A
-        // new one is not opened here: the object is watched, so its open would wait for the
-        // daemon, and a daemon killed just now (its heartbeat still fresh) would never
-        // answer while this process holds the watch's group open.
-        let direct_or_write_only = sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| {
-            f as i32 & libc::O_ACCMODE == libc::O_WRONLY || f as i32 & libc::O_DIRECT != 0
-        });
-        let rfd = if direct_or_write_only {
+        // or O_DIRECT (which needs aligned buffers); else one this process keeps already
+        // (`vet_at_open` opens it). A new one is not opened here, under the slot lock and in
+        // the program's sync: the object is watched, so its open waits for the daemon.
+        let rfd = if unreadable(fd) {
             p.forget_stale_rfd(fd);
             match &p.rfd {
                 Some(r) => r.as_raw_fd(),
@@ -262,7 +258,7 @@ impl Client {
 
     /// A descriptor of this process's own that reads the object of `fd` (opened once through
     /// `/proc/self/fd`, and kept); None where this process may not read it.
-    fn reader(&self, fd: i32, p: &mut Private) -> Option<i32> {
+    pub(super) fn reader(&self, fd: i32, p: &mut Private) -> Option<i32> {
         p.forget_stale_rfd(fd);
         if p.rfd.is_none() {
             let path = format!("/proc/self/fd/{fd}\0");
@@ -453,6 +449,14 @@ impl Private {
             std::mem::forget(self.rfd.take());
         }
     }
+}
+
+/// Whether `fd` cannot read the page cache for the library: write-only, or O_DIRECT (which
+/// needs aligned buffers).
+pub(super) fn unreadable(fd: i32) -> bool {
+    sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| {
+        f as i32 & libc::O_ACCMODE == libc::O_WRONLY || f as i32 & libc::O_DIRECT != 0
+    })
 }
 
 /// Whether descriptors `a` and `b` are open on one file.

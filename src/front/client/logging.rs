@@ -80,21 +80,40 @@ impl Client {
     pub(super) fn vet_at_open(&self, t: &Tracked, fd: i32, mark: u64) {
         let unsettled = |f: u64| f & F_MARKED != 0 && f & (F_VETTED | F_NOT_SEEN | F_SPAWNING) == 0;
         let slot = self.table.slot(t.ino.slot);
-        if !self.watching || self.blind.load(Ordering::Relaxed) || !unsettled(slot.flags()) {
+        if !self.watching || self.blind.load(Ordering::Relaxed) || slot.flags() & F_MARKED == 0 {
             return;
         }
-        let _g = slot.lock();
-        if slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen
-            || !unsettled(slot.flags())
-            || !sys::sole_open_file(fd)
-            || !super::spawn::no_spawn_since(mark)
         {
-            return;
+            let _g = slot.lock();
+            if slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen {
+                return;
+            }
+            if unsettled(slot.flags())
+                && sys::sole_open_file(fd)
+                && super::spawn::no_spawn_since(mark)
+            {
+                slot.w(S_FLAGS).fetch_or(F_VETTED, Ordering::AcqRel);
+                self.table
+                    .w(H_VETTED_AT_OPEN)
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            // Vetted here, or by the daemon first (woken by the mark).
+            let f = slot.flags();
+            if f & F_VETTED == 0 || f & (F_BASELINE | F_NOT_SEEN) != 0 {
+                return;
+            }
         }
-        slot.w(S_FLAGS).fetch_or(F_VETTED, Ordering::AcqRel);
-        self.table
-            .w(H_VETTED_AT_OPEN)
-            .fetch_add(1, Ordering::Relaxed);
+        // A descriptor the program cannot read the file through (write-only: a mail
+        // delivery appending to a mailbox) gets one of the library's own now, for the first
+        // sync to read the file through (`log_baseline`), which opens none itself: its open,
+        // of a watched object, waits for the daemon's answer (an attached process's open is
+        // allowed at once), which is not to be waited for under the slot lock.
+        if super::data::unreadable(fd)
+            && sys::fstat(fd).is_ok_and(|st| st.st_size as u64 <= super::BASELINE_LOG_MAX)
+        {
+            let mut p = t.ino.p.lock();
+            let _ = self.reader(fd, &mut p);
+        }
     }
 
     /// Whether objects may be marked for the daemon's watch: it watches and serves. Never

@@ -198,7 +198,8 @@ impl Daemon {
                 |f| {
                     // Nor while an attached process starts a child that inherits the object
                     // (the child may not exist yet): it asks again once it does.
-                    (f & F_MARKED != 0 && f & (F_UNWATCHED | F_SPAWNING) == 0)
+                    // (Nor counted again if the library vetted it at the open meanwhile.)
+                    (f & F_MARKED != 0 && f & (F_UNWATCHED | F_SPAWNING | F_VETTED) == 0)
                         .then_some(f | F_VETTED)
                 },
             );
