@@ -229,31 +229,70 @@ impl Client {
             p.forget_stale_rfd(fd);
             match &p.rfd {
                 Some(r) => r.as_raw_fd(),
+                None if p.snapshot.is_some() => -1, // not read through
                 None => return false,
             }
         } else {
             fd
         };
-        let mut buf = vec![0u8; size as usize];
-        let mut got = 0;
-        while got < buf.len() {
-            match sys::pread(rfd, &mut buf[got..], got as u64) {
-                Ok(0) | Err(_) => return false,
-                Ok(n) => got += n,
+        let buf = match self.from_snapshot(slot, p, size) {
+            Some(b) => b,
+            None => {
+                let mut buf = vec![0u8; size as usize];
+                if !read_all(rfd, &mut buf) {
+                    return false;
+                }
+                buf
             }
-        }
+        };
         if self.log_attr(slot, &t.ino, AttrOp::Truncate(size)).is_err()
             || (size > 0 && self.log_data(slot, &t.ino, 0, &buf).is_err())
         {
             return false;
         }
         slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
+        p.snapshot = None;
         p.dirty.clear();
         slot.clear_lazy(Some(self.pid));
         self.table
             .w(H_BASELINES_LOGGED)
             .fetch_add(1, Ordering::Relaxed);
         true
+    }
+
+    /// The file now, `size` bytes, from the snapshot taken when it was vetted at its open
+    /// with this process's dirty bytes over it; None where some dirty bytes have no copy
+    /// (the caller reads the file instead). Bytes past the snapshot that no dirty range
+    /// covers are zeros: the file grew there by a truncate or a write past its end. (Other
+    /// attached processes' unlogged writes make the sync real: `others_lazy`; writers the
+    /// library does not see make the object foreign or unseen; a truncate or fallocate not
+    /// logged leaves `F_FALLBACK`.)
+    fn from_snapshot(&self, slot: &Slot<'_>, p: &mut Private, size: u64) -> Option<Vec<u8>> {
+        let snap = p.snapshot.take()?;
+        // Nothing changed the file since but this process's dirty writes: no record of the
+        // object logged (another process's eager write, a logged truncate), and no
+        // write-back that could have expired the dirty marks of another attached process's
+        // unlogged writes (`others_lazy` sees them otherwise).
+        if self.log.checkpoint_lsn() != snap.checkpoint
+            || slot.w(S_LAST_LSN).load(Ordering::Acquire) != snap.last_lsn
+        {
+            return None;
+        }
+        let mut buf = snap.bytes;
+        buf.resize(size as usize, 0);
+        let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
+        for (s, e) in ranges {
+            let e = e.min(size);
+            if s >= e {
+                continue;
+            }
+            let b = p.dirty.bytes(s, e)?;
+            buf[s as usize..s as usize + b.len()].copy_from_slice(&b);
+        }
+        self.table
+            .w(H_SNAPSHOTS_USED)
+            .fetch_add(1, Ordering::Relaxed);
+        Some(buf)
     }
 
     /// A descriptor of this process's own that reads the object of `fd` (opened once through
@@ -321,6 +360,8 @@ impl Client {
         self.vet_before_a_tear(&slot, t, fd, &rec);
         let _g = slot.lock();
         let mut p = t.ino.p.lock();
+        // The file read at its open is not the file any more where the dirty ranges say.
+        p.snapshot = None;
         let will_log = self.loggable(slot.flags()) && self.serving();
         let live = self.live(&slot);
         if crate::policy::must_write_back_first(live, will_log) {
@@ -449,6 +490,19 @@ impl Private {
             std::mem::forget(self.rfd.take());
         }
     }
+}
+
+/// Read `buf.len()` bytes of `fd` from offset 0; false if it could not (an error, or the
+/// file is shorter).
+pub(super) fn read_all(fd: i32, buf: &mut [u8]) -> bool {
+    let mut got = 0;
+    while got < buf.len() {
+        match sys::pread(fd, &mut buf[got..], got as u64) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => got += n,
+        }
+    }
+    true
 }
 
 /// Whether `fd` cannot read the page cache for the library: write-only, or O_DIRECT (which

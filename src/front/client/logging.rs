@@ -108,11 +108,43 @@ impl Client {
         // sync to read the file through (`log_baseline`), which opens none itself: its open,
         // of a watched object, waits for the daemon's answer (an attached process's open is
         // allowed at once), which is not to be waited for under the slot lock.
-        if super::data::unreadable(fd)
-            && sys::fstat(fd).is_ok_and(|st| st.st_size as u64 <= super::BASELINE_LOG_MAX)
-        {
+        let Ok(st) = sys::fstat(fd) else { return };
+        if st.st_size as u64 > super::BASELINE_LOG_MAX {
+            return;
+        }
+        let rfd = if super::data::unreadable(fd) {
+            match self.reader(fd, &mut t.ino.p.lock()) {
+                Some(r) => r,
+                None => return,
+            }
+        } else {
+            fd
+        };
+        // Over a lower whose reads after writes are slow (JuiceFS uploads what was written
+        // before it serves a read of the file: milliseconds), the file is read now, before
+        // the program writes to it (`log_baseline`). Under the slot lock every attached
+        // writer of the object takes (then the inode's, in that order, as everywhere): no
+        // write is half made.
+        if crate::policy::dirty::copies_kept() {
+            let _g = slot.lock();
             let mut p = t.ino.p.lock();
-            let _ = self.reader(fd, &mut p);
+            if p.snapshot.is_some() || slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen {
+                return;
+            }
+            let checkpoint = self.log.checkpoint_lsn();
+            let last_lsn = slot.w(S_LAST_LSN).load(Ordering::Acquire);
+            let size = sys::fstat(fd).map_or(u64::MAX, |st| st.st_size as u64);
+            if size > super::BASELINE_LOG_MAX {
+                return;
+            }
+            let mut bytes = vec![0u8; size as usize];
+            if super::data::read_all(rfd, &mut bytes) {
+                p.snapshot = Some(super::Snapshot {
+                    bytes,
+                    checkpoint,
+                    last_lsn,
+                });
+            }
         }
     }
 
@@ -400,6 +432,7 @@ impl Client {
             )?;
         }
         slot.w(S_LAST_LSN).store(0, Ordering::Release);
+        p.snapshot = None;
         if vetted {
             slot.w(S_FLAGS).fetch_or(F_BASELINE, Ordering::AcqRel);
         }

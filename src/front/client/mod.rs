@@ -61,6 +61,22 @@ struct Private {
     mark: u64,
     /// A read descriptor for reading dirty ranges back (the program's may be write-only).
     rfd: Option<OwnedFd>,
+    /// Over a lower whose reads are slow after writes (a FUSE or network file system), the
+    /// file as it was when it was vetted at its open, for its first sync to log it whole
+    /// with this process's dirty bytes over it, without reading it back
+    /// (`Client::from_snapshot`); with the checkpoint and the object's last record then.
+    snapshot: Option<Snapshot>,
+}
+
+/// The bytes of a file, and when they were read (`Private::snapshot`).
+struct Snapshot {
+    bytes: Vec<u8>,
+    /// The log's checkpoint then: a write-back since may have expired the dirty marks of
+    /// other attached processes' writes the snapshot lacks.
+    checkpoint: u64,
+    /// The object's `S_LAST_LSN` then: a record of it logged since (by any attached process)
+    /// changed bytes the snapshot and the dirty ranges may lack.
+    last_lsn: u64,
 }
 
 pub struct Inode {
@@ -380,6 +396,7 @@ impl Client {
         let mut p = t.ino.p.lock();
         p.forget_stale_rfd(fd);
         p.rfd = None;
+        p.snapshot = None;
         if p.dirty.is_empty() && m.get(&t.ino.slot).is_some_and(|i| Arc::ptr_eq(i, &t.ino)) {
             drop(p);
             m.remove(&t.ino.slot);

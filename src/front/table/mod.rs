@@ -88,6 +88,10 @@ pub const H_BASELINES_LOGGED: usize = 65;
 /// Objects vetted by the process that opened them, at the open (`Client::vet_at_open`:
 /// no other open file of the object writes or reads it), without the daemon's scan.
 pub const H_VETTED_AT_OPEN: usize = 66;
+/// Of `H_BASELINES_LOGGED`, those built from the file as read when it was vetted at its open,
+/// with the process's dirty bytes over it, instead of reading it back at the sync (a lower
+/// whose reads after writes are slow: `Client::from_snapshot`).
+pub const H_SNAPSHOTS_USED: usize = 67;
 const _: () = {
     let mut i = 0;
     while i < COUNTERS.len() {
@@ -96,7 +100,7 @@ const _: () = {
         assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
         i += 1;
     }
-    assert!(H_COARSE_CTIME < PROCS_AT && H_VETTED_AT_OPEN < PROCS_AT);
+    assert!(H_COARSE_CTIME < PROCS_AT && H_SNAPSHOTS_USED < PROCS_AT);
     assert!(P_IN_FLIGHT < PROC_WORDS);
 };
 
