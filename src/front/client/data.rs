@@ -235,7 +235,7 @@ impl Client {
         } else {
             fd
         };
-        let buf = match self.from_snapshot(slot, p, size) {
+        let buf = match self.file_from_snapshot(slot, p, size) {
             Some(b) => b,
             None => {
                 let mut buf = vec![0u8; size as usize];
@@ -267,7 +267,7 @@ impl Client {
     /// attached processes' unlogged writes make the sync real: `others_lazy`; writers the
     /// library does not see make the object foreign or unseen; a truncate or fallocate not
     /// logged leaves `F_FALLBACK`.)
-    fn from_snapshot(&self, slot: &Slot<'_>, p: &mut Private, size: u64) -> Option<Vec<u8>> {
+    fn file_from_snapshot(&self, slot: &Slot<'_>, p: &mut Private, size: u64) -> Option<Vec<u8>> {
         let snap = p.snapshot.take()?;
         // Nothing changed the file since but this process's dirty writes: no record of the
         // object logged (another process's eager write, a logged truncate), and no

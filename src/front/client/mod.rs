@@ -64,7 +64,7 @@ struct Private {
     /// Over a lower whose reads are slow after writes (a FUSE or network file system), the
     /// file as it was when it was vetted at its open, for its first sync to log it whole
     /// with this process's dirty bytes over it, without reading it back
-    /// (`Client::from_snapshot`); with the checkpoint and the object's last record then.
+    /// (`Client::file_from_snapshot`); with the checkpoint and the object's last record then.
     snapshot: Option<Snapshot>,
 }
 

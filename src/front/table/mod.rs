@@ -90,7 +90,7 @@ pub const H_BASELINES_LOGGED: usize = 65;
 pub const H_VETTED_AT_OPEN: usize = 66;
 /// Of `H_BASELINES_LOGGED`, those built from the file as read when it was vetted at its open,
 /// with the process's dirty bytes over it, instead of reading it back at the sync (a lower
-/// whose reads after writes are slow: `Client::from_snapshot`).
+/// whose reads after writes are slow: `Client::file_from_snapshot`).
 pub const H_SNAPSHOTS_USED: usize = 67;
 const _: () = {
     let mut i = 0;
