@@ -131,7 +131,7 @@ pub const METRICS: &[Metric] = &[
     m("slot_claims_refused", Counter, Count, Serve, "times an attached process found no free slot for an object (raise --table-slots): the object ran on the lower alone, untracked, and the daemon's vetting counts such processes as writers it cannot see"),
     m("baselines_logged", Counter, Count, Serve, "first syncs of an object since it was vetted absorbed by logging the whole file (at most 256 KiB) instead of the lower file system's own fsync"),
     m("vetted_at_open", Counter, Count, Serve, "objects vetted by the process that opened them, at the open (a lease test: no other open file writes or reads the object), without the daemon's scan of /proc"),
-    m("baselines_file_from_snapshots", Counter, Count, Serve, "of baselines_logged, those built from the file as read when it was vetted at its open, with the process's unsynced bytes over it, instead of reading it back at the sync (a FUSE or network lower, whose reads after writes are slow)"),
+    m("baselines_from_snapshots", Counter, Count, Serve, "of baselines_logged, those built from the file as read when it was vetted at its open, with the process's unsynced bytes over it, instead of reading it back at the sync (a FUSE or network lower, whose reads after writes are slow)"),
     m("areas_leased", Gauge, Count, Serve, "append areas of the PM log leased to processes now"),
     m("lsn", Gauge, Lsn, Serve, "the log's next sequence number"),
     m("recovery.namespace_ops", Gauge, Count, Both, "recovery at start: namespace records evaluated"),

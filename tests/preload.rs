@@ -1660,7 +1660,7 @@ fn over_a_fuse_lower_a_file_read_at_its_open_is_logged_whole_at_its_first_sync()
     let v = s.wait_stats("m1's sync is absorbed", |v| absorbed(v) >= 1);
     assert_eq!(v["baselines_logged"], 1, "{v}");
     assert_eq!(
-        v["baselines_file_from_snapshots"], 1,
+        v["baselines_from_snapshots"], 1,
         "m1 from its snapshot: {v}"
     );
     a.exec("f2 = os.open(os.path.join(d, 'm2'), os.O_RDWR | os.O_APPEND)");
@@ -1672,7 +1672,7 @@ fn over_a_fuse_lower_a_file_read_at_its_open_is_logged_whole_at_its_first_sync()
     let v = s.wait_stats("m2's sync is absorbed", |v| absorbed(v) >= 2);
     assert_eq!(v["baselines_logged"], 2, "{v}");
     assert_eq!(
-        v["baselines_file_from_snapshots"], 1,
+        v["baselines_from_snapshots"], 1,
         "m2's snapshot is stale: {v}"
     );
     let real = proc_stats(&v, pid).map_or(0, |p| p["real_syncs"].as_u64().unwrap_or(0));

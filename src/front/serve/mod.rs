@@ -628,7 +628,7 @@ impl Daemon {
             "slot_claims_refused": self.table.w(H_CLAIMS_REFUSED).load(Ordering::Relaxed),
             "baselines_logged": self.table.w(H_BASELINES_LOGGED).load(Ordering::Relaxed),
             "vetted_at_open": self.table.w(H_VETTED_AT_OPEN).load(Ordering::Relaxed),
-            "baselines_file_from_snapshots": self.table.w(H_SNAPSHOTS_USED).load(Ordering::Relaxed),
+            "baselines_from_snapshots": self.table.w(H_SNAPSHOTS_USED).load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),
