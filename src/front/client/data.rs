@@ -278,7 +278,8 @@ impl Client {
         {
             return None;
         }
-        let mut buf = snap.bytes;
+        let mut buf = snap.bytes.clone();
+        drop(snap);
         buf.resize(size as usize, 0);
         let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
         for (s, e) in ranges {

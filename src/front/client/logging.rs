@@ -137,13 +137,19 @@ impl Client {
             if size > super::BASELINE_LOG_MAX {
                 return;
             }
+            if super::Snapshot::reserve(size as usize).is_none() {
+                return;
+            }
             let mut bytes = vec![0u8; size as usize];
-            if super::data::read_all(rfd, &mut bytes) {
-                p.snapshot = Some(super::Snapshot {
-                    bytes,
-                    checkpoint,
-                    last_lsn,
-                });
+            let ok = super::data::read_all(rfd, &mut bytes);
+            // Held from here on, and given back to the budget when dropped.
+            let snap = super::Snapshot {
+                bytes,
+                checkpoint,
+                last_lsn,
+            };
+            if ok {
+                p.snapshot = Some(snap);
             }
         }
     }

@@ -68,6 +68,14 @@ struct Private {
     snapshot: Option<Snapshot>,
 }
 
+/// Bytes of snapshots this process holds (`Snapshot`), against `SNAPSHOT_BUDGET`.
+static SNAPSHOT_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Most bytes of snapshots a process holds at once: past it, a file's first sync reads it
+/// back instead (a program holding a thousand files of 256 KiB open for writing would
+/// otherwise hold their copies until each one's first sync or close).
+const SNAPSHOT_BUDGET: u64 = 16 << 20;
+
 /// The bytes of a file, and when they were read (`Private::snapshot`).
 struct Snapshot {
     bytes: Vec<u8>,
@@ -77,6 +85,25 @@ struct Snapshot {
     /// The object's `S_LAST_LSN` then: a record of it logged since (by any attached process)
     /// changed bytes the snapshot and the dirty ranges may lack.
     last_lsn: u64,
+}
+
+impl Snapshot {
+    /// Room for a snapshot of `len` bytes in this process's budget, taken (None: no room).
+    fn reserve(len: usize) -> Option<()> {
+        let len = len as u64;
+        SNAPSHOT_BYTES
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                (b + len <= SNAPSHOT_BUDGET).then_some(b + len)
+            })
+            .ok()
+            .map(|_| ())
+    }
+}
+
+impl Drop for Snapshot {
+    fn drop(&mut self) {
+        SNAPSHOT_BYTES.fetch_sub(self.bytes.len() as u64, Ordering::AcqRel);
+    }
 }
 
 pub struct Inode {
@@ -730,3 +757,29 @@ const WRITE_ONLY_COPY_PAGES: usize = 16;
 /// what ext4's fsync of a small change does here (tens of microseconds), far less than a
 /// distributed file system's (milliseconds).
 pub(crate) const BASELINE_LOG_MAX: u64 = 256 << 10;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Snapshots take room from the process's budget while they live, and give it back when
+    /// dropped; past the budget, none is taken. (No other test of this crate's process
+    /// holds snapshots: they are taken only under `pmstack run`'s watch.)
+    #[test]
+    fn snapshots_stay_within_the_budget() {
+        let snap = |len: usize| {
+            Snapshot::reserve(len).map(|()| Snapshot {
+                bytes: vec![0; len],
+                checkpoint: 0,
+                last_lsn: 0,
+            })
+        };
+        let a = snap(SNAPSHOT_BUDGET as usize - 10).expect("room for the first");
+        assert!(snap(11).is_none(), "past the budget");
+        let b = snap(10).expect("room up to the budget");
+        drop(a);
+        let c = snap(1000).expect("room given back by a dropped snapshot");
+        drop((b, c));
+        assert_eq!(SNAPSHOT_BYTES.load(Ordering::Acquire), 0);
+    }
+}
