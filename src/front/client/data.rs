@@ -221,23 +221,23 @@ impl Client {
         if size > BASELINE_LOG_MAX {
             return false;
         }
-        // A descriptor that reads the page cache: the program's own, unless it is write-only
-        // or O_DIRECT (which needs aligned buffers); else one this process keeps already
-        // (`vet_at_open` opens it). A new one is not opened here, under the slot lock and in
-        // the program's sync: the object is watched, so its open waits for the daemon.
-        let rfd = if unreadable(fd) {
-            p.forget_stale_rfd(fd);
-            match &p.rfd {
-                Some(r) => r.as_raw_fd(),
-                None if p.snapshot.is_some() => -1, // not read through
-                None => return false,
-            }
-        } else {
-            fd
-        };
+        // The file from its snapshot, or else read through a descriptor that reads the page
+        // cache: the program's own, unless it is write-only or O_DIRECT (which needs aligned
+        // buffers); else one this process keeps already (`vet_at_open` opens it). A new one is
+        // not opened here, under the slot lock and in the program's sync: the object is
+        // watched, so its open waits for the daemon.
         let buf = match self.file_from_snapshot(slot, p, size) {
             Some(b) => b,
             None => {
+                let rfd = if unreadable(fd) {
+                    p.forget_stale_rfd(fd);
+                    match &p.rfd {
+                        Some(r) => r.as_raw_fd(),
+                        None => return false,
+                    }
+                } else {
+                    fd
+                };
                 let mut buf = vec![0u8; size as usize];
                 if !read_all(rfd, &mut buf) {
                     return false;
@@ -278,8 +278,7 @@ impl Client {
         {
             return None;
         }
-        let mut buf = snap.bytes.clone();
-        drop(snap);
+        let mut buf = snap.into_bytes();
         buf.resize(size as usize, 0);
         let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
         for (s, e) in ranges {

@@ -98,6 +98,13 @@ impl Snapshot {
             .ok()
             .map(|_| ())
     }
+
+    /// The bytes, their room given back to the budget.
+    fn into_bytes(mut self) -> Vec<u8> {
+        let bytes = std::mem::take(&mut self.bytes);
+        SNAPSHOT_BYTES.fetch_sub(bytes.len() as u64, Ordering::AcqRel);
+        bytes
+    }
 }
 
 impl Drop for Snapshot {
@@ -778,8 +785,10 @@ mod tests {
         assert!(snap(11).is_none(), "past the budget");
         let b = snap(10).expect("room up to the budget");
         drop(a);
-        let c = snap(1000).expect("room given back by a dropped snapshot");
-        drop((b, c));
+        let c = snap(SNAPSHOT_BUDGET as usize - 10).expect("room given back by a dropped snapshot");
+        assert_eq!(b.into_bytes().len(), 10);
+        let d = snap(10).expect("room given back by the bytes taken out");
+        drop((c, d));
         assert_eq!(SNAPSHOT_BYTES.load(Ordering::Acquire), 0);
     }
 }
