@@ -2235,6 +2235,88 @@ fn appends_by_pwrite_are_replayed_at_the_end_of_the_file() {
     }
 }
 
+/// A descriptor opened O_DIRECT (a database doing its own caching), or switched to it by
+/// `fcntl(F_SETFL)`, works as natively: the kernel refuses a direct write or read from a
+/// buffer not aligned to the device's block, so what the library writes through it (a
+/// logged write to a file with live records, a writev it gathered) comes from aligned memory
+/// of its own, and a sync reads the dirty bytes back through another descriptor. Its syncs
+/// are absorbed, and recovery replays them after the daemon died and the lower lost them.
+#[test]
+fn o_direct_descriptors_are_logged_and_synced_as_natively() {
+    let Some((_d, root, pm, mut s)) = served_tmp(
+        "direct",
+        &["--all-writers-attached", "--flush-interval-ms", "3600000"],
+    ) else {
+        return;
+    };
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(concat!(
+        "import mmap, fcntl\n",
+        "open(os.path.join(d, 'first'), 'w').close()\n",
+        "m = mmap.mmap(-1, 1 << 17)\n",
+        "def fill(c, n):\n",
+        "    m[:n] = c * n\n",
+        "    return memoryview(m)[:n]\n",
+        "fd = os.open(os.path.join(d, 'direct'), os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)\n",
+        // More than the 64 KiB a process keeps a copy of: the sync reads the rest back.
+        "assert os.pwrite(fd, fill(b'a', 1 << 17), 0) == 1 << 17\n",
+        "os.fsync(fd)\n",
+        // Live records now: each write is logged, then written from the library's copy.
+        "assert os.pwrite(fd, fill(b'b', 8192), 4096) == 8192\n",
+        "os.lseek(fd, 65536, os.SEEK_SET)\n",
+        "c = mmap.mmap(-1, 4096); c[:] = b'c' * 4096\n",
+        "e = mmap.mmap(-1, 4096); e[:] = b'd' * 4096\n",
+        "assert os.writev(fd, [c, e]) == 8192\n",
+        "os.fdatasync(fd)\n",
+        "assert os.pwrite(fd, fill(b'e', 4096), 1 << 17) == 4096\n",
+        "os.fsync(fd)\n",
+        "g = os.open(os.path.join(d, 'toggled'), os.O_CREAT | os.O_RDWR, 0o644)\n",
+        "os.write(g, b'f' * 4096)\n",
+        "os.fsync(g)\n",
+        "fcntl.fcntl(g, fcntl.F_SETFL, os.O_DIRECT)\n",
+        "assert os.pwrite(g, fill(b'g', 4096), 4096) == 4096\n",
+        "os.fsync(g)",
+    ));
+    let mut direct = vec![b'a'; 1 << 17];
+    direct[4096..12288].fill(b'b');
+    direct[65536..69632].fill(b'c');
+    direct[69632..73728].fill(b'd');
+    direct.extend_from_slice(&[b'e'; 4096]);
+    let toggled = [vec![b'f'; 4096], vec![b'g'; 4096]].concat();
+    let want = [("direct", &direct), ("toggled", &toggled)];
+    for (f, w) in want {
+        assert!(
+            fs::read(root.join(f)).unwrap() == *w,
+            "{f} before the crash"
+        );
+    }
+    // (Stats are written every 500 ms.)
+    let pid = a.pid();
+    let all = s.wait_stats("the syncs counted", |v| {
+        proc_stats(v, pid).is_some_and(|p| p["absorbed_fsync"].as_u64() >= Some(5))
+    });
+    let st = proc_stats(&all, pid).expect("found above");
+    let g = |k: &str| st[k].as_u64().unwrap_or(0);
+    assert_eq!(g("real_syncs"), 0, "every sync absorbed: {st}");
+    assert!(g("eager_writes") >= 3, "writes logged first: {st}");
+    // The daemon dies with the records live; the lower loses what they hold.
+    s.kill9();
+    for (f, _) in want {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(root.join(f))
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+    }
+    drop(a);
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    for (f, w) in want {
+        assert!(fs::read(root.join(f)).unwrap() == *w, "{f} after recovery");
+    }
+}
+
 /// Random writes of every kind the library logs (write, pwrite, writev, pwritev, through
 /// O_APPEND, O_SYNC and O_DSYNC descriptors, after seeks past the end, through duplicates;
 /// ftruncate, fallocate; fsync and fdatasync) and one it does not (pwritev2 with

@@ -91,10 +91,13 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_long) -> c_int {
         }
     }
     if cmd == libc::F_SETFL && r >= 0 {
-        // O_APPEND may change: where the descriptor's writes land.
+        // O_APPEND may change (where the descriptor's writes land), and O_DIRECT (what
+        // the library's own writes through it must come from).
         if let Some((_g, _c, t)) = lookup(fd) {
             let append = arg as c_int & libc::O_APPEND != 0;
             t.append.store(append, std::sync::atomic::Ordering::Relaxed);
+            let direct = arg as c_int & libc::O_DIRECT != 0;
+            t.direct.store(direct, std::sync::atomic::Ordering::Relaxed);
         }
     }
     if cmd == libc::F_GETFL && r >= 0 {

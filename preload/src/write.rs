@@ -4,6 +4,7 @@
 use std::ffi::{c_int, c_void};
 
 use libc::{iovec, off_t, size_t, ssize_t};
+use pmstack::front::client::Tracked;
 use pmstack::front::sys::{self, ProgramBytes};
 
 use crate::abi::*;
@@ -35,10 +36,7 @@ pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off:
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
     if let Some((_g, c, t)) = lookup(fd) {
-        return io_ret(
-            sys::gather_program_iovecs(iov, cnt)
-                .and_then(|v| c.write(&t, fd, ProgramBytes::of(&v), None, false)),
-        );
+        return io_ret(gathered(&t, iov, cnt, |v| c.write(&t, fd, v, None, false)));
     }
     kernel!(libc::SYS_writev, fd, iov, cnt) as ssize_t
 }
@@ -84,10 +82,7 @@ pub unsafe extern "C" fn pwritev2(
         if flags & !sync_flags == 0 {
             let at = (off >= 0).then_some(off as u64);
             let sync = flags & sync_flags != 0;
-            return io_ret(
-                sys::gather_program_iovecs(iov, cnt)
-                    .and_then(|v| c.write(&t, fd, ProgramBytes::of(&v), at, sync)),
-            );
+            return io_ret(gathered(&t, iov, cnt, |v| c.write(&t, fd, v, at, sync)));
         }
         // Flags the library does not model (RWF_APPEND, RWF_NOWAIT ...): the real call, unlogged.
         // The object's live entries are expired first (replay must never apply them over
@@ -96,4 +91,21 @@ pub unsafe extern "C" fn pwritev2(
         return kernel!(libc::SYS_pwritev2, fd, iov, cnt, off, off >> 32, flags) as ssize_t;
     }
     kernel!(libc::SYS_pwritev2, fd, iov, cnt, off, off >> 32, flags) as ssize_t
+}
+
+/// `f` over the bytes of the program's `cnt` iovecs at `iov`, gathered into one buffer of the
+/// library's: aligned to a page for an O_DIRECT descriptor, whose write comes from it.
+fn gathered(
+    t: &Tracked,
+    iov: *const iovec,
+    cnt: c_int,
+    f: impl FnOnce(ProgramBytes) -> std::io::Result<usize>,
+) -> std::io::Result<usize> {
+    if t.direct.load(std::sync::atomic::Ordering::Relaxed) {
+        let v = sys::gather_program_iovecs_aligned(iov, cnt)?;
+        f(ProgramBytes::of(&v))
+    } else {
+        let v = sys::gather_program_iovecs(iov, cnt)?;
+        f(ProgramBytes::of(&v))
+    }
 }

@@ -364,6 +364,20 @@ impl ProgramBytes {
         Ok(out)
     }
 
+    /// `copy`, into memory aligned to a page: what a write through an O_DIRECT descriptor
+    /// must come from (the kernel refuses a direct write from a buffer not aligned to the
+    /// device's logical block with EINVAL).
+    pub fn copy_aligned(&self) -> io::Result<Aligned> {
+        let mut out = Aligned::zeroed(self.len);
+        let remote = [libc::iovec {
+            iov_base: self.ptr as *mut libc::c_void,
+            iov_len: self.len,
+        }];
+        let n = read_own_memory(&mut out, &remote)?;
+        out.truncate(n);
+        Ok(out)
+    }
+
     /// write(2) of the bytes at the descriptor's offset; the kernel checks the address.
     pub fn write(&self, fd: i32) -> io::Result<usize> {
         // SAFETY: the kernel reads the program's buffer and answers EFAULT if it cannot.
@@ -466,6 +480,26 @@ pub fn aio_write_fds(nr: libc::c_long, iocbs: *const u64) -> Vec<i32> {
 /// program cannot read (the kernel's writev is short there too), EFAULT if that is the first
 /// one, EINVAL for a count outside 0..=IOV_MAX or a total past `isize::MAX`.
 pub fn gather_program_iovecs(iov: *const libc::iovec, cnt: i32) -> io::Result<Vec<u8>> {
+    let (vecs, total) = program_iovecs(iov, cnt)?;
+    let mut out = vec![0u8; total];
+    let n = read_own_memory(&mut out, &vecs)?;
+    out.truncate(n);
+    Ok(out)
+}
+
+/// `gather_program_iovecs`, into memory aligned to a page (for an O_DIRECT descriptor:
+/// `ProgramBytes::copy_aligned`).
+pub fn gather_program_iovecs_aligned(iov: *const libc::iovec, cnt: i32) -> io::Result<Aligned> {
+    let (vecs, total) = program_iovecs(iov, cnt)?;
+    let mut out = Aligned::zeroed(total);
+    let n = read_own_memory(&mut out, &vecs)?;
+    out.truncate(n);
+    Ok(out)
+}
+
+/// The iovecs of a program's writev (checked as `gather_program_iovecs` says) and the total
+/// of their lengths.
+fn program_iovecs(iov: *const libc::iovec, cnt: i32) -> io::Result<(Vec<libc::iovec>, usize)> {
     const IOV_MAX: i32 = 1024;
     if !(0..=IOV_MAX).contains(&cnt) {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -488,10 +522,50 @@ pub fn gather_program_iovecs(iov: *const libc::iovec, cnt: i32) -> io::Result<Ve
             .filter(|&t| t <= isize::MAX as usize)
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
     }
-    let mut out = vec![0u8; total];
-    let n = read_own_memory(&mut out, &vecs)?;
-    out.truncate(n);
-    Ok(out)
+    Ok((vecs, total))
+}
+
+/// One page of `Aligned`.
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct Page([u8; 4096]);
+
+/// Bytes the library owns, in memory aligned to a page (4 KiB: at least the logical block
+/// size of every device Linux does direct I/O to), for writes through O_DIRECT descriptors.
+pub struct Aligned {
+    pages: Vec<Page>,
+    len: usize,
+}
+
+impl Aligned {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Aligned {
+        Aligned {
+            pages: vec![Page([0; 4096]); len.div_ceil(4096)],
+            len,
+        }
+    }
+
+    /// Keep the first `n` bytes (all if there are fewer).
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+}
+
+impl std::ops::Deref for Aligned {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `pages` holds at least `len` initialized bytes (a page is an array of u8
+        // with no padding), borrowed for as long as `self` is.
+        unsafe { std::slice::from_raw_parts(self.pages.as_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Aligned {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for `deref`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.pages.as_mut_ptr().cast::<u8>(), self.len) }
+    }
 }
 
 /// Fill `out` from the buffers `remote` names in this process's own memory, through the
@@ -556,6 +630,31 @@ mod tests {
             errno(ProgramBytes::new(8 as *const u8, 4).copy()),
             Some(libc::EFAULT)
         );
+    }
+
+    #[test]
+    fn aligned_copies_start_on_a_page_and_hold_the_same_bytes() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let c = ProgramBytes::of(&data[1..]).copy_aligned().unwrap();
+        assert_eq!(c.as_ptr() as usize % 4096, 0);
+        assert_eq!(&c[..], &data[1..]);
+        let second_bad = [
+            libc::iovec {
+                iov_base: data.as_ptr() as *mut libc::c_void,
+                iov_len: 5000,
+            },
+            libc::iovec {
+                iov_base: 8 as *mut libc::c_void,
+                iov_len: 4,
+            },
+        ];
+        let g = gather_program_iovecs_aligned(second_bad.as_ptr(), 2).unwrap();
+        assert_eq!((g.as_ptr() as usize % 4096, &g[..]), (0, &data[..5000]));
+        assert!(ProgramBytes::new(8 as *const u8, 0)
+            .copy_aligned()
+            .unwrap()
+            .is_empty());
+        assert!(ProgramBytes::new(8 as *const u8, 4).copy_aligned().is_err());
     }
 
     #[test]

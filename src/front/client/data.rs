@@ -38,17 +38,25 @@ impl Client {
                 None => sys::lseek(fd, 0, libc::SEEK_CUR)?,
             };
             // The log's copy: a buffer the program cannot read fails here, as the kernel
-            // would fail the write, before anything is logged or written.
-            let buf = src.copy()?;
+            // would fail the write, before anything is logged or written. Through an
+            // O_DIRECT descriptor, the lower's write comes from this copy too: aligned.
+            let (vec, aligned);
+            let buf: &[u8] = if t.direct.load(Ordering::Relaxed) {
+                aligned = src.copy_aligned()?;
+                &aligned
+            } else {
+                vec = src.copy()?;
+                &vec
+            };
             let (logged, written) = {
                 let _f = self.in_flight();
-                let logged = self.log_data(&slot, &t.ino, start, &buf).is_ok();
+                let logged = self.log_data(&slot, &t.ino, start, buf).is_ok();
                 if let Some(d) = self.pause_logged_write {
                     std::thread::sleep(d);
                 }
                 let written = match off {
-                    Some(o) => sys::pwrite(fd, &buf, o),
-                    None => sys::write(fd, &buf),
+                    Some(o) => sys::pwrite(fd, buf, o),
+                    None => sys::write(fd, buf),
                 };
                 (logged, written)
             };
@@ -157,15 +165,15 @@ impl Client {
         }
         if !p.dirty.is_empty() && p.mark >= cp {
             let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
-            let mut fd_write_only = None; // asked once per sync
+            let mut fd_unreadable = None; // asked once per sync
             for (s, e) in ranges {
                 let buf = match p.dirty.bytes(s, e) {
                     Some(b) => b,
                     None => {
                         // No copy of these bytes (a local lower, too many, or changed by
                         // fallocate): read them back, through the program's descriptor if
-                        // it can read.
-                        let rfd = if !*fd_write_only.get_or_insert_with(|| write_only(fd)) {
+                        // it can read the page cache (not write-only, not O_DIRECT).
+                        let rfd = if !*fd_unreadable.get_or_insert_with(|| unreadable(fd)) {
                             fd
                         } else {
                             match self.reader(fd, &mut p) {

@@ -140,6 +140,10 @@ pub struct Tracked {
     /// The descriptor is O_APPEND (as opened, or set by `fcntl(F_SETFL)`): every write lands
     /// at the end of the file, a positional one (pwrite) too, whatever its offset.
     pub append: std::sync::atomic::AtomicBool,
+    /// The descriptor is O_DIRECT (as opened, or set by `fcntl(F_SETFL)`): what the library
+    /// writes through it comes from memory aligned to a page, and a sync reads its dirty
+    /// bytes back through another descriptor (direct reads need aligned buffers too).
+    pub direct: std::sync::atomic::AtomicBool,
 }
 
 pub struct Client {
@@ -575,13 +579,15 @@ impl Client {
                         birth_dir,
                         p: Mutex::new(Private {
                             // A sync reads dirty bytes back through the program's descriptor
-                            // where it can; a write-only one would need a new descriptor (an
-                            // open the daemon's watch must answer): keep a copy instead, of
-                            // the bytes a sync typically covers (a file written whole and
-                            // never synced is not copied).
+                            // where it can; a write-only or O_DIRECT one would need a new
+                            // descriptor (an open the daemon's watch must answer): keep a
+                            // copy instead, of the bytes a sync typically covers (a file
+                            // written whole and never synced is not copied).
                             dirty: if crate::policy::dirty::copies_kept() {
                                 crate::policy::dirty::Dirty::new(true)
-                            } else if flags & libc::O_ACCMODE == libc::O_WRONLY {
+                            } else if flags & libc::O_ACCMODE == libc::O_WRONLY
+                                || flags & libc::O_DIRECT != 0
+                            {
                                 crate::policy::dirty::Dirty::copying(WRITE_ONLY_COPY_PAGES)
                             } else {
                                 crate::policy::dirty::Dirty::new(false)
@@ -599,6 +605,7 @@ impl Client {
             sync,
             asked: 0.into(),
             append: (flags & libc::O_APPEND != 0).into(),
+            direct: (flags & libc::O_DIRECT != 0).into(),
         });
         self.fds.write().insert(fd, t.clone());
         Some(t)
@@ -750,12 +757,7 @@ pub(super) fn claim<R>(
     Some((slot.idx, f(&slot)))
 }
 
-/// The descriptor cannot read (opened O_WRONLY; unknown counts as write-only).
-fn write_only(fd: i32) -> bool {
-    sys::fcntl(fd, libc::F_GETFL, 0).map_or(true, |f| f as i32 & libc::O_ACCMODE == libc::O_WRONLY)
-}
-
-/// Pages of unsynced writes through a write-only descriptor a process keeps a copy of per
+/// Pages of unsynced writes through a write-only or O_DIRECT descriptor a process keeps a copy of per
 /// object (64 KiB): a sync after more reads the rest back through a descriptor of its own.
 const WRITE_ONLY_COPY_PAGES: usize = 16;
 
