@@ -200,6 +200,10 @@ fn main() {
             "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {} (data operations {}), real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",
             cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.multi_area_logs
         );
+        println!(
+            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time (over a lower that ignores syncfs) {}",
+            cov.baselines_logged, cov.syncs_from_copies
+        );
         println!("  contract violations: {}", failures.len());
     }
     if !failures.is_empty() {

@@ -6,12 +6,12 @@
 //! reading them back from the lower file system: on a network lower a read costs
 //! milliseconds (JuiceFS: 7.5–32 ms), and the bytes were in hand when they were written.
 //! The copy is kept only where reading back is expensive (network and FUSE lowers:
-//! `keep_copies`), and it is bounded, per object and per process; past a bound, or after an
+//! `Client::copies`, the core's `keep_copies`), and it is bounded, per object and per process; past a bound, or after an
 //! operation that changes bytes other than by writing them, it is dropped and `bytes`
 //! answers None: the caller reads the dirty ranges back, as it always may.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::engine::format::PAGE;
 
@@ -21,17 +21,6 @@ const COPY_PAGES_MAX: usize = 65536;
 
 /// Pages held by every `Dirty` of this process.
 static COPY_PAGES: AtomicUsize = AtomicUsize::new(0);
-
-/// Whether new `Dirty`s of this process keep copies (`keep_copies`).
-static KEEP_COPIES: AtomicBool = AtomicBool::new(true);
-
-/// Keep copies of dirty bytes (the default), or not: on a local lower file system a sync
-/// reads its dirty ranges back from the page cache for one system call per range, less than
-/// a copy costs at every write (an allocation and a copy per page, for bytes that most often
-/// are never synced: a file server's, a build's). Network and FUSE lowers keep them.
-pub fn keep_copies(on: bool) {
-    KEEP_COPIES.store(on, Ordering::Relaxed);
-}
 
 #[derive(Debug)]
 pub struct Dirty {
@@ -46,15 +35,10 @@ pub struct Dirty {
     max_pages: usize,
 }
 
-/// Whether new `Dirty`s of this process keep copies.
-pub fn copies_kept() -> bool {
-    KEEP_COPIES.load(Ordering::Relaxed)
-}
-
 impl Default for Dirty {
-    /// With copies as this process keeps them (`keep_copies`).
+    /// Without copies.
     fn default() -> Dirty {
-        Dirty::new(KEEP_COPIES.load(Ordering::Relaxed))
+        Dirty::new(false)
     }
 }
 

@@ -82,6 +82,9 @@ pub struct Coverage {
     /// `pmstack run`: first syncs of objects with no baseline (a slot claimed again after the
     /// daemon freed it) absorbed by logging the whole file (`Client::log_baseline`).
     pub baselines_logged: u64,
+    /// `pmstack run` over a lower that ignores syncfs (whose clients keep copies of dirty
+    /// bytes): absorbed syncs whose bytes all came from those copies, none read back.
+    pub syncs_from_copies: u64,
 }
 
 impl Coverage {
@@ -126,5 +129,6 @@ impl Coverage {
         self.slots_freed += o.slots_freed;
         self.dir_attr_changes += o.dir_attr_changes;
         self.baselines_logged += o.baselines_logged;
+        self.syncs_from_copies += o.syncs_from_copies;
     }
 }

@@ -43,7 +43,9 @@ use super::{
 use crate::engine::Log;
 use crate::front::client::Client;
 use crate::front::serve::{Daemon, ServeOpts};
-use crate::front::table::{Table, DEFAULT_SLOTS, H_BASELINES_LOGGED, H_HEARTBEAT, H_WAKE};
+use crate::front::table::{
+    Table, DEFAULT_SLOTS, H_BASELINES_LOGGED, H_HEARTBEAT, H_SYNCS_FROM_COPIES, H_WAKE,
+};
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
 
@@ -113,6 +115,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         // A FUSE or network lower's client finds the directories it keeps open by their
         // handle (`ns::dirs`); a local one's, by a stat.
         clients.iter_mut().for_each(Client::know_dirs_by_handle);
+        // And keeps copies of dirty bytes for syncs (a read back costs milliseconds there).
+        clients.iter_mut().for_each(Client::keep_copies);
     }
     let path = |n: &str| {
         lower
@@ -572,6 +576,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
 
         let after = counters(&d.table, &pids);
         cov.baselines_logged = d.table.w(H_BASELINES_LOGGED).load(Ordering::Relaxed);
+        cov.syncs_from_copies = d.table.w(H_SYNCS_FROM_COPIES).load(Ordering::Relaxed);
         cov.unserved_ops += (after.2 > before.2) as u64;
         cov.real_syncs += after.0 - before.0 + after.1 - before.1;
         cov.paths_synced += after.4 - before.4;

@@ -48,6 +48,7 @@ impl Client {
                 vec = src.copy()?;
                 &vec
             };
+            self.changed(&slot, &mut p);
             let (logged, written) = {
                 let _f = self.in_flight();
                 let logged = self.log_data(&slot, &t.ino, start, buf).is_ok();
@@ -132,6 +133,7 @@ impl Client {
             Some(o) => o,
             None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
         };
+        self.changed(&slot, &mut p);
         p.dirty.add(start, &buf[..n]);
         // A write-back whose checkpoint passes the mark taken next counts these bytes durable
         // (the next sync logs nothing of them): where syncfs is not trusted, the object is
@@ -144,6 +146,16 @@ impl Client {
             slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
         }
         Ok(n)
+    }
+
+    /// This process changes the bytes of the object of `slot` (a write, a truncate, a
+    /// fallocate), under the slot lock: counted, and the copies of its dirty bytes stay good
+    /// only if nobody else changed the object since they last were (`Private::copies_at`).
+    fn changed(&self, slot: &Slot<'_>, p: &mut Private) {
+        let before = slot.note_change();
+        if p.dirty.is_empty() || before == p.copies_at {
+            p.copies_at = (before + 1) & FLAG_BITS;
+        }
     }
 
     /// fsync/fdatasync of a tracked descriptor.
@@ -164,12 +176,19 @@ impl Client {
             return self.real_sync(&slot, fd, &mut p);
         }
         if !p.dirty.is_empty() && p.mark >= cp {
+            if slot.changes() != p.copies_at {
+                // Another process changed the object since these copies were taken: the
+                // bytes are read back (the page cache has every attached process's).
+                p.dirty.forget_copy();
+            }
             let ranges: Vec<(u64, u64)> = p.dirty.ranges().collect();
             let mut fd_unreadable = None; // asked once per sync
+            let mut read_back = false;
             for (s, e) in ranges {
                 let buf = match p.dirty.bytes(s, e) {
                     Some(b) => b,
                     None => {
+                        read_back = true;
                         // No copy of these bytes (a local lower, too many, or changed by
                         // fallocate): read them back, through the program's descriptor if
                         // it can read the page cache (not write-only, not O_DIRECT).
@@ -191,6 +210,11 @@ impl Client {
                 if !buf.is_empty() && self.log_data(&slot, &t.ino, s, &buf).is_err() {
                     return self.real_sync(&slot, fd, &mut p);
                 }
+            }
+            if !read_back {
+                self.table
+                    .w(H_SYNCS_FROM_COPIES)
+                    .fetch_add(1, Ordering::Relaxed);
             }
         }
         p.dirty.clear();
@@ -283,6 +307,7 @@ impl Client {
         // unlogged writes (`others_lazy` sees them otherwise).
         if self.log.checkpoint_lsn() != snap.checkpoint
             || slot.w(S_LAST_LSN).load(Ordering::Acquire) != snap.last_lsn
+            || !p.dirty.is_empty() && slot.changes() != p.copies_at
         {
             return None;
         }
@@ -370,6 +395,7 @@ impl Client {
         let mut p = t.ino.p.lock();
         // The file read at its open is not the file any more where the dirty ranges say.
         p.snapshot = None;
+        self.changed(&slot, &mut p);
         let will_log = self.loggable(slot.flags()) && self.serving();
         let live = self.live(&slot);
         if crate::policy::must_write_back_first(live, will_log) {

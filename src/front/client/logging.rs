@@ -125,7 +125,7 @@ impl Client {
         // the program writes to it (`log_baseline`). Under the slot lock every attached
         // writer of the object takes (then the inode's, in that order, as everywhere): no
         // write is half made.
-        if crate::policy::dirty::copies_kept() {
+        if self.copies {
             let _g = slot.lock();
             let mut p = t.ino.p.lock();
             if p.snapshot.is_some() || slot.w(S_GEN).load(Ordering::Acquire) != t.ino.gen {
@@ -465,6 +465,8 @@ impl Client {
             let _ = self.real_sync(slot, fd, &mut p);
         }
         slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
+        // A change no process's copies of its dirty bytes hold (this one's neither).
+        slot.note_change();
     }
 }
 
@@ -508,6 +510,7 @@ pub fn mark_unseen(table: &Table, fd: i32) {
         return;
     };
     claim(table, &st, gen, |slot| {
-        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel)
+        slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
+        slot.note_change()
     });
 }

@@ -59,6 +59,11 @@ struct Private {
     dirty: crate::policy::dirty::Dirty,
     /// The LSN counter after the latest of them.
     mark: u64,
+    /// The object's change count (`Slot::changes`) after this process's latest change, if
+    /// no other process changed the object since the copies of `dirty` were last good (none
+    /// held, or all of them this process's latest bytes): a sync may log those copies only
+    /// while the count is still this (`Client::changed`).
+    copies_at: u64,
     /// A read descriptor for reading dirty ranges back (the program's may be write-only).
     rfd: Option<OwnedFd>,
     /// Over a lower whose reads are slow after writes (a FUSE or network file system), the
@@ -174,6 +179,10 @@ pub struct Client {
     root_bind_lsn: std::sync::atomic::AtomicU64,
     /// io_uring or another path the library cannot see was set up: every sync is real.
     pub blind: std::sync::atomic::AtomicBool,
+    /// Dirty bytes are kept as copies (`policy::dirty`): the lower is not a local file
+    /// system (a read back costs milliseconds there). Also whether a file read at its open
+    /// is kept for its first sync (`vet_at_open`).
+    pub(super) copies: bool,
     /// This process synced something under the root: the files it opens for writing are
     /// expected to be synced too (`sync_expected`).
     synced: std::sync::atomic::AtomicBool,
@@ -258,6 +267,13 @@ impl Client {
         self.dirs = crate::front::ns::dirs::DirCache::new(false);
     }
 
+    /// Keep copies of dirty bytes for syncs, as over a lower that is not a local file
+    /// system: the crash simulator's histories of such a lower run over a local directory.
+    #[doc(hidden)]
+    pub fn keep_copies(&mut self) {
+        self.copies = true;
+    }
+
     /// `attach_to` as the process `pid` (the crash simulator runs the clients of several
     /// processes in one; each takes an append area and a process record of its own).
     #[doc(hidden)]
@@ -288,7 +304,6 @@ impl Client {
         let root_handle = std::fs::File::open(&root)
             .and_then(|f| {
                 local = crate::lower::real::local_fs(&f);
-                crate::policy::dirty::keep_copies(!local);
                 crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f), root_ino)
             })
             .unwrap_or_default();
@@ -312,6 +327,7 @@ impl Client {
             root_handle,
             root_bind_lsn: 0.into(),
             blind: false.into(),
+            copies: !local,
             synced: false.into(),
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
@@ -583,7 +599,7 @@ impl Client {
                             // descriptor (an open the daemon's watch must answer): keep a
                             // copy instead, of the bytes a sync typically covers (a file
                             // written whole and never synced is not copied).
-                            dirty: if crate::policy::dirty::copies_kept() {
+                            dirty: if self.copies {
                                 crate::policy::dirty::Dirty::new(true)
                             } else if flags & libc::O_ACCMODE == libc::O_WRONLY
                                 || flags & libc::O_DIRECT != 0
@@ -647,10 +663,10 @@ impl Client {
             return;
         }
         if let Some(idx) = self.table.find(st.st_dev, st.st_ino) {
-            self.table
-                .slot(idx)
-                .w(S_FLAGS)
-                .fetch_or(f, Ordering::AcqRel);
+            let slot = self.table.slot(idx);
+            slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
+            // A change (its bytes, maybe) that no process's copies of its dirty bytes hold.
+            slot.note_change();
         }
     }
 
@@ -659,6 +675,9 @@ impl Client {
     /// are not logged, and replay must never apply older entries over them.
     pub fn flag(&self, t: &Tracked, fd: i32, f: u64) {
         let slot = self.table.slot(t.ino.slot);
+        // A change (its bytes, maybe) that no process's copies of its dirty bytes hold,
+        // this one's included.
+        slot.note_change();
         if f & F_NOT_SEEN == 0 {
             slot.w(S_FLAGS).fetch_or(f, Ordering::AcqRel);
             return;
@@ -732,7 +751,9 @@ pub(super) fn ensure_gen(slot: &Slot<'_>, gen: u64) {
     for k in [S_FID, S_BIND_LSN, S_LAST_LSN] {
         slot.w(k).store(0, Ordering::Relaxed);
     }
-    slot.w(S_FLAGS).store(keep, Ordering::Release);
+    // (The count of changes goes on: `Slot::note_change`.)
+    let changes = slot.w(S_FLAGS).load(Ordering::Relaxed) & !FLAG_BITS;
+    slot.w(S_FLAGS).store(keep | changes, Ordering::Release);
     slot.clear_lazy(None);
     slot.w(S_GEN).store(gen, Ordering::Release);
 }

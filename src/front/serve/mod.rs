@@ -629,6 +629,7 @@ impl Daemon {
             "baselines_logged": self.table.w(H_BASELINES_LOGGED).load(Ordering::Relaxed),
             "vetted_at_open": self.table.w(H_VETTED_AT_OPEN).load(Ordering::Relaxed),
             "baselines_from_snapshots": self.table.w(H_SNAPSHOTS_USED).load(Ordering::Relaxed),
+            "syncs_from_copies": self.table.w(H_SYNCS_FROM_COPIES).load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

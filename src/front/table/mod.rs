@@ -92,6 +92,9 @@ pub const H_VETTED_AT_OPEN: usize = 66;
 /// with the process's dirty bytes over it, instead of reading it back at the sync (a lower
 /// whose reads after writes are slow: `Client::file_from_snapshot`).
 pub const H_SNAPSHOTS_USED: usize = 67;
+/// Absorbed syncs whose dirty bytes all came from copies kept at write time, none read back
+/// from the lower (over a FUSE or network lower: `Client::copies`).
+pub const H_SYNCS_FROM_COPIES: usize = 68;
 const _: () = {
     let mut i = 0;
     while i < COUNTERS.len() {
@@ -214,7 +217,12 @@ pub const S_BIND_LSN: usize = 5;
 /// LSN of the object's latest entry: while the checkpoint is below it, the object has live
 /// entries and every write to it is logged at write time (no rollback at replay).
 pub const S_LAST_LSN: usize = 6;
+/// Flags (`F_*`) in the low half; in the high half, a count of changes of the object's bytes
+/// by attached processes (`Slot::note_change`).
 pub const S_FLAGS: usize = 7;
+/// One change in the high half of `S_FLAGS`, and the flags' half.
+pub const CHANGE_ONE: u64 = 1 << 32;
+pub const FLAG_BITS: u64 = CHANGE_ONE - 1;
 /// Processes with writes not yet logged: (pid, LSN counter at their last such write) pairs.
 pub const S_LAZY: usize = 8;
 pub const LAZY_MAX: usize = 3;

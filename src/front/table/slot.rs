@@ -85,7 +85,22 @@ impl<'a> Slot<'a> {
     }
 
     pub fn flags(&self) -> u64 {
-        self.w(S_FLAGS).load(Ordering::Acquire)
+        self.w(S_FLAGS).load(Ordering::Acquire) & FLAG_BITS
+    }
+
+    /// Changes of the object's bytes (writes, truncates, fallocates) by attached processes
+    /// counted so far (modulo 2^32; `note_change`).
+    pub fn changes(&self) -> u64 {
+        self.w(S_FLAGS).load(Ordering::Acquire) >> 32
+    }
+
+    /// Count a change of the object's bytes by an attached process (caller holds the slot
+    /// lock); the count before it. A process's copies of its dirty bytes (`policy::dirty`)
+    /// are good while the count moved only by its own changes: another process's write,
+    /// truncate or fallocate may have changed bytes they hold, and its bytes may be durable
+    /// or logged already (a sync that logged the copy would roll them back).
+    pub fn note_change(&self) -> u64 {
+        self.w(S_FLAGS).fetch_add(CHANGE_ONE, Ordering::AcqRel) >> 32
     }
 
     /// The slot holds the object (dev, ino) (checked under its lock: the daemon may have
