@@ -81,7 +81,8 @@ impl Drop for ScratchDir {
 /// A core in `mode` over the lower directory `lower` and a fresh crash-simulating PM region
 /// of `pages` pages with `areas` append areas (write-back only when asked: a one-hour
 /// flush interval). With `syncfs_ignored`, the core takes the lower for one whose syncfs does
-/// not reach the file system (`RealLower::ignoring_syncfs`). For crash tests.
+/// not reach the file system (`RealLower::ignoring_syncfs`), and keeps copies of dirty bytes
+/// as over such a lower. For crash tests.
 pub fn core_on_sim_lower(
     lower: &Path,
     pages: usize,
@@ -103,6 +104,12 @@ pub fn core_on_sim_lower(
         real = real.ignoring_syncfs();
     }
     let core = Core::new(real, opts, Some(log)).unwrap();
+    if syncfs_ignored {
+        // And keeps copies of dirty bytes for fsyncs, as over such a lower (a FUSE or
+        // network one, where a read back costs milliseconds).
+        core.keep_copies
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     (sim, core)
 }
 
