@@ -76,6 +76,10 @@ struct Args {
     /// before they had it)
     #[arg(long)]
     no_exchanges: bool,
+    /// Open every descriptor of the `pmstack run` histories for reading and writing (the
+    /// histories of seeds found before some were write-only)
+    #[arg(long)]
+    no_write_only: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -120,6 +124,7 @@ fn main() {
         outside: !a.no_outside,
         kills: !a.no_kills,
         exchanges: !a.no_exchanges,
+        write_only: !a.no_write_only,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -201,8 +206,8 @@ fn main() {
             cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.multi_area_logs
         );
         println!(
-            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time (over a lower that ignores syncfs) {}",
-            cov.baselines_logged, cov.syncs_from_copies
+            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}",
+            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs
         );
         println!("  contract violations: {}", failures.len());
     }

@@ -24,6 +24,7 @@ const LINKS: Kinds = Kinds {
     outside: false,
     kills: false,
     exchanges: false,
+    write_only: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -350,6 +351,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 outside: false,
                 kills: false,
                 exchanges: false,
+                write_only: false,
             },
         )
     });
@@ -379,6 +381,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 outside: false,
                 kills: false,
                 exchanges: false,
+                write_only: false,
             },
         )
     });

@@ -85,6 +85,8 @@ pub struct Coverage {
     /// `pmstack run` over a lower that ignores syncfs (whose clients keep copies of dirty
     /// bytes): absorbed syncs whose bytes all came from those copies, none read back.
     pub syncs_from_copies: u64,
+    /// `pmstack run`: fsyncs through a write-only descriptor (`Kinds::write_only`).
+    pub write_only_syncs: u64,
 }
 
 impl Coverage {
@@ -130,5 +132,6 @@ impl Coverage {
         self.dir_attr_changes += o.dir_attr_changes;
         self.baselines_logged += o.baselines_logged;
         self.syncs_from_copies += o.syncs_from_copies;
+        self.write_only_syncs += o.write_only_syncs;
     }
 }

@@ -163,6 +163,11 @@ pub struct Kinds {
     /// `pmstack run`: renames with RENAME_EXCHANGE, of two files and of two directories
     /// (with what is in them). The mount's histories always have exchanges of files.
     pub exchanges: bool,
+    /// `pmstack run`: a process's descriptor of a file is write-only for one (process, file)
+    /// pair in three (by their numbers, so the histories are the same operations): it keeps
+    /// copies of its unsynced bytes (64 KiB of them; a mail delivery's append, a log
+    /// writer), and a sync past them reads the rest back through a descriptor of its own.
+    pub write_only: bool,
 }
 
 impl Kinds {
@@ -177,13 +182,21 @@ impl Kinds {
         outside: true,
         kills: true,
         exchanges: true,
+        write_only: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had write-only descriptors (2026-11-28):
+    /// what the seeds found before run with.
+    pub const CAMPAIGN_BEFORE_WRITE_ONLY: Kinds = Kinds {
+        write_only: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had exchanges (2026-11-27): what the
     /// seeds found before run with.
     pub const CAMPAIGN_BEFORE_EXCHANGES: Kinds = Kinds {
         exchanges: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_WRITE_ONLY
     };
 
     /// `CAMPAIGN` before histories had programs that are not attached and kills
@@ -223,6 +236,9 @@ impl Kinds {
         }
         if !self.exchanges {
             f += " --no-exchanges";
+        }
+        if !self.write_only {
+            f += " --no-write-only";
         }
         f
     }

@@ -11,6 +11,7 @@ use crate::front::table::{
     Table, P_FALLBACKS, P_NAME_SYNCS, P_NS_DIR_SYNCS, P_NS_SYNCS, P_UNSERVED,
 };
 use crate::pmem::sim::SimPmem;
+use crate::sim::Kinds;
 
 /// A process's descriptor of a file of the history.
 pub(super) struct Open {
@@ -37,18 +38,29 @@ pub(super) fn counters(t: &Table, pids: &[u64]) -> (u64, u64, u64, u64, u64) {
     sum
 }
 
-/// A descriptor of the file at `path`, opened and tracked by `c` (O_SYNC if `sync`).
-pub(super) fn open_path(c: &Client, path: &[u8], sync: bool) -> Open {
+/// A descriptor of the file at `path`, opened and tracked by `c` (O_SYNC if `sync`; for
+/// writing only if `write_only`, else for reading and writing).
+pub(super) fn open_path(c: &Client, path: &[u8], sync: bool, write_only: bool) -> Open {
     let p = CString::new(path).unwrap();
+    let mode = if write_only {
+        libc::O_WRONLY
+    } else {
+        libc::O_RDWR
+    };
     // SAFETY: a C string; the descriptor is this history's.
-    let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    let fd = unsafe { libc::open(p.as_ptr(), mode | libc::O_CLOEXEC) };
     assert!(fd >= 0, "opening {}", String::from_utf8_lossy(path));
-    let t = c.track_under(fd, sync, Some(libc::O_RDWR)).unwrap();
+    let t = c.track_under(fd, sync, Some(mode)).unwrap();
     Open {
         ino: ino_of(fd),
         fd,
         t,
     }
+}
+
+/// Whether process `w`'s descriptors of file `id` are write-only (`Kinds::write_only`).
+pub(super) fn write_only(kinds: Kinds, w: usize, id: u32) -> bool {
+    kinds.write_only && (id as usize + w) % 3 == 0
 }
 
 /// Process `w`'s descriptor of file `id` (at `path`), opened now if it has none (O_SYNC as
@@ -59,13 +71,14 @@ pub(super) fn open_in<'a>(
     w: usize,
     id: u32,
     path: &[u8],
+    kinds: Kinds,
 ) -> &'a Open {
     if !opens[w].contains_key(&id) {
         let sync = opens
             .iter()
             .find_map(|m| m.get(&id))
             .is_some_and(|o| o.t.sync);
-        let o = open_path(&clients[w], path, sync);
+        let o = open_path(&clients[w], path, sync, write_only(kinds, w, id));
         opens[w].insert(id, o);
     }
     &opens[w][&id]

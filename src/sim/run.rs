@@ -32,7 +32,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::procs::{
-    attach_processes, close, close_everywhere, counters, ino_of, open_in, open_path, Open,
+    attach_processes, close, close_everywhere, counters, ino_of, open_in, open_path, write_only,
+    Open,
 };
 use super::waker::{done, Waker};
 use super::{
@@ -263,7 +264,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             2..=5 if !names.is_empty() => {
                 let name = pick(&mut rng);
-                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
+                let o = open_in(
+                    &clients,
+                    &mut opens,
+                    w,
+                    model.names[&name],
+                    &path(&name),
+                    kinds,
+                );
                 let len = rng.gen_range(1..9000usize);
                 let (id, idx) = model.write(&name, len, o.t.sync);
                 let r = c.write(
@@ -299,8 +307,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             6 | 7 if !names.is_empty() => {
                 let name = pick(&mut rng);
-                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
+                let id = model.names[&name];
+                let o = open_in(&clients, &mut opens, w, id, &path(&name), kinds);
                 cov.fsyncs += 1;
+                cov.write_only_syncs += write_only(kinds, w, id) as u64;
                 match done(c.fsync(&o.t, o.fd), may_refuse, "fsync") {
                     Some(()) => model.sync(&name),
                     None => refused_data = true,
@@ -378,9 +388,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let id = model.names[&name];
                 if let Some(o) = opens[w].remove(&id) {
                     close(c, o.fd);
-                    opens[w].insert(id, open_path(c, &path(&name), o.t.sync));
+                    opens[w].insert(
+                        id,
+                        open_path(c, &path(&name), o.t.sync, write_only(kinds, w, id)),
+                    );
                 } else {
-                    open_in(&clients, &mut opens, w, id, &path(&name));
+                    open_in(&clients, &mut opens, w, id, &path(&name), kinds);
                 }
             }
             13 => {
@@ -428,7 +441,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // ftruncate, shorter or longer: durable at the next fsync (the live entries
                 // of the file go first when it is not logged)
                 let name = pick(&mut rng);
-                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
+                let o = open_in(
+                    &clients,
+                    &mut opens,
+                    w,
+                    model.names[&name],
+                    &path(&name),
+                    kinds,
+                );
                 let size = rng.gen_range(0..=model.file(&name).size() + REC);
                 cov.truncates += 1;
                 // Refused (nothing changed) by the real sync before it.
@@ -461,7 +481,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             17 if kinds.fallocate && !names.is_empty() => {
                 // fallocate: as ftruncate, durable at the next fsync
                 let name = pick(&mut rng);
-                let o = open_in(&clients, &mut opens, w, model.names[&name], &path(&name));
+                let o = open_in(
+                    &clients,
+                    &mut opens,
+                    w,
+                    model.names[&name],
+                    &path(&name),
+                    kinds,
+                );
                 let f = Falloc::random(&mut rng, model.file(&name).size());
                 cov.fallocates += 1;
                 // Refused (nothing changed) by the real sync before it.
