@@ -1619,31 +1619,9 @@ fn an_existing_file_is_absorbed_from_its_first_sync_and_keeps_what_an_earlier_wr
 /// recovery, gives back every byte of both.
 #[test]
 fn over_a_fuse_lower_a_file_read_at_its_open_is_logged_whole_at_its_first_sync() {
-    if !common::can_mount() || !have("python3") {
+    let Some((_d, root, _bind)) = bindfs_root() else {
         return;
-    }
-    if !have("bindfs") {
-        assert!(!ci(), "bindfs is needed (apt-get install bindfs)");
-        return;
-    }
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let src = d.path().join("src");
-    let root = d.path().join("bind");
-    fs::create_dir_all(&src).unwrap();
-    fs::create_dir_all(&root).unwrap();
-    assert!(Command::new("bindfs")
-        .arg(&src)
-        .arg(&root)
-        .status()
-        .unwrap()
-        .success());
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
-    }
-    let _bind = Unmount(root.clone());
+    };
     let pm = shm_region("snapshot");
     fs::write(root.join("m1"), vec![b'a'; 8000]).unwrap();
     fs::write(root.join("m2"), vec![b'a'; 8000]).unwrap();
@@ -2235,19 +2213,16 @@ fn appends_by_pwrite_are_replayed_at_the_end_of_the_file() {
     }
 }
 
-/// Over a FUSE lower (bindfs here; GlusterFS, JuiceFS) each process keeps copies of the
-/// bytes it wrote and has not synced, for its next sync to log without reading them back
-/// (milliseconds there). Another process changing those bytes in between (a write it then
-/// synced, a truncate) makes the copies stale: the sync reads the bytes back instead. Logging
-/// the copy would have made replay roll the other process's synced bytes back.
-#[test]
-fn over_a_fuse_lower_a_sync_never_logs_bytes_another_process_changed_since() {
+/// A FUSE lower for `pmstack run` (bindfs over a directory in /var/tmp): the temporary
+/// directory, the bindfs mount, and what unmounts it when dropped (before the directory
+/// goes). None where it cannot be made outside CI (in CI a missing bindfs fails).
+fn bindfs_root() -> Option<(tempfile::TempDir, PathBuf, Unmount)> {
     if !common::can_mount() || !have("python3") {
-        return;
+        return None;
     }
     if !have("bindfs") {
         assert!(!ci(), "bindfs is needed (apt-get install bindfs)");
-        return;
+        return None;
     }
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let src = d.path().join("src");
@@ -2260,13 +2235,29 @@ fn over_a_fuse_lower_a_sync_never_logs_bytes_another_process_changed_since() {
         .status()
         .unwrap()
         .success());
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-        }
+    let bind = Unmount(root.clone());
+    Some((d, root, bind))
+}
+
+/// Unmounts a FUSE mount (lazily) when dropped.
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
-    let _bind = Unmount(root.clone());
+}
+
+/// Over a FUSE lower (bindfs here; GlusterFS, JuiceFS) each process keeps copies of the
+/// bytes it wrote and has not synced, for its next sync to log without reading them back
+/// (milliseconds there). Another process changing those bytes in between (a write it then
+/// synced, a truncate) makes the copies stale: the sync reads the bytes back instead. Logging
+/// the copy would have made replay roll the other process's synced bytes back.
+#[test]
+fn over_a_fuse_lower_a_sync_never_logs_bytes_another_process_changed_since() {
+    let Some((_d, root, _bind)) = bindfs_root() else {
+        return;
+    };
     let pm = shm_region("stalecopy");
     let mut s = Serve::start(
         &root,

@@ -355,13 +355,18 @@ impl ProgramBytes {
     /// too); EFAULT if not even the first byte can be read.
     pub fn copy(&self) -> io::Result<Vec<u8>> {
         let mut out = vec![0u8; self.len];
+        let n = self.copy_into(&mut out)?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// `copy` into `out` (`self.len` bytes): how many could be read.
+    fn copy_into(&self, out: &mut [u8]) -> io::Result<usize> {
         let remote = [libc::iovec {
             iov_base: self.ptr as *mut libc::c_void,
             iov_len: self.len,
         }];
-        let n = read_own_memory(&mut out, &remote)?;
-        out.truncate(n);
-        Ok(out)
+        read_own_memory(out, &remote)
     }
 
     /// `copy`, into memory aligned to a page: what a write through an O_DIRECT descriptor
@@ -369,11 +374,7 @@ impl ProgramBytes {
     /// device's logical block with EINVAL).
     pub fn copy_aligned(&self) -> io::Result<Aligned> {
         let mut out = Aligned::zeroed(self.len);
-        let remote = [libc::iovec {
-            iov_base: self.ptr as *mut libc::c_void,
-            iov_len: self.len,
-        }];
-        let n = read_own_memory(&mut out, &remote)?;
+        let n = self.copy_into(&mut out)?;
         out.truncate(n);
         Ok(out)
     }

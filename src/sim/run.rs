@@ -210,6 +210,19 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             0
         };
         let c = &clients[w];
+        // This process's descriptor of the file named `$name`, opened now if it has none.
+        macro_rules! open_named {
+            ($name:expr) => {
+                open_in(
+                    &clients,
+                    &mut opens,
+                    w,
+                    model.names[&$name],
+                    &path(&$name),
+                    kinds,
+                )
+            };
+        }
         let names = model.names();
         let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
         // The inode a real sync of this operation made durable, and whether as of before the
@@ -264,14 +277,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             }
             2..=5 if !names.is_empty() => {
                 let name = pick(&mut rng);
-                let o = open_in(
-                    &clients,
-                    &mut opens,
-                    w,
-                    model.names[&name],
-                    &path(&name),
-                    kinds,
-                );
+                let o = open_named!(name);
                 let len = rng.gen_range(1..9000usize);
                 let (id, idx) = model.write(&name, len, o.t.sync);
                 let r = c.write(
@@ -441,14 +447,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // ftruncate, shorter or longer: durable at the next fsync (the live entries
                 // of the file go first when it is not logged)
                 let name = pick(&mut rng);
-                let o = open_in(
-                    &clients,
-                    &mut opens,
-                    w,
-                    model.names[&name],
-                    &path(&name),
-                    kinds,
-                );
+                let o = open_named!(name);
                 let size = rng.gen_range(0..=model.file(&name).size() + REC);
                 cov.truncates += 1;
                 // Refused (nothing changed) by the real sync before it.
@@ -481,14 +480,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             17 if kinds.fallocate && !names.is_empty() => {
                 // fallocate: as ftruncate, durable at the next fsync
                 let name = pick(&mut rng);
-                let o = open_in(
-                    &clients,
-                    &mut opens,
-                    w,
-                    model.names[&name],
-                    &path(&name),
-                    kinds,
-                );
+                let o = open_named!(name);
                 let f = Falloc::random(&mut rng, model.file(&name).size());
                 cov.fallocates += 1;
                 // Refused (nothing changed) by the real sync before it.
