@@ -21,7 +21,9 @@ pub use lock::{alive, forget_pid, my_pid, now_ns, quiesce_for_exec, reaped, PidL
 pub use slot::Slot;
 
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
-pub const VERSION: u64 = 7;
+/// 8: the high half of `S_FLAGS` counts changes of the object's bytes (`Slot::note_change`),
+/// which every attached process must keep up: no process of another version may attach.
+pub const VERSION: u64 = 8;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
