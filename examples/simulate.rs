@@ -80,6 +80,10 @@ struct Args {
     /// histories of seeds found before some were write-only)
     #[arg(long)]
     no_write_only: bool,
+    /// Open no descriptor of the `pmstack run` histories O_APPEND (the histories of seeds
+    /// found before some were)
+    #[arg(long)]
+    no_appends: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -125,6 +129,7 @@ fn main() {
         kills: !a.no_kills,
         exchanges: !a.no_exchanges,
         write_only: !a.no_write_only,
+        appends: !a.no_appends,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -206,8 +211,8 @@ fn main() {
             cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.multi_area_logs
         );
         println!(
-            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}",
-            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs
+            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}",
+            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs, cov.appends
         );
         println!("  contract violations: {}", failures.len());
     }

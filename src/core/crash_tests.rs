@@ -25,6 +25,7 @@ const LINKS: Kinds = Kinds {
     kills: false,
     exchanges: false,
     write_only: false,
+    appends: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -352,6 +353,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 kills: false,
                 exchanges: false,
                 write_only: false,
+                appends: false,
             },
         )
     });
@@ -382,6 +384,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 kills: false,
                 exchanges: false,
                 write_only: false,
+                appends: false,
             },
         )
     });

@@ -87,6 +87,8 @@ pub struct Coverage {
     pub syncs_from_copies: u64,
     /// `pmstack run`: fsyncs through a write-only descriptor (`Kinds::write_only`).
     pub write_only_syncs: u64,
+    /// `pmstack run`: writes through an O_APPEND descriptor (`Kinds::appends`).
+    pub appends: u64,
 }
 
 impl Coverage {
@@ -133,5 +135,6 @@ impl Coverage {
         self.baselines_logged += o.baselines_logged;
         self.syncs_from_copies += o.syncs_from_copies;
         self.write_only_syncs += o.write_only_syncs;
+        self.appends += o.appends;
     }
 }

@@ -168,6 +168,11 @@ pub struct Kinds {
     /// copies of its unsynced bytes (64 KiB of them; a mail delivery's append, a log
     /// writer), and a sync past them reads the rest back through a descriptor of its own.
     pub write_only: bool,
+    /// `pmstack run`: a process's descriptor of a file is opened O_APPEND for one (process,
+    /// file) pair in four (by their numbers): its writes land at the file's end, wherever
+    /// the history meant them (half through write, half through a pwrite whose offset
+    /// Linux ignores), as a log writer's or a mail delivery's do.
+    pub appends: bool,
 }
 
 impl Kinds {
@@ -183,13 +188,21 @@ impl Kinds {
         kills: true,
         exchanges: true,
         write_only: true,
+        appends: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had O_APPEND descriptors (2026-11-28, the
+    /// eleventh session): what the seeds found before run with.
+    pub const CAMPAIGN_BEFORE_APPENDS: Kinds = Kinds {
+        appends: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had write-only descriptors (2026-11-28):
     /// what the seeds found before run with.
     pub const CAMPAIGN_BEFORE_WRITE_ONLY: Kinds = Kinds {
         write_only: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_APPENDS
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had exchanges (2026-11-27): what the
@@ -239,6 +252,9 @@ impl Kinds {
         }
         if !self.write_only {
             f += " --no-write-only";
+        }
+        if !self.appends {
+            f += " --no-appends";
         }
         f
     }

@@ -4,11 +4,12 @@
 
 use super::*;
 
-/// What happened to a file, in order: a record written (its index and length; it starts at
-/// `index * REC` and holds `pattern(id, index, length)`), or a truncate to a size.
+/// What happened to a file, in order: a record written (its index, length and start: `index *
+/// REC`, or the file's end for an append; it holds `pattern(id, index, length)`), or a
+/// truncate to a size.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Ev {
-    Rec(u64, usize),
+    Rec(u64, usize, u64),
     Trunc(u64),
     Falloc(Falloc),
 }
@@ -79,7 +80,7 @@ impl File {
     /// The file's size after its events.
     pub(super) fn size(&self) -> u64 {
         self.events.iter().fold(0, |size, (e, _)| match *e {
-            Ev::Rec(i, l) => size.max(i * REC + l as u64),
+            Ev::Rec(_, l, start) => size.max(start + l as u64),
             Ev::Trunc(n) => n,
             Ev::Falloc(f) => f.size_after(size),
         })
@@ -151,14 +152,32 @@ impl Model {
 
     /// Append the file's next record of `len` bytes: (file id, record index).
     pub(super) fn write(&mut self, name: &str, len: usize, durable: bool) -> (u32, u64) {
+        self.write_at(name, len, durable, None)
+    }
+
+    /// A write of the file's next record, at `start` (an append: the file's end), or at its
+    /// own place (`index * REC`).
+    pub(super) fn write_at(
+        &mut self,
+        name: &str,
+        len: usize,
+        durable: bool,
+        start: Option<u64>,
+    ) -> (u32, u64) {
         let f = self.file(name);
         let idx = f
             .events
             .iter()
             .filter(|(e, _)| matches!(e, Ev::Rec(..)))
             .count() as u64;
-        f.events.push((Ev::Rec(idx, len), durable));
+        f.events
+            .push((Ev::Rec(idx, len, start.unwrap_or(idx * REC)), durable));
         (f.id, idx)
+    }
+
+    /// The size of the file `name` names.
+    pub(super) fn size_of(&self, name: &str) -> u64 {
+        self.files[&self.names[name]].size()
     }
 
     /// Take back the write just modelled: the call wrote nothing.
@@ -294,8 +313,8 @@ pub(super) fn byte_history(f: &File) -> (Vec<Vec<Step>>, usize) {
             bytes[b].push((v, durable, event));
         };
         match e {
-            Ev::Rec(idx, len) => {
-                let s = (idx * REC) as usize;
+            Ev::Rec(idx, len, start) => {
+                let s = start as usize;
                 for b in size..s {
                     set(b, Some(0), hole_durable);
                 }

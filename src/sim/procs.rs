@@ -38,15 +38,10 @@ pub(super) fn counters(t: &Table, pids: &[u64]) -> (u64, u64, u64, u64, u64) {
     sum
 }
 
-/// A descriptor of the file at `path`, opened and tracked by `c` (O_SYNC if `sync`; for
-/// writing only if `write_only`, else for reading and writing).
-pub(super) fn open_path(c: &Client, path: &[u8], sync: bool, write_only: bool) -> Open {
+/// A descriptor of the file at `path`, opened and tracked by `c` (O_SYNC if `sync`), with
+/// the access mode and O_APPEND of `mode` (`open_mode`).
+pub(super) fn open_path(c: &Client, path: &[u8], sync: bool, mode: i32) -> Open {
     let p = CString::new(path).unwrap();
-    let mode = if write_only {
-        libc::O_WRONLY
-    } else {
-        libc::O_RDWR
-    };
     // SAFETY: a C string; the descriptor is this history's.
     let fd = unsafe { libc::open(p.as_ptr(), mode | libc::O_CLOEXEC) };
     assert!(fd >= 0, "opening {}", String::from_utf8_lossy(path));
@@ -61,6 +56,25 @@ pub(super) fn open_path(c: &Client, path: &[u8], sync: bool, write_only: bool) -
 /// Whether process `w`'s descriptors of file `id` are write-only (`Kinds::write_only`).
 pub(super) fn write_only(kinds: Kinds, w: usize, id: u32) -> bool {
     kinds.write_only && (id as usize + w) % 3 == 0
+}
+
+/// Whether process `w`'s descriptors of file `id` are O_APPEND (`Kinds::appends`).
+pub(super) fn appending(kinds: Kinds, w: usize, id: u32) -> bool {
+    kinds.appends && (id as usize + w) % 4 == 1
+}
+
+/// The access mode and O_APPEND of process `w`'s descriptors of file `id`.
+pub(super) fn open_mode(kinds: Kinds, w: usize, id: u32) -> i32 {
+    let acc = if write_only(kinds, w, id) {
+        libc::O_WRONLY
+    } else {
+        libc::O_RDWR
+    };
+    acc | if appending(kinds, w, id) {
+        libc::O_APPEND
+    } else {
+        0
+    }
 }
 
 /// Process `w`'s descriptor of file `id` (at `path`), opened now if it has none (O_SYNC as
@@ -78,7 +92,7 @@ pub(super) fn open_in<'a>(
             .iter()
             .find_map(|m| m.get(&id))
             .is_some_and(|o| o.t.sync);
-        let o = open_path(&clients[w], path, sync, write_only(kinds, w, id));
+        let o = open_path(&clients[w], path, sync, open_mode(kinds, w, id));
         opens[w].insert(id, o);
     }
     &opens[w][&id]
@@ -95,6 +109,11 @@ pub(super) fn close_everywhere(clients: &[Client], opens: &mut [BTreeMap<u32, Op
 
 pub(super) fn ino_of(fd: i32) -> u64 {
     crate::front::sys::fstat(fd).expect("fstat").st_ino
+}
+
+/// The size of the file `fd` is open on.
+pub(super) fn ino_size(fd: i32) -> u64 {
+    crate::front::sys::fstat(fd).expect("fstat").st_size as u64
 }
 
 pub(super) fn close(c: &Client, fd: i32) {

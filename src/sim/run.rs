@@ -32,8 +32,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::procs::{
-    attach_processes, close, close_everywhere, counters, ino_of, open_in, open_path, write_only,
-    Open,
+    attach_processes, close, close_everywhere, counters, ino_of, ino_size, open_in, open_mode,
+    open_path, write_only, Open,
 };
 use super::waker::{done, Waker};
 use super::{
@@ -279,12 +279,27 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let name = pick(&mut rng);
                 let o = open_named!(name);
                 let len = rng.gen_range(1..9000usize);
-                let (id, idx) = model.write(&name, len, o.t.sync);
+                // Through an O_APPEND descriptor (`Kinds::appends`): at the file's end, by
+                // write or by a pwrite whose offset the kernel ignores (the record's own
+                // place, past or before the end).
+                // (The descriptor's own flag: one a create opened is never O_APPEND.)
+                let append = o.t.append.load(Ordering::Relaxed);
+                let end = model.size_of(&name);
+                let start = if append {
+                    let real = ino_size(o.fd);
+                    assert_eq!(real, end, "harness: the file's size is not the model's");
+                    Some(end)
+                } else {
+                    None
+                };
+                let (id, idx) = model.write_at(&name, len, o.t.sync, start);
+                let at = start.unwrap_or(idx * REC);
+                cov.appends += append as u64;
                 let r = c.write(
                     &o.t,
                     o.fd,
                     crate::front::sys::ProgramBytes::of(&pattern(id, idx, len)),
-                    Some(idx * REC),
+                    (!append || idx % 2 == 0).then_some(idx * REC),
                     false,
                 );
                 match done(r, may_refuse, "write") {
@@ -298,8 +313,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                         let mut back = vec![0u8; len];
                         let rfd =
                             fs::File::open(std::ffi::OsStr::from_bytes(&path(&name))).unwrap();
-                        let n = std::os::unix::fs::FileExt::read_at(&rfd, &mut back, idx * REC)
-                            .unwrap_or(0);
+                        let n =
+                            std::os::unix::fs::FileExt::read_at(&rfd, &mut back, at).unwrap_or(0);
                         if n == len && back == pattern(id, idx, len) {
                             model.not_durable(&name);
                         } else {
@@ -396,7 +411,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     close(c, o.fd);
                     opens[w].insert(
                         id,
-                        open_path(c, &path(&name), o.t.sync, write_only(kinds, w, id)),
+                        open_path(c, &path(&name), o.t.sync, open_mode(kinds, w, id)),
                     );
                 } else {
                     open_in(&clients, &mut opens, w, id, &path(&name), kinds);
