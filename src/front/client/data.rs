@@ -128,10 +128,15 @@ impl Client {
         // SAFETY: the kernel just accepted these `n` bytes for this write.
         let buf = unsafe { src.accepted(n) };
         let start = match off {
-            // Appended (also by a pwrite): the end of the file, still under the slot lock.
+            // A write leaves the descriptor's position at the end of its bytes, also where
+            // O_APPEND put them at the end of the file (asked of the position, not of the
+            // file's size: over a FUSE lower a write invalidates the size the client holds,
+            // and a stat then asks the server, hundreds of microseconds over JuiceFS).
+            None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
+            // Appended by a pwrite (which moves no position): the end of the file, still
+            // under the slot lock.
             _ if t.append.load(Ordering::Relaxed) => sys::fstat(fd)?.st_size as u64 - n as u64,
             Some(o) => o,
-            None => sys::lseek(fd, 0, libc::SEEK_CUR)? - n as u64,
         };
         self.changed(&slot, &mut p);
         p.dirty.add(start, &buf[..n]);

@@ -261,15 +261,17 @@ impl Client {
     /// tens of microseconds, which under the lock every other operation would wait for).
     fn object_pinned(&self, t: &Target, pin: &mut Vec<OwnedFd>) -> Option<Obj> {
         let fd = self.open_at(t, false)?;
-        let o = self.object_of(fd.as_raw_fd());
+        let o = self.object_with(fd.as_raw_fd(), sys::fstat_cached(fd.as_raw_fd()));
         pin.push(fd);
         o
     }
 
-    /// The object at `t`, following a final symlink if `follow`.
+    /// The object at `t`, following a final symlink if `follow`: its attributes as the
+    /// lower's client has them cached (`sys::fstat_cached`: what a record names of it, its
+    /// identity, type, owner, mode and link count, is current there).
     fn object_named(&self, t: &Target, follow: bool) -> Option<Obj> {
         let fd = self.open_at(t, follow)?;
-        self.object_of(fd.as_raw_fd())
+        self.object_with(fd.as_raw_fd(), sys::fstat_cached(fd.as_raw_fd()))
     }
 
     /// An O_PATH descriptor of what `t` names, following a final symlink if `follow`.
@@ -288,7 +290,12 @@ impl Client {
     }
 
     fn object_of(&self, fd: i32) -> Option<Obj> {
-        let st = sys::fstat(fd).ok()?;
+        self.object_with(fd, sys::fstat(fd))
+    }
+
+    /// The object of `fd`, whose attributes are `st`.
+    fn object_with(&self, fd: i32, st: io::Result<libc::stat>) -> Option<Obj> {
+        let st = st.ok()?;
         if st.st_dev != self.root_dev {
             return None;
         }
