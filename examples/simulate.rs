@@ -84,6 +84,10 @@ struct Args {
     /// found before some were)
     #[arg(long)]
     no_appends: bool,
+    /// Open no descriptor of the `pmstack run` histories O_DIRECT (the histories of seeds
+    /// found before some were)
+    #[arg(long)]
+    no_direct: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -130,6 +134,7 @@ fn main() {
         exchanges: !a.no_exchanges,
         write_only: !a.no_write_only,
         appends: !a.no_appends,
+        direct: !a.no_direct,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -211,8 +216,8 @@ fn main() {
             cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.multi_area_logs
         );
         println!(
-            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}",
-            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs, cov.appends
+            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}, through an O_DIRECT one {}",
+            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs, cov.appends, cov.direct_writes
         );
         println!("  contract violations: {}", failures.len());
     }

@@ -26,6 +26,7 @@ const LINKS: Kinds = Kinds {
     exchanges: false,
     write_only: false,
     appends: false,
+    direct: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -354,6 +355,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 exchanges: false,
                 write_only: false,
                 appends: false,
+                direct: false,
             },
         )
     });
@@ -385,6 +387,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 exchanges: false,
                 write_only: false,
                 appends: false,
+                direct: false,
             },
         )
     });

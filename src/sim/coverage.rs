@@ -89,6 +89,8 @@ pub struct Coverage {
     pub write_only_syncs: u64,
     /// `pmstack run`: writes through an O_APPEND descriptor (`Kinds::appends`).
     pub appends: u64,
+    /// `pmstack run`: writes through an O_DIRECT descriptor (`Kinds::direct`).
+    pub direct_writes: u64,
 }
 
 impl Coverage {
@@ -136,5 +138,6 @@ impl Coverage {
         self.syncs_from_copies += o.syncs_from_copies;
         self.write_only_syncs += o.write_only_syncs;
         self.appends += o.appends;
+        self.direct_writes += o.direct_writes;
     }
 }

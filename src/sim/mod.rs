@@ -173,6 +173,11 @@ pub struct Kinds {
     /// the history meant them (half through write, half through a pwrite whose offset
     /// Linux ignores), as a log writer's or a mail delivery's do.
     pub appends: bool,
+    /// `pmstack run`: a process's descriptor of a file is opened O_DIRECT for one (process,
+    /// file) pair in five that is not O_APPEND (by their numbers), as a database doing its
+    /// own caching opens its files: its writes are whole pages at page offsets, from
+    /// page-aligned memory, and the lower's page cache never holds them.
+    pub direct: bool,
 }
 
 impl Kinds {
@@ -189,13 +194,21 @@ impl Kinds {
         exchanges: true,
         write_only: true,
         appends: true,
+        direct: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had O_DIRECT descriptors (2026-11-28, the
+    /// eleventh session): what the seeds found before run with.
+    pub const CAMPAIGN_BEFORE_DIRECT: Kinds = Kinds {
+        direct: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had O_APPEND descriptors (2026-11-28, the
     /// eleventh session): what the seeds found before run with.
     pub const CAMPAIGN_BEFORE_APPENDS: Kinds = Kinds {
         appends: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_DIRECT
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had write-only descriptors (2026-11-28):
@@ -255,6 +268,9 @@ impl Kinds {
         }
         if !self.appends {
             f += " --no-appends";
+        }
+        if !self.direct {
+            f += " --no-direct";
         }
         f
     }

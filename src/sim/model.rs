@@ -175,6 +175,15 @@ impl Model {
         (f.id, idx)
     }
 
+    /// The index the next record written to the file `name` names gets.
+    pub(super) fn next_record(&self, name: &str) -> u64 {
+        self.files[&self.names[name]]
+            .events
+            .iter()
+            .filter(|(e, _)| matches!(e, Ev::Rec(..)))
+            .count() as u64
+    }
+
     /// The size of the file `name` names.
     pub(super) fn size_of(&self, name: &str) -> u64 {
         self.files[&self.names[name]].size()

@@ -63,18 +63,29 @@ pub(super) fn appending(kinds: Kinds, w: usize, id: u32) -> bool {
     kinds.appends && (id as usize + w) % 4 == 1
 }
 
-/// The access mode and O_APPEND of process `w`'s descriptors of file `id`.
+/// Whether process `w`'s descriptors of file `id` are O_DIRECT (`Kinds::direct`).
+pub(super) fn direct(kinds: Kinds, w: usize, id: u32) -> bool {
+    kinds.direct && (id as usize + w) % 5 == 3 && !appending(kinds, w, id)
+}
+
+/// The access mode, O_APPEND and O_DIRECT of process `w`'s descriptors of file `id`.
 pub(super) fn open_mode(kinds: Kinds, w: usize, id: u32) -> i32 {
     let acc = if write_only(kinds, w, id) {
         libc::O_WRONLY
     } else {
         libc::O_RDWR
     };
-    acc | if appending(kinds, w, id) {
+    let append = if appending(kinds, w, id) {
         libc::O_APPEND
     } else {
         0
-    }
+    };
+    let direct = if direct(kinds, w, id) {
+        libc::O_DIRECT
+    } else {
+        0
+    };
+    acc | append | direct
 }
 
 /// Process `w`'s descriptor of file `id` (at `path`), opened now if it has none (O_SYNC as

@@ -50,6 +50,9 @@ use crate::front::table::{
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
 
+/// A page: O_DIRECT writes are whole pages at page offsets.
+const PAGE: usize = 4096;
+
 /// The slots of a small table (`history`) for histories of `nops` operations: about as many
 /// as the objects of a history, so that objects freed at a write-back take other slots when
 /// tracked again (and, now and then, find none free). 16 for the default 50 operations (the
@@ -210,6 +213,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             0
         };
         let c = &clients[w];
+        let tracing = std::env::var("PMSTACK_TRACE").is_ok();
         // This process's descriptor of the file named `$name`, opened now if it has none.
         macro_rules! open_named {
             ($name:expr) => {
@@ -281,25 +285,45 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let len = rng.gen_range(1..9000usize);
                 // Through an O_APPEND descriptor (`Kinds::appends`): at the file's end, by
                 // write or by a pwrite whose offset the kernel ignores (the record's own
-                // place, past or before the end).
-                // (The descriptor's own flag: one a create opened is never O_APPEND.)
+                // place, past or before the end). Through an O_DIRECT one (`Kinds::direct`):
+                // whole pages at the first page offset from the record's own place, from
+                // page-aligned memory. (The descriptor's own flags: one a create opened is
+                // neither.)
                 let append = o.t.append.load(Ordering::Relaxed);
+                let direct = o.t.direct.load(Ordering::Relaxed);
+                let len = if direct {
+                    len.div_ceil(PAGE) * PAGE
+                } else {
+                    len
+                };
                 let end = model.size_of(&name);
                 let start = if append {
                     let real = ino_size(o.fd);
                     assert_eq!(real, end, "harness: the file's size is not the model's");
                     Some(end)
+                } else if direct {
+                    Some((model.next_record(&name) * REC).div_ceil(PAGE as u64) * PAGE as u64)
                 } else {
                     None
                 };
                 let (id, idx) = model.write_at(&name, len, o.t.sync, start);
                 let at = start.unwrap_or(idx * REC);
                 cov.appends += append as u64;
+                cov.direct_writes += direct as u64;
+                if tracing {
+                    eprintln!("op {j}: w{w} write {name} (file {id}) at {at} len {len} direct {direct} append {append} sync {}", o.t.sync);
+                }
+                let mut bytes = crate::front::sys::Aligned::zeroed(len);
+                bytes.copy_from_slice(&pattern(id, idx, len));
                 let r = c.write(
                     &o.t,
                     o.fd,
-                    crate::front::sys::ProgramBytes::of(&pattern(id, idx, len)),
-                    (!append || idx % 2 == 0).then_some(idx * REC),
+                    crate::front::sys::ProgramBytes::of(&bytes),
+                    match () {
+                        _ if direct => Some(at),
+                        _ if append && idx % 2 == 1 => None,
+                        _ => Some(idx * REC),
+                    },
                     false,
                 );
                 match done(r, may_refuse, "write") {
@@ -332,6 +356,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let o = open_in(&clients, &mut opens, w, id, &path(&name), kinds);
                 cov.fsyncs += 1;
                 cov.write_only_syncs += write_only(kinds, w, id) as u64;
+                if tracing {
+                    eprintln!(
+                        "op {j}: w{w} fsync {name} (file {id}) direct {}",
+                        o.t.direct.load(Ordering::Relaxed)
+                    );
+                }
                 match done(c.fsync(&o.t, o.fd), may_refuse, "fsync") {
                     Some(()) => model.sync(&name),
                     None => refused_data = true,
@@ -465,6 +495,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let o = open_named!(name);
                 let size = rng.gen_range(0..=model.file(&name).size() + REC);
                 cov.truncates += 1;
+                if tracing {
+                    eprintln!(
+                        "op {j}: w{w} ftruncate {name} to {size} direct {}",
+                        o.t.direct.load(Ordering::Relaxed)
+                    );
+                }
                 // Refused (nothing changed) by the real sync before it.
                 match done(c.ftruncate(&o.t, o.fd, size), may_refuse, "ftruncate") {
                     Some(()) => model.truncate(&name, size, false),
@@ -498,6 +534,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let o = open_named!(name);
                 let f = Falloc::random(&mut rng, model.file(&name).size());
                 cov.fallocates += 1;
+                if tracing {
+                    eprintln!(
+                        "op {j}: w{w} fallocate {name} {f:?} direct {}",
+                        o.t.direct.load(Ordering::Relaxed)
+                    );
+                }
                 // Refused (nothing changed) by the real sync before it.
                 match done(
                     c.fallocate(&o.t, o.fd, f.mode(), f.off, f.len),

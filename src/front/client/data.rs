@@ -104,8 +104,15 @@ impl Client {
         if n == 0 {
             return Ok(0);
         }
+        // Counted whatever follows, so that every copy of dirty bytes taken before, this
+        // process's and the others', is known to be stale where this write landed.
+        self.changed(&slot, &mut p);
         if !serving {
-            // Not absorbing any more: O_SYNC writes become the real thing.
+            // Not absorbing any more: O_SYNC writes become the real thing. The dirty ranges
+            // do not get these bytes, so this process's copies of the ranges they had may be
+            // older than the file now: a sync once the daemon serves again reads them back
+            // (logging a copy would roll these bytes back at replay).
+            p.dirty.forget_copy();
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
             } else {
@@ -117,7 +124,8 @@ impl Client {
             // Writers the library does not see (or may not see: the daemon has not yet looked
             // for writers from before the object was watched): nothing about the object is
             // logged, since their writes to the same pages would be rolled back by replay;
-            // O_SYNC is real.
+            // O_SYNC is real. (The copies, as above.)
+            p.dirty.forget_copy();
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
             }
@@ -138,7 +146,6 @@ impl Client {
             _ if t.append.load(Ordering::Relaxed) => sys::fstat(fd)?.st_size as u64 - n as u64,
             Some(o) => o,
         };
-        self.changed(&slot, &mut p);
         p.dirty.add(start, &buf[..n]);
         // A write-back whose checkpoint passes the mark taken next counts these bytes durable
         // (the next sync logs nothing of them): where syncfs is not trusted, the object is
