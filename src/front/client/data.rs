@@ -111,8 +111,10 @@ impl Client {
             // Not absorbing any more: O_SYNC writes become the real thing. The dirty ranges
             // do not get these bytes, so this process's copies of the ranges they had may be
             // older than the file now: a sync once the daemon serves again reads them back
-            // (logging a copy would roll these bytes back at replay).
+            // (logging a copy would roll these bytes back at replay). So is the file as read
+            // at its open (`Private::snapshot`), which lacks them.
             p.dirty.forget_copy();
+            p.snapshot = None;
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
             } else {
@@ -124,8 +126,9 @@ impl Client {
             // Writers the library does not see (or may not see: the daemon has not yet looked
             // for writers from before the object was watched): nothing about the object is
             // logged, since their writes to the same pages would be rolled back by replay;
-            // O_SYNC is real. (The copies, as above.)
+            // O_SYNC is real. (The copies and the snapshot, as above.)
             p.dirty.forget_copy();
+            p.snapshot = None;
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
             }
