@@ -164,12 +164,8 @@ impl Model {
         durable: bool,
         start: Option<u64>,
     ) -> (u32, u64) {
+        let idx = self.next_record(name);
         let f = self.file(name);
-        let idx = f
-            .events
-            .iter()
-            .filter(|(e, _)| matches!(e, Ev::Rec(..)))
-            .count() as u64;
         f.events
             .push((Ev::Rec(idx, len, start.unwrap_or(idx * REC)), durable));
         (f.id, idx)

@@ -296,8 +296,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 } else {
                     len
                 };
-                let end = model.size_of(&name);
                 let start = if append {
+                    let end = model.size_of(&name);
                     let real = ino_size(o.fd);
                     assert_eq!(real, end, "harness: the file's size is not the model's");
                     Some(end)

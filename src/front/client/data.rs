@@ -107,30 +107,21 @@ impl Client {
         // Counted whatever follows, so that every copy of dirty bytes taken before, this
         // process's and the others', is known to be stale where this write landed.
         self.changed(&slot, &mut p);
-        if !serving {
-            // Not absorbing any more: O_SYNC writes become the real thing. The dirty ranges
-            // do not get these bytes, so this process's copies of the ranges they had may be
-            // older than the file now: a sync once the daemon serves again reads them back
-            // (logging a copy would roll these bytes back at replay). So is the file as read
-            // at its open (`Private::snapshot`), which lacks them.
+        // Not absorbing any more; or writers the library does not see (or may not see: the
+        // daemon has not yet looked for writers from before the object was watched), so
+        // nothing about the object is logged, since their writes to the same pages would be
+        // rolled back by replay. O_SYNC writes become the real thing. The dirty ranges do not
+        // get these bytes, so this process's copies of the ranges they had may be older than
+        // the file now: a later absorbed sync reads them back (logging a copy would roll
+        // these bytes back at replay). So is the file as read at its open
+        // (`Private::snapshot`), which lacks them.
+        if !serving || !self.loggable(slot.flags()) {
             p.dirty.forget_copy();
             p.snapshot = None;
             if sync {
                 self.real_sync(&slot, fd, &mut p)?;
-            } else {
+            } else if !serving {
                 slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-            }
-            return Ok(n);
-        }
-        if !self.loggable(slot.flags()) {
-            // Writers the library does not see (or may not see: the daemon has not yet looked
-            // for writers from before the object was watched): nothing about the object is
-            // logged, since their writes to the same pages would be rolled back by replay;
-            // O_SYNC is real. (The copies and the snapshot, as above.)
-            p.dirty.forget_copy();
-            p.snapshot = None;
-            if sync {
-                self.real_sync(&slot, fd, &mut p)?;
             }
             return Ok(n);
         }
