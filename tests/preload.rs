@@ -3931,6 +3931,55 @@ fn stat_of_a_directory_whose_daemon_died_says_it_is_gone() {
     assert!(!out.status.success() && err.contains("is gone"), "{err}");
 }
 
+/// A file a process synced and then opens again by the same path is opened through the
+/// daemon's copy of the root's mount (`watch::open_tree`): those opens do not wait for the
+/// daemon's watch, and a descriptor opened that way is tracked as any other (its writes
+/// logged, its syncs absorbed). Another process's opens of the file are still watched.
+#[test]
+fn a_synced_file_opened_again_by_its_path_does_not_wait_for_the_watch() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("tree");
+    let watched = |v: &serde_json::Value| v["watched_opens"].as_u64().unwrap_or(0);
+    let absorbed = |v: &serde_json::Value| v["totals"]["absorbed_fsync"].as_u64().unwrap_or(0);
+    let synced =
+        |v: &serde_json::Value| absorbed(v) + v["totals"]["real_syncs"].as_u64().unwrap_or(0);
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(
+        "p = os.path.join(d, 'f')\nfd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)\n\
+         os.write(fd, b'a' * 4096)\nos.fsync(fd)\nos.close(fd)",
+    );
+    let v0 = s.wait_stats("the first sync is counted", |v| synced(v) >= 1);
+    a.exec(
+        "for i in range(20):\n    fd = os.open(p, os.O_RDONLY)\n    \
+         assert os.read(fd, 1) == b'a'\n    os.close(fd)\n\
+         fd = os.open(p, os.O_RDWR)\nos.pwrite(fd, b'b' * 4096, 4096)\nos.fsync(fd)\nos.close(fd)",
+    );
+    let v = s.wait_stats("the second sync is counted", |v| synced(v) > synced(&v0));
+    assert_eq!(
+        watched(&v),
+        watched(&v0),
+        "the process's own opens of the file it synced waited for the watch: {v}"
+    );
+    assert_eq!(
+        absorbed(&v),
+        absorbed(&v0) + 1,
+        "the sync through the descriptor opened again was not absorbed: {v}"
+    );
+    // Another process (not attached) opening the file is still seen.
+    let out = Command::new("cat").arg(root.join("f")).output().unwrap();
+    assert!(out.status.success() && out.stdout.len() == 8192);
+    let v = s.wait_stats("cat's open is watched", |v| watched(v) > watched(&v0));
+    assert_eq!(watched(&v), watched(&v0) + 1, "{v}");
+    drop(a);
+    s.stop();
+    assert_eq!(fs::read(root.join("f")).unwrap().len(), 8192);
+}
+
 /// Opens wait for the daemon only while absorption depends on the file: a file an attached
 /// process wrote and closed without syncing it is not watched; one that was synced, or that
 /// another attached process holds, stays watched; one whose holder died is unmarked at the

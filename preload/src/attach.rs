@@ -169,7 +169,7 @@ pub(crate) fn fds_under_root() -> Vec<i32> {
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|&fd| dev.is_none_or(|d| sys::fstat(fd).is_ok_and(|st| st.st_dev == d)))
-        .filter(|&fd| sys::fd_path(fd).is_some_and(|p| under_root(&p)))
+        .filter(|&fd| fd_under_root(fd))
         .collect()
 }
 
@@ -246,6 +246,13 @@ pub(crate) fn root() -> Option<&'static [u8]> {
 
 pub(crate) fn under_root(path: &[u8]) -> bool {
     root().is_some_and(|r| pmstack::front::open::path_under(r, path))
+}
+
+/// Whether the object of `fd` lies under the root, by the path the kernel reports (for a
+/// descriptor opened through the daemon's copy of the root's mount, that path and the
+/// root's: `sys::fd_path_under`).
+pub(crate) fn fd_under_root(fd: c_int) -> bool {
+    root().is_some_and(|r| sys::fd_path_under(r, fd).is_some())
 }
 
 /// The client attached in generation `gen` (this process since its last fork), if any.

@@ -57,5 +57,6 @@ mod spawn;
 mod stdio;
 mod sync;
 mod syscall;
+mod tree;
 mod unseen;
 mod write;

@@ -38,7 +38,9 @@ pub(crate) unsafe fn do_open(
                 }
             }
         }
-        return plain(flags);
+        // A file this process synced, opened again: through the copy of the root's mount,
+        // which the daemon's watch does not see (`crate::tree`).
+        return crate::tree::open(dirfd, path, flags).unwrap_or_else(|| plain(flags));
     }
     let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
     // Before the open: a child started from here on may hold the new descriptor.
@@ -62,7 +64,7 @@ pub(crate) unsafe fn do_open(
             None => plain(f),
         }
     } else {
-        plain(f)
+        crate::tree::open(dirfd, path, f).unwrap_or_else(|| plain(f))
     };
     if fd < 0 {
         return fd;
@@ -80,7 +82,7 @@ pub(crate) unsafe fn do_open(
                 || (sys::fstat(fd).is_ok_and(|st| {
                     st.st_mode & libc::S_IFMT == libc::S_IFREG
                         && root_dev().is_none_or(|d| d == st.st_dev)
-                }) && sys::fd_path(fd).is_some_and(|p| under_root(&p)));
+                }) && fd_under_root(fd));
             let c = if ours { client() } else { None };
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
@@ -90,6 +92,7 @@ pub(crate) unsafe fn do_open(
     };
     match tracked {
         Some((c, t)) => {
+            crate::tree::keep_given(c, &t, dirfd, path);
             let asked = flags & (libc::O_SYNC | libc::O_DSYNC);
             t.asked.store(asked, std::sync::atomic::Ordering::Relaxed);
             // A file this call created is empty. An existing one is truncated even when it

@@ -4,7 +4,6 @@
 use std::ffi::{c_char, c_int, CStr};
 
 use libc::FILE;
-use pmstack::front::sys::{self};
 use pmstack::front::table::F_UNSEEN;
 
 use crate::abi::*;
@@ -30,7 +29,7 @@ pub(crate) unsafe fn stream_opened(fp: *mut FILE, mode: *const c_char) {
     let Some(_g) = Inside::enter() else { return };
     // SAFETY: a valid stream.
     let fd = unsafe { libc::fileno(fp) };
-    if !sys::fd_path(fd).is_some_and(|p| under_root(&p)) {
+    if !fd_under_root(fd) {
         return;
     }
     let Some(c) = client() else { return };

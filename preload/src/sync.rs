@@ -19,7 +19,12 @@ pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
 /// root whose changes were all logged, the kernel's otherwise.
 fn sync(fd: c_int, n: libc::c_long) -> c_int {
     if let Some((_g, c, t)) = lookup(fd) {
-        return unit_ret(c.fsync(&t, fd));
+        let r = c.fsync(&t, fd);
+        if r.is_ok() {
+            // Opened again later: through the copy of the root's mount (`crate::tree`).
+            crate::tree::remember(c, &t, fd);
+        }
+        return unit_ret(r);
     }
     if let Some(r) = dir_sync(fd) {
         return r;

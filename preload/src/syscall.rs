@@ -3,7 +3,6 @@
 use std::ffi::{c_char, c_int, c_long, c_uint, c_void};
 
 use libc::{iovec, size_t};
-use pmstack::front::sys::{self};
 
 use crate::abi::keep_errno;
 use crate::attach::*;
@@ -291,7 +290,7 @@ pub unsafe extern "C" fn syscall(
 /// if it is a file under the root. The O_SYNC flag (if any) stayed on the descriptor: writes
 /// are durable in the lower file system; logging keeps them ordered.
 pub(crate) fn opened_elsewhere(fd: c_int) {
-    let ours = sys::fd_path(fd).is_some_and(|p| under_root(&p));
+    let ours = fd_under_root(fd);
     if let Some(_g) = Inside::enter().filter(|_| ours) {
         if let Some(c) = client() {
             c.track(fd, false);

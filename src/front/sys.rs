@@ -321,6 +321,30 @@ pub fn fd_path(fd: i32) -> Option<Vec<u8>> {
     Some(buf)
 }
 
+/// The path of `fd` as a path under the served directory `root` (kept with its trailing
+/// slash): the one the kernel reports, where it lies under the root. A descriptor opened
+/// through another mount of the root (the daemon's private copy of the root's mount, whose
+/// paths the kernel reports from that mount's top: `watch::open_tree`) is named by the root's
+/// path followed by the one reported, where that names the same object now. None: not under
+/// the root (as far as this tells), or unreadable.
+pub fn fd_path_under(root: &[u8], fd: i32) -> Option<Vec<u8>> {
+    let p = fd_path(fd)?;
+    if super::open::path_under(root, &p) {
+        return Some(p);
+    }
+    if !p.starts_with(b"/") || p.ends_with(b" (deleted)") {
+        return None;
+    }
+    let mut q = root[..root.len() - 1].to_vec();
+    if p.len() > 1 {
+        q.extend_from_slice(&p);
+    }
+    let c = std::ffi::CString::new(q.clone()).ok()?;
+    let there = fstatat(libc::AT_FDCWD, c.as_ptr(), libc::AT_SYMLINK_NOFOLLOW).ok()?;
+    let st = fstat(fd).ok()?;
+    (there.st_dev == st.st_dev && there.st_ino == st.st_ino).then_some(q)
+}
+
 /// Wake one waiter on the shared word `w` (a futex shared between processes).
 pub fn futex_wake(w: &std::sync::atomic::AtomicU64) {
     // SAFETY: the address of a live word; FUTEX_WAKE only reads its 32 low bits' address.

@@ -149,6 +149,9 @@ pub struct Tracked {
     /// writes through it comes from memory aligned to a page, and a sync reads its dirty
     /// bytes back through another descriptor (direct reads need aligned buffers too).
     pub direct: std::sync::atomic::AtomicBool,
+    /// The path the program opened it by, relative to its working directory (or absolute),
+    /// kept until its first sync (`pmstack-preload`'s `tree::remember`).
+    pub given: std::sync::Mutex<Option<Box<[u8]>>>,
 }
 
 pub struct Client {
@@ -163,6 +166,9 @@ pub struct Client {
     _sock: Option<UnixStream>,
     /// The daemon's fanotify group (`watch`): objects this process tracks are marked in it.
     pub(super) group: Option<OwnedFd>,
+    /// The daemon's copy of the root's mount, whose opens the watch does not see
+    /// (`watch::open_tree`); only where its top is this process's root.
+    pub tree: Option<OwnedFd>,
     /// The daemon watches for writers that are not attached: absorb only vetted objects.
     pub(super) watching: bool,
     fds: RwLock<HashMap<i32, Arc<Tracked>>>,
@@ -222,7 +228,7 @@ impl Client {
         s.set_write_timeout(Some(DAEMON_TIMEOUT))?;
         // One write: the daemon answers at once a line it finds whole.
         s.write_all(format!("attach {}\n", my_pid()).as_bytes())?;
-        let (line, group) = recv_hello(&s)?;
+        let (line, group, tree) = recv_hello(&s)?;
         if let Some(why) = line.strip_prefix("refused ") {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -234,6 +240,7 @@ impl Client {
         let mut c = Self::attach(&hello)?;
         c._sock = Some(s);
         c.group = group;
+        c.tree = tree.and_then(|t| c.tree_of_root(t));
         Ok(c)
     }
 
@@ -318,6 +325,7 @@ impl Client {
             pid,
             _sock: None,
             group: None,
+            tree: None,
             watching,
             fds: RwLock::new(HashMap::new()),
             fd_locks: Default::default(),
@@ -497,7 +505,21 @@ impl Client {
 
     /// Whether the object of `fd` lies under the root, by the path the kernel reports.
     pub fn fd_under_root(&self, fd: i32) -> bool {
-        sys::fd_path(fd).is_some_and(|p| self.under_root(&p))
+        sys::fd_path_under(&self.root, fd).is_some()
+    }
+
+    /// `t` (the daemon's copy of the root's mount, `watch::open_tree`) where its top is this
+    /// process's root (a process in another mount namespace may see another directory
+    /// there).
+    fn tree_of_root(&self, t: OwnedFd) -> Option<OwnedFd> {
+        let st = sys::fstat(t.as_raw_fd()).ok()?;
+        (st.st_dev == self.root_dev && st.st_ino == self.root_ino).then_some(t)
+    }
+
+    /// Where `path` (absolute) lies under the root: the rest of it, relative to the root.
+    pub fn rel_to_root<'p>(&self, path: &'p [u8]) -> Option<&'p [u8]> {
+        let r = path.strip_prefix(&self.root[..])?;
+        (!r.is_empty()).then_some(r)
     }
 
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
@@ -622,6 +644,7 @@ impl Client {
             asked: 0.into(),
             append: (flags & libc::O_APPEND != 0).into(),
             direct: (flags & libc::O_DIRECT != 0).into(),
+            given: std::sync::Mutex::new(None),
         });
         self.fds.write().insert(fd, t.clone());
         Some(t)
@@ -691,14 +714,16 @@ impl Client {
     }
 }
 
-/// Read the daemon's hello line and, when it sends one, its fanotify group descriptor.
-fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
+/// Read the daemon's hello line and, when it sends them, its fanotify group descriptor and
+/// its copy of the root's mount.
+#[allow(clippy::type_complexity)]
+fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>, Option<OwnedFd>)> {
     use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
     use std::mem::MaybeUninit;
     let mut line = Vec::new();
-    let mut group = None;
+    let mut got: Vec<OwnedFd> = Vec::new();
     while !line.ends_with(b"\n") {
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(2))];
         let mut anc = RecvAncillaryBuffer::new(&mut space);
         let mut buf = [0u8; 1024];
         let r = rustix::net::recvmsg(
@@ -710,7 +735,9 @@ fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
         for m in anc.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
                 for fd in fds {
-                    group.get_or_insert(fd);
+                    if got.len() < 2 {
+                        got.push(fd);
+                    }
                 }
             }
         }
@@ -724,7 +751,12 @@ fn recv_hello(s: &UnixStream) -> io::Result<(String, Option<OwnedFd>)> {
             return Err(bad("the daemon's hello line is over 64 KiB".into()));
         }
     }
-    Ok((String::from_utf8_lossy(&line).into_owned(), group))
+    let mut got = got.into_iter();
+    Ok((
+        String::from_utf8_lossy(&line).into_owned(),
+        got.next(),
+        got.next(),
+    ))
 }
 
 /// The identity of an object for its slot: a checksum of its file handle (never 0).

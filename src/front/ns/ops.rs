@@ -380,7 +380,10 @@ impl Client {
         if sys::fstat(fd)?.st_nlink == 0 {
             return Ok(false);
         }
-        let mut path = sys::fd_path(fd).ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))?;
+        // (Through the daemon's copy of the root's mount too, `sys::fd_path_under`.)
+        let mut path = sys::fd_path_under(&self.root, fd)
+            .or_else(|| sys::fd_path(fd))
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))?;
         let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         };

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::collections::HashSet;
 use std::io::{self, BufRead, BufReader};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -104,7 +105,6 @@ pub struct ServeStats {
     pub slots_freed: AtomicU64,
 }
 
-/// Send the hello line, with the fanotify group's descriptor when the daemon watches.
 /// Whether the peer of `c` has sent something (or hung up) within `ms` milliseconds.
 fn said_within(c: &std::os::unix::net::UnixStream, ms: i32) -> bool {
     use std::os::fd::AsRawFd;
@@ -117,18 +117,26 @@ fn said_within(c: &std::os::unix::net::UnixStream, ms: i32) -> bool {
     unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }
 
+/// Send the hello line, with the fanotify group's descriptor when the daemon watches (and
+/// then the copy of the root's mount, `watch::open_tree`).
 fn send_hello(
     c: &std::os::unix::net::UnixStream,
     hello: &str,
     group: Option<&Group>,
+    tree: Option<&OwnedFd>,
 ) -> std::io::Result<()> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
     use std::mem::MaybeUninit;
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    use std::os::fd::AsFd;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut anc = SendAncillaryBuffer::new(&mut space);
-    let fds;
-    if let Some(g) = group {
-        fds = [g.fd()];
+    // The group first, then the copy of the root's mount (only with a group).
+    let fds: Vec<_> = group
+        .map(|g| g.fd())
+        .into_iter()
+        .chain(tree.filter(|_| group.is_some()).map(|t| t.as_fd()))
+        .collect();
+    if !fds.is_empty() {
         anc.push(SendAncillaryMessage::ScmRights(&fds));
     }
     let mut sent = rustix::net::sendmsg(
@@ -185,6 +193,9 @@ pub struct Daemon {
     /// Processes that are not registered but run with the library for this daemon:
     /// (pid, start time, program image) -> attached.
     preloaded: Mutex<HashMap<(u64, u64, u64), bool>>,
+    /// The copy of the root's mount handed to attached processes with the group
+    /// (`watch::open_tree`); only where the group is.
+    tree: Option<Arc<OwnedFd>>,
 }
 
 impl Daemon {
@@ -204,6 +215,24 @@ impl Daemon {
         } else {
             None
         };
+        // Attached processes open the objects they track through a copy of the root's mount
+        // that the watch does not report (`watch::open_tree`). Without it (an older kernel,
+        // a lower that refuses it) their opens of watched objects wait for the daemon's
+        // answer, as every open did before.
+        let tree = group.as_ref().and_then(|g| {
+            match watch::open_tree(&opts.root)
+                .and_then(|t| g.ignore_opens_through(t.as_raw_fd()).map(|()| t))
+            {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    tracing::info!(
+                        root = %opts.root.display(),
+                        "no private mount of the root for attached processes' opens ({e}): their opens of watched files wait for the daemon"
+                    );
+                    None
+                }
+            }
+        });
         // Another user's table is theirs (they map it).
         let owner = (opts.user.uid != creds::euid()).then_some((opts.user.uid, opts.user.gid));
         let table = Arc::new(
@@ -245,6 +274,7 @@ impl Daemon {
             opts,
             stats: Default::default(),
             group,
+            tree,
             wb: Mutex::new(()),
             in_flight_stuck: AtomicBool::new(false),
             foreign: Mutex::new(HashSet::new()),
@@ -294,6 +324,7 @@ impl Daemon {
         .map_err(io::Error::other)?;
         let stats = self.stats.clone();
         let group = self.group.clone();
+        let tree = self.tree.clone();
         std::thread::Builder::new()
             .name("pmstack-attach".into())
             .spawn(move || {
@@ -301,6 +332,7 @@ impl Daemon {
                     let hello = hello.clone();
                     let stats = stats.clone();
                     let group = group.clone();
+                    let tree = tree.clone();
                     let refusal = match rustix::net::sockopt::socket_peercred(&c) {
                         Ok(p) if p.uid.as_raw() == allowed_uid => None,
                         Ok(p) => {
@@ -341,7 +373,7 @@ impl Daemon {
                             return;
                         }
                         let pid = line[7..].trim().to_string();
-                        if send_hello(&c, &format!("{hello}\n"), group.as_deref()).is_err() {
+                        if send_hello(&c, &format!("{hello}\n"), group.as_deref(), tree.as_deref()).is_err() {
                             return;
                         }
                         stats.attaches.fetch_add(1, Ordering::Relaxed);

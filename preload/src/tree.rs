@@ -1,0 +1,144 @@
+//! Opens through the daemon's copy of the root's mount (`pmstack::front::watch::open_tree`).
+//!
+//! Every open of an object the daemon watches waits for the daemon's answer (a fanotify open
+//! permission event: two wake-ups, tens of microseconds here, often across CPUs), although
+//! the daemon always allows an attached process's opens. The daemon hands each attached
+//! process a private copy of the root's mount whose opens the watch does not see. A program
+//! that reopens a file it synced (a mail server, a queue, a database reopening its journal)
+//! reopens it through that copy: the path it gave is remembered, relative to the root, at the
+//! file's first sync through a tracked descriptor (`remember`), and the next open of that
+//! same path (`open`) goes through the copy, for the same object:
+//!
+//! - only opens that change nothing by themselves (no O_CREAT, O_TRUNC, O_TMPFILE, O_PATH or
+//!   O_DIRECTORY): an open through the copy that turns out to name another object is closed
+//!   and made again as asked, with nothing done;
+//! - the copy resolves the path beneath its top only (RESOLVE_BENEATH), crossing no mount
+//!   (RESOLVE_NO_XDEV: a file system mounted under the root since the copy was made is not in
+//!   it) and no /proc link;
+//! - what it opened must be what the path names now (device and inode number, by a stat of
+//!   the path as the program gave it): otherwise (the working directory changed, the name was
+//!   replaced, a mount hides it) the open is made as asked.
+//!
+//! The descriptor is the program's as any other. The kernel names its path from the top of
+//! the copy (`/dir/file`); the library's own checks read it as the root's
+//! (`sys::fd_path_under`). Two kernel calls refuse descriptors of two mounts: a reflink
+//! (FICLONE) between such a descriptor and one of the root's own mount, and a link of it by
+//! descriptor (linkat AT_EMPTY_PATH) into the root's mount: both fail with EXDEV, as between
+//! two mounts.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+use pmstack::front::client::{Client, Tracked};
+use pmstack::front::sys;
+
+use crate::attach::*;
+
+/// Paths programs gave (relative to the working directory, or absolute) -> the same path
+/// relative to the root. Only ever `try_lock`ed (a child forked while another thread held it
+/// never waits on it).
+static PATHS: Mutex<Option<HashMap<Box<[u8]>, CString>>> = Mutex::new(None);
+
+/// Paths remembered at most (then forgotten all at once).
+const PATHS_MAX: usize = 4096;
+
+/// Flags of an open that may go through the copy: none that changes anything by itself.
+const CHANGING: c_int =
+    libc::O_CREAT | libc::O_TRUNC | libc::O_TMPFILE | libc::O_PATH | libc::O_DIRECTORY;
+
+/// Keep the path `fd` (tracked as `t`) was opened by, for `remember`: where the daemon gave
+/// a copy of its mount, for a path given from the working directory (or absolute). Caller
+/// is `Inside`.
+pub(crate) fn keep_given(c: &Client, t: &Tracked, dirfd: c_int, path: *const c_char) {
+    if c.tree.is_none() || dirfd != libc::AT_FDCWD || path.is_null() {
+        return;
+    }
+    // SAFETY: the kernel just opened this path: a readable C string.
+    let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+    if let Ok(mut g) = t.given.try_lock() {
+        *g = Some(given.into());
+    }
+}
+
+/// The tracked `fd` (as `t`) was synced: its path as opened is remembered (once per
+/// descriptor) relative to the root, so that the next open of it goes through the copy.
+pub(crate) fn remember(c: &Client, t: &Tracked, fd: c_int) {
+    let Some(given) = t.given.try_lock().ok().and_then(|mut g| g.take()) else {
+        return;
+    };
+    let Some(r) = root() else { return };
+    let Some(p) = sys::fd_path_under(r, fd) else {
+        return;
+    };
+    let Some(rel) = c.rel_to_root(&p).and_then(|r| CString::new(r).ok()) else {
+        return;
+    };
+    if let Ok(mut m) = PATHS.try_lock() {
+        let m = m.get_or_insert_with(HashMap::new);
+        if m.len() >= PATHS_MAX {
+            m.clear();
+        }
+        m.insert(given, rel);
+    }
+}
+
+/// Open `path` (from `dirfd`) with `flags` through the copy of the root's mount where it is
+/// remembered and names the same object there: the descriptor. None: open it as asked.
+/// Caller is `Inside`.
+pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_int> {
+    if dirfd != libc::AT_FDCWD || flags & CHANGING != 0 || path.is_null() {
+        return None;
+    }
+    let c = attached(FORKS.load(Ordering::Acquire) + 1)?;
+    let tree = c.tree.as_ref()?;
+    // SAFETY: the caller's C string, read before the kernel sees it.
+    let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+    let rel = {
+        let m = PATHS.try_lock().ok()?;
+        m.as_ref()?.get(given)?.clone()
+    };
+    // The kernel's struct open_how (libc's is non-exhaustive): flags, mode, resolve.
+    let how: [u64; 3] = [
+        flags as u32 as u64,
+        0,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_XDEV | libc::RESOLVE_NO_MAGICLINKS,
+    ];
+    // SAFETY: a C string and an open_how of the size given.
+    let fd = unsafe {
+        sys::syscall6(
+            libc::SYS_openat2,
+            tree.as_raw_fd() as i64,
+            rel.as_ptr() as i64,
+            how.as_ptr() as i64,
+            std::mem::size_of_val(&how) as i64,
+            0,
+            0,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    let fd = fd as c_int;
+    let follow = if flags & libc::O_NOFOLLOW != 0 {
+        libc::AT_SYMLINK_NOFOLLOW
+    } else {
+        0
+    };
+    let same = match (sys::fstat(fd), sys::fstatat(libc::AT_FDCWD, path, follow)) {
+        (Ok(a), Ok(b)) => a.st_dev == b.st_dev && a.st_ino == b.st_ino,
+        _ => false,
+    };
+    if !same {
+        sys::close(fd);
+        if let Ok(mut m) = PATHS.try_lock() {
+            if let Some(m) = m.as_mut() {
+                m.remove(given);
+            }
+        }
+        return None;
+    }
+    Some(fd)
+}
