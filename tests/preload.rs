@@ -3932,9 +3932,11 @@ fn stat_of_a_directory_whose_daemon_died_says_it_is_gone() {
 }
 
 /// A file a process synced and then opens again by the same path is opened through the
-/// daemon's copy of the root's mount (`watch::open_tree`): those opens do not wait for the
-/// daemon's watch, and a descriptor opened that way is tracked as any other (its writes
-/// logged, its syncs absorbed). Another process's opens of the file are still watched.
+/// daemon's copy of the root's mount (`watch::open_tree`): those opens (an O_CREAT of it too)
+/// do not wait for the daemon's watch, and a descriptor opened that way is tracked as any
+/// other (its writes logged, its syncs absorbed). Another process's opens are still watched.
+/// A path the program gives that is not readable is the kernel's EFAULT, as before (the
+/// library looked it up among the paths it remembers and crashed the program).
 #[test]
 fn a_synced_file_opened_again_by_its_path_does_not_wait_for_the_watch() {
     if !common::can_mount() || !have("python3") {
@@ -3957,7 +3959,11 @@ fn a_synced_file_opened_again_by_its_path_does_not_wait_for_the_watch() {
     a.exec(
         "for i in range(20):\n    fd = os.open(p, os.O_RDONLY)\n    \
          assert os.read(fd, 1) == b'a'\n    os.close(fd)\n\
-         fd = os.open(p, os.O_RDWR)\nos.pwrite(fd, b'b' * 4096, 4096)\nos.fsync(fd)\nos.close(fd)",
+         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)\n\
+         os.write(fd, b'c' * 100)\nos.close(fd)\n\
+         fd = os.open(p, os.O_RDWR)\nos.pwrite(fd, b'b' * 4096, 4096)\nos.fsync(fd)\nos.close(fd)\n\
+         import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+         assert libc.open(ctypes.c_void_p(1), os.O_RDONLY) == -1 and ctypes.get_errno() == errno.EFAULT",
     );
     let v = s.wait_stats("the second sync is counted", |v| synced(v) > synced(&v0));
     assert_eq!(
@@ -3977,7 +3983,9 @@ fn a_synced_file_opened_again_by_its_path_does_not_wait_for_the_watch() {
     assert_eq!(watched(&v), watched(&v0) + 1, "{v}");
     drop(a);
     s.stop();
-    assert_eq!(fs::read(root.join("f")).unwrap().len(), 8192);
+    let f = fs::read(root.join("f")).unwrap();
+    assert_eq!(f.len(), 8192);
+    assert!(f[..4096].iter().all(|&b| b == b'a') && f[4096..].iter().all(|&b| b == b'b'));
 }
 
 /// Opens wait for the daemon only while absorption depends on the file: a file an attached

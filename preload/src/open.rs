@@ -47,7 +47,11 @@ pub(crate) unsafe fn do_open(
     let spawns = pmstack::front::client::spawn_mark();
     // A file this call created: what the creation learnt of it.
     let mut born = None;
-    let fd = if plan.create {
+    let through_tree = || crate::tree::open(dirfd, path, f);
+    let fd = if let Some(fd) = plan.create.then(through_tree).flatten() {
+        // O_CREAT of a file this process synced, which exists: an open of it, as below.
+        fd
+    } else if plan.create {
         // A creation under the root is logged (and the new file's syncs absorbed from the
         // first).
         match ns_targets(&[(dirfd, path)]) {
@@ -64,7 +68,7 @@ pub(crate) unsafe fn do_open(
             None => plain(f),
         }
     } else {
-        crate::tree::open(dirfd, path, f).unwrap_or_else(|| plain(f))
+        through_tree().unwrap_or_else(|| plain(f))
     };
     if fd < 0 {
         return fd;

@@ -9,9 +9,10 @@
 //! file's first sync through a tracked descriptor (`remember`), and the next open of that
 //! same path (`open`) goes through the copy, for the same object:
 //!
-//! - only opens that change nothing by themselves (no O_CREAT, O_TRUNC, O_TMPFILE, O_PATH or
-//!   O_DIRECTORY): an open through the copy that turns out to name another object is closed
-//!   and made again as asked, with nothing done;
+//! - only opens that change nothing by themselves (no O_EXCL, O_TRUNC, O_TMPFILE, O_PATH or
+//!   O_DIRECTORY; O_CREAT is dropped: the file must exist there, as it does when the path
+//!   names it): an open through the copy that turns out to name another object is closed and
+//!   made again as asked, with nothing done;
 //! - the copy resolves the path beneath its top only (RESOLVE_BENEATH), crossing no mount
 //!   (RESOLVE_NO_XDEV: a file system mounted under the root since the copy was made is not in
 //!   it) and no /proc link;
@@ -45,9 +46,10 @@ static PATHS: Mutex<Option<HashMap<Box<[u8]>, CString>>> = Mutex::new(None);
 /// Paths remembered at most (then forgotten all at once).
 const PATHS_MAX: usize = 4096;
 
-/// Flags of an open that may go through the copy: none that changes anything by itself.
+/// Flags of an open that may not go through the copy: it would change something by itself
+/// (O_CREAT alone changes nothing where the file exists, which the copy's open checks).
 const CHANGING: c_int =
-    libc::O_CREAT | libc::O_TRUNC | libc::O_TMPFILE | libc::O_PATH | libc::O_DIRECTORY;
+    libc::O_EXCL | libc::O_TRUNC | libc::O_TMPFILE | libc::O_PATH | libc::O_DIRECTORY;
 
 /// Keep the path `fd` (tracked as `t`) was opened by, for `remember`: where the daemon gave
 /// a copy of its mount, for a path given from the working directory (or absolute). Caller
@@ -94,15 +96,20 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     }
     let c = attached(FORKS.load(Ordering::Acquire) + 1)?;
     let tree = c.tree.as_ref()?;
-    // SAFETY: the caller's C string, read before the kernel sees it.
-    let given = unsafe { CStr::from_ptr(path) }.to_bytes();
+    if PATHS.try_lock().ok()?.as_ref().is_none_or(|m| m.is_empty()) {
+        return None;
+    }
+    // The program's pointer, not trusted before the kernel saw it (EFAULT is the kernel's to
+    // say, not a SIGSEGV in the library).
+    let given = crate::abi::user_cstr(path)?;
+    let given = &given[..];
     let rel = {
         let m = PATHS.try_lock().ok()?;
         m.as_ref()?.get(given)?.clone()
     };
     // The kernel's struct open_how (libc's is non-exhaustive): flags, mode, resolve.
     let how: [u64; 3] = [
-        flags as u32 as u64,
+        (flags & !libc::O_CREAT) as u32 as u64,
         0,
         libc::RESOLVE_BENEATH | libc::RESOLVE_NO_XDEV | libc::RESOLVE_NO_MAGICLINKS,
     ];
@@ -128,7 +135,13 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
         0
     };
     let same = match (sys::fstat(fd), sys::fstatat(libc::AT_FDCWD, path, follow)) {
-        (Ok(a), Ok(b)) => a.st_dev == b.st_dev && a.st_ino == b.st_ino,
+        // A regular file only: a directory opened through the copy would be a starting point
+        // for calls that cannot cross from one mount to the other (rename, link).
+        (Ok(a), Ok(b)) => {
+            a.st_dev == b.st_dev
+                && a.st_ino == b.st_ino
+                && a.st_mode & libc::S_IFMT == libc::S_IFREG
+        }
         _ => false,
     };
     if !same {

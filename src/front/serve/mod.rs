@@ -193,6 +193,9 @@ pub struct Daemon {
     /// Processes that are not registered but run with the library for this daemon:
     /// (pid, start time, program image) -> attached.
     preloaded: Mutex<HashMap<(u64, u64, u64), bool>>,
+    /// Start times of processes that opened watched objects, with a descriptor of each
+    /// (`start_of`).
+    starts: Mutex<HashMap<u64, (OwnedFd, u64)>>,
     /// The copy of the root's mount handed to attached processes with the group
     /// (`watch::open_tree`); only where the group is.
     tree: Option<Arc<OwnedFd>>,
@@ -279,6 +282,7 @@ impl Daemon {
             in_flight_stuck: AtomicBool::new(false),
             foreign: Mutex::new(HashSet::new()),
             preloaded: Mutex::new(HashMap::new()),
+            starts: Mutex::new(HashMap::new()),
         })
     }
 
@@ -406,7 +410,7 @@ impl Daemon {
         if pid == my_pid() {
             return true;
         }
-        let start = watch::start_time(pid);
+        let start = self.start_of(pid);
         let exe = watch::exe_ident(pid);
         if start == 0 {
             return false; // gone, or not ours to read: not attached
@@ -430,6 +434,35 @@ impl Daemon {
         }
         m.insert(key, a);
         a
+    }
+
+    /// When process `pid` started (`watch::start_time`), read from /proc once while the
+    /// process lives: a descriptor of it (pidfd) tells, in one system call, that the pid
+    /// still names that process. Every open of a watched object asks this of its opener.
+    fn start_of(&self, pid: u64) -> u64 {
+        if let Some((fd, start)) = self.starts.lock().get(&pid) {
+            if watch::pidfd_live(fd) {
+                return *start;
+            }
+        }
+        // The descriptor first, the start time next, then the descriptor's process still
+        // unreaped: the start time read is that process's (its pid was not reused).
+        let Some(fd) = watch::pidfd(pid) else {
+            return watch::start_time(pid);
+        };
+        let start = watch::start_time(pid);
+        if start == 0 || !watch::pidfd_live(&fd) {
+            return start;
+        }
+        let mut m = self.starts.lock();
+        if m.len() >= 256 {
+            m.retain(|_, (fd, _)| watch::pidfd_live(fd));
+            if m.len() >= 256 {
+                m.clear();
+            }
+        }
+        m.insert(pid, (fd, start));
+        start
     }
 
     /// Bytes logged by attached processes since the table was made (those gone included).
