@@ -17,6 +17,9 @@ pub use search::{fsync_flags, search_by_ino};
 
 pub type Stat = libc::stat;
 
+/// fchmodat2(2) (Linux 6.6; the same number on every architecture that has it).
+const SYS_FCHMODAT2: libc::c_long = 452;
+
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
         Err(io::Error::last_os_error())
@@ -298,6 +301,28 @@ impl RealLower {
     }
 
     pub fn chmod(&self, node: RawFd, mode: u32) -> io::Result<()> {
+        // fchmodat2 with AT_EMPTY_PATH (Linux 6.6) changes the object of the O_PATH descriptor
+        // itself; before it, through its /proc path (a walk of /proc per call).
+        // SAFETY: plain system call with an empty C string.
+        let r = unsafe {
+            libc::syscall(
+                SYS_FCHMODAT2,
+                node,
+                c"".as_ptr(),
+                (mode & 0o7777) as libc::c_uint,
+                libc::AT_EMPTY_PATH,
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if !matches!(
+            e.raw_os_error(),
+            Some(libc::ENOSYS) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) | Some(libc::EBADF)
+        ) {
+            return Err(e);
+        }
         let p = proc_path(node);
         // SAFETY: valid C string.
         cvt(unsafe { libc::chmod(p.as_ptr(), mode & 0o7777) })?;
@@ -341,6 +366,20 @@ impl RealLower {
             },
         };
         let times = [ts(atime), ts(mtime)];
+        // On the object of the O_PATH descriptor itself (a symlink too): no walk of /proc.
+        // SAFETY: valid pointers.
+        let r = unsafe { libc::utimensat(node, c"".as_ptr(), times.as_ptr(), libc::AT_EMPTY_PATH) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if !matches!(
+            e.raw_os_error(),
+            Some(libc::EINVAL) | Some(libc::EBADF) | Some(libc::ENOENT)
+        ) {
+            return Err(e);
+        }
+        // Kernels without AT_EMPTY_PATH for utimensat: as before.
         let p = proc_path(node);
         let st = fstat(node)?;
         if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
