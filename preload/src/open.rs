@@ -47,7 +47,13 @@ pub(crate) unsafe fn do_open(
     let spawns = pmstack::front::client::spawn_mark();
     // A file this call created: what the creation learnt of it.
     let mut born = None;
-    let through_tree = || crate::tree::open(dirfd, path, f);
+    // Opened through the copy: its path is remembered already (`crate::tree::keep_given`).
+    let via_tree = std::cell::Cell::new(false);
+    let through_tree = || {
+        let fd = crate::tree::open(dirfd, path, f);
+        via_tree.set(fd.is_some());
+        fd
+    };
     let fd = if let Some(fd) = plan.create.then(through_tree).flatten() {
         // O_CREAT of a file this process synced, which exists: an open of it, as below.
         fd
@@ -96,7 +102,9 @@ pub(crate) unsafe fn do_open(
     };
     match tracked {
         Some((c, t)) => {
-            crate::tree::keep_given(c, &t, dirfd, path);
+            if !via_tree.get() {
+                crate::tree::keep_given(c, &t, dirfd, path);
+            }
             let asked = flags & (libc::O_SYNC | libc::O_DSYNC);
             t.asked.store(asked, std::sync::atomic::Ordering::Relaxed);
             // A file this call created is empty. An existing one is truncated even when it

@@ -22,7 +22,7 @@ fn sync(fd: c_int, n: libc::c_long) -> c_int {
         let r = c.fsync(&t, fd);
         if r.is_ok() {
             // Opened again later: through the copy of the root's mount (`crate::tree`).
-            crate::tree::remember(c, &t, fd);
+            crate::tree::remember(&t, fd);
         }
         return unit_ret(r);
     }

@@ -66,8 +66,9 @@ pub(crate) fn keep_given(c: &Client, t: &Tracked, dirfd: c_int, path: *const c_c
 }
 
 /// The tracked `fd` (as `t`) was synced: its path as opened is remembered (once per
-/// descriptor) relative to the root, so that the next open of it goes through the copy.
-pub(crate) fn remember(c: &Client, t: &Tracked, fd: c_int) {
+/// descriptor; not for one opened through the copy, whose path is remembered already)
+/// relative to the root, so that the next open of it goes through the copy.
+pub(crate) fn remember(t: &Tracked, fd: c_int) {
     let Some(given) = t.given.try_lock().ok().and_then(|mut g| g.take()) else {
         return;
     };
@@ -75,7 +76,11 @@ pub(crate) fn remember(c: &Client, t: &Tracked, fd: c_int) {
     let Some(p) = sys::fd_path_under(r, fd) else {
         return;
     };
-    let Some(rel) = c.rel_to_root(&p).and_then(|r| CString::new(r).ok()) else {
+    let Some(rel) = p
+        .strip_prefix(r)
+        .filter(|rel| !rel.is_empty())
+        .and_then(|rel| CString::new(rel).ok())
+    else {
         return;
     };
     if let Ok(mut m) = PATHS.try_lock() {

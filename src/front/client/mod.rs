@@ -516,12 +516,6 @@ impl Client {
         (st.st_dev == self.root_dev && st.st_ino == self.root_ino).then_some(t)
     }
 
-    /// Where `path` (absolute) lies under the root: the rest of it, relative to the root.
-    pub fn rel_to_root<'p>(&self, path: &'p [u8]) -> Option<&'p [u8]> {
-        let r = path.strip_prefix(&self.root[..])?;
-        (!r.is_empty()).then_some(r)
-    }
-
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {

@@ -379,24 +379,14 @@ impl RealLower {
         ) {
             return Err(e);
         }
-        // Kernels without AT_EMPTY_PATH for utimensat: as before.
-        let p = proc_path(node);
-        let st = fstat(node)?;
-        if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
-            let empty = c"";
-            // SAFETY: valid pointers; AT_EMPTY_PATH operates on the symlink itself.
-            cvt(unsafe {
-                libc::utimensat(
-                    node,
-                    empty.as_ptr(),
-                    times.as_ptr(),
-                    libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
-                )
-            })?;
-        } else {
-            // SAFETY: valid pointers.
-            cvt(unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) })?;
+        // Kernels without AT_EMPTY_PATH for utimensat: through the /proc path, which follows
+        // to the object; a symlink has no other way (the call above was its only one).
+        if fstat(node)?.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            return Err(e);
         }
+        let p = proc_path(node);
+        // SAFETY: valid pointers.
+        cvt(unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), times.as_ptr(), 0) })?;
         Ok(())
     }
 
