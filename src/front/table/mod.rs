@@ -23,7 +23,9 @@ pub use slot::Slot;
 pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
 /// 8: the high half of `S_FLAGS` counts changes of the object's bytes (`Slot::note_change`),
 /// which every attached process must keep up: no process of another version may attach.
-pub const VERSION: u64 = 8;
+/// 9: the ring of new marks has `RING` entries of its own before the slots (it was 32 header
+/// words).
+pub const VERSION: u64 = 9;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -42,7 +44,7 @@ pub const H_WATCH: usize = 7;
 /// Set by a process that found the region full: the daemon writes back at once.
 pub const H_WAKE: usize = 8;
 /// How many objects were marked for the daemon's watch so far; the latest `RING` of their
-/// slot indexes (+1) are in the ring at `H_RING`, for the daemon to vet.
+/// slot indexes (+1) are in the ring at `RING_AT`, for the daemon to vet.
 pub const H_NEW_MARKS: usize = 9;
 /// The namespace lock (a pid lock word): attached processes run and log namespace
 /// operations one at a time, so the log's order is the lower file system's.
@@ -65,8 +67,8 @@ pub const H_UNMARKS: usize = 14;
 /// (`Slot::note_for_sync`), and the daemon's write-back fsyncs each of them
 /// (`Slot::take_for_sync`) instead of trusting syncfs.
 pub const H_PER_OBJECT: usize = 15;
-pub const H_RING: usize = 16;
-pub const RING: usize = 32;
+/// Header words 16..48 are unused (the ring's before version 9).
+pub const H_UNUSED: usize = 16;
 /// Counters of processes that detached or died, summed when their record was reused (word
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
@@ -202,10 +204,19 @@ pub const COUNTERS: [usize; 12] = [
     P_NAME_SYNCS,
     P_UNLOGGED_NS,
 ];
-const _: () = assert!(H_RETIRED >= H_RING + RING && H_RETIRED + PROC_WORDS <= PROCS_AT);
+const _: () = assert!(H_RETIRED >= H_UNUSED + 32 && H_RETIRED + PROC_WORDS <= PROCS_AT);
+
+/// The ring of the latest `RING` marks (`Table::note_marked`), after the process records.
+/// The daemon vets what was marked since its last round from the ring, every `VET_EVERY`
+/// at most; if more were marked than the ring holds, it looks at every slot instead (an
+/// 8 MiB walk for the default table: at 32 entries, a program that makes thousands of files
+/// a second, varmail's, had the daemon walk it every round). 4096 entries hold 400,000
+/// marks a second between rounds 10 ms apart.
+pub const RING_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
+pub const RING: usize = 4096;
 
 /// Slots start at this word; each has `SLOT_WORDS` words.
-pub const SLOTS_AT: usize = PROCS_AT + MAX_PROCS * PROC_WORDS;
+pub const SLOTS_AT: usize = RING_AT + RING;
 pub const SLOT_WORDS: usize = 16;
 /// Slot words.
 pub const S_LOCK: usize = 0;
@@ -529,7 +540,7 @@ impl Table {
     /// counts it).
     pub fn note_marked(&self, idx: usize, wake: bool) {
         let n = self.w(H_NEW_MARKS).fetch_add(1, Ordering::AcqRel);
-        self.w(H_RING + n as usize % RING)
+        self.w(RING_AT + n as usize % RING)
             .store(ring_entry(n, idx), Ordering::Release);
         if wake {
             super::sys::futex_wake(self.w(H_NEW_MARKS));
@@ -539,8 +550,9 @@ impl Table {
     /// The slot index of the `n`th mark, once its entry is stored (None: not yet, or already
     /// overwritten by a later one).
     pub fn marked_slot(&self, n: u64) -> Option<usize> {
-        let e = self.w(H_RING + n as usize % RING).load(Ordering::Acquire);
-        (e >> 24 == n & ((1 << 40) - 1) && e & 0xff_ffff != 0).then(|| (e & 0xff_ffff) as usize - 1)
+        let e = self.w(RING_AT + n as usize % RING).load(Ordering::Acquire);
+        (e >> IDX_BITS == n & ((1 << (64 - IDX_BITS)) - 1) && e & IDX_MASK != 0)
+            .then(|| (e & IDX_MASK) as usize - 1)
     }
 
     /// Register this process in the process list; its record index. Its own record (from
@@ -671,8 +683,13 @@ impl Table {
     }
 }
 
+/// A ring entry: the mark's number (its low 39 bits) and the slot index + 1 (up to 2^24
+/// slots, `--slots`: 25 bits).
+const IDX_BITS: u32 = 25;
+const IDX_MASK: u64 = (1 << IDX_BITS) - 1;
+
 fn ring_entry(n: u64, idx: usize) -> u64 {
-    (n & ((1 << 40) - 1)) << 24 | (idx as u64 + 1)
+    (n & ((1 << (64 - IDX_BITS)) - 1)) << IDX_BITS | (idx as u64 + 1)
 }
 
 fn slot_hash(dev: u64, ino: u64) -> usize {
