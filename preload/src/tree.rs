@@ -73,16 +73,19 @@ pub(crate) fn remember(t: &Tracked, fd: c_int) {
         return;
     };
     let Some(r) = root() else { return };
-    let Some(p) = sys::fd_path_under(r, fd) else {
-        return;
+    // An absolute path under the root made of plain names is its own path from the root: no
+    // read of /proc/self/fd (a path lookup by the kernel, on every file's first sync). If it
+    // no longer names `fd`'s file when it is opened again, `open` finds out (its stat of the
+    // path as given) and opens as asked.
+    let rel = match given.strip_prefix(r).filter(|rel| plain(rel)) {
+        Some(rel) => CString::new(rel).ok(),
+        None => sys::fd_path_under(r, fd).and_then(|p| {
+            p.strip_prefix(r)
+                .filter(|rel| !rel.is_empty())
+                .and_then(|rel| CString::new(rel).ok())
+        }),
     };
-    let Some(rel) = p
-        .strip_prefix(r)
-        .filter(|rel| !rel.is_empty())
-        .and_then(|rel| CString::new(rel).ok())
-    else {
-        return;
-    };
+    let Some(rel) = rel else { return };
     if let Ok(mut m) = PATHS.try_lock() {
         let m = m.get_or_insert_with(HashMap::new);
         if m.len() >= PATHS_MAX {
@@ -90,6 +93,15 @@ pub(crate) fn remember(t: &Tracked, fd: c_int) {
         }
         m.insert(given, rel);
     }
+}
+
+/// Whether `rel` is a path of names only: not empty, no empty, `.` or `..` component, no
+/// trailing slash.
+fn plain(rel: &[u8]) -> bool {
+    !rel.is_empty()
+        && rel
+            .split(|&b| b == b'/')
+            .all(|c| !c.is_empty() && c != b"." && c != b"..")
 }
 
 /// Open `path` (from `dirfd`) with `flags` through the copy of the root's mount where it is
