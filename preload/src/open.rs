@@ -40,19 +40,20 @@ pub(crate) unsafe fn do_open(
         }
         // A file this process synced, opened again: through the copy of the root's mount,
         // which the daemon's watch does not see (`crate::tree`).
-        return crate::tree::open(dirfd, path, flags).unwrap_or_else(|| plain(flags));
+        return crate::tree::open(dirfd, path, flags).map_or_else(|| plain(flags), |(fd, _)| fd);
     }
     let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
     // Before the open: a child started from here on may hold the new descriptor.
     let spawns = pmstack::front::client::spawn_mark();
     // A file this call created: what the creation learnt of it.
     let mut born = None;
-    // Opened through the copy: its path is remembered already (`crate::tree::keep_given`).
-    let via_tree = std::cell::Cell::new(false);
+    // Opened through the copy: its status (taken there), and its path is remembered already
+    // (`crate::tree::keep_given`).
+    let via_tree = std::cell::Cell::new(None);
     let through_tree = || {
-        let fd = crate::tree::open(dirfd, path, f);
-        via_tree.set(fd.is_some());
-        fd
+        let (fd, st) = crate::tree::open(dirfd, path, f)?;
+        via_tree.set(Some(st));
+        Some(fd)
     };
     let fd = if let Some(fd) = plan.create.then(through_tree).flatten() {
         // O_CREAT of a file this process synced, which exists: an open of it, as below.
@@ -88,7 +89,9 @@ pub(crate) unsafe fn do_open(
             let given = unsafe { CStr::from_ptr(path) }.to_bytes();
             // Only a regular file can be tracked, and only one on the root's file system can
             // lie under it: anything else is not asked its path (an fstat is cheaper).
-            let ours = crate::places::given_under(dirfd, given)
+            // (A file opened through the copy lies under the root.)
+            let ours = via_tree.get().is_some()
+                || crate::places::given_under(dirfd, given)
                 || (sys::fstat(fd).is_ok_and(|st| {
                     st.st_mode & libc::S_IFMT == libc::S_IFREG
                         && root_dev().is_none_or(|d| d == st.st_dev)
@@ -97,12 +100,15 @@ pub(crate) unsafe fn do_open(
             if ours && c.is_none() {
                 mark_unseen(&[fd]);
             }
-            c.and_then(|c| c.track_opened(fd, sync, flags, spawns).map(|t| (c, t)))
+            c.and_then(|c| {
+                c.track_opened(fd, via_tree.get(), sync, flags, spawns)
+                    .map(|t| (c, t))
+            })
         }
     };
     match tracked {
         Some((c, t)) => {
-            if !via_tree.get() {
+            if via_tree.get().is_none() {
                 crate::tree::keep_given(c, &t, dirfd, path);
             }
             let asked = flags & (libc::O_SYNC | libc::O_DSYNC);

@@ -105,9 +105,9 @@ fn plain(rel: &[u8]) -> bool {
 }
 
 /// Open `path` (from `dirfd`) with `flags` through the copy of the root's mount where it is
-/// remembered and names the same object there: the descriptor. None: open it as asked.
-/// Caller is `Inside`.
-pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_int> {
+/// remembered and names the same object there: the descriptor, and its status (a regular
+/// file's). None: open it as asked. Caller is `Inside`.
+pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<(c_int, libc::stat)> {
     if dirfd != libc::AT_FDCWD || flags & CHANGING != 0 || path.is_null() {
         return None;
     }
@@ -154,14 +154,16 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     let same = match (sys::fstat(fd), sys::fstatat(libc::AT_FDCWD, path, follow)) {
         // A regular file only: a directory opened through the copy would be a starting point
         // for calls that cannot cross from one mount to the other (rename, link).
-        (Ok(a), Ok(b)) => {
-            a.st_dev == b.st_dev
+        (Ok(a), Ok(b))
+            if a.st_dev == b.st_dev
                 && a.st_ino == b.st_ino
-                && a.st_mode & libc::S_IFMT == libc::S_IFREG
+                && a.st_mode & libc::S_IFMT == libc::S_IFREG =>
+        {
+            Some(a)
         }
-        _ => false,
+        _ => None,
     };
-    if !same {
+    let Some(st) = same else {
         sys::close(fd);
         if let Ok(mut m) = PATHS.try_lock() {
             if let Some(m) = m.as_mut() {
@@ -169,6 +171,6 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
             }
         }
         return None;
-    }
-    Some(fd)
+    };
+    Some((fd, st))
 }

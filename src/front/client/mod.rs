@@ -519,27 +519,29 @@ impl Client {
     /// Start tracking `fd` if it is a regular file under the served directory. `sync`: the
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
-        self.track_if(fd, sync, None, None, || self.fd_under_root(fd))
+        self.track_if(fd, None, sync, None, None, || self.fd_under_root(fd))
     }
 
     /// `track` of a descriptor the caller knows to be under the root (by the path it was
     /// opened with, `open::given_under`, or the path the kernel reports), with the flags it
     /// was opened with when the caller knows them (`OpenFlags`).
     pub fn track_under(&self, fd: i32, sync: bool, flags: Option<i32>) -> Option<Arc<Tracked>> {
-        self.track_if(fd, sync, flags, None, || true)
+        self.track_if(fd, None, sync, flags, None, || true)
     }
 
     /// `track_under` of a descriptor the program's open just made (with the flags it was
     /// opened with), `spawn_mark()` taken before that open: the object may be vetted at once
     /// (`vet_at_open`).
+    /// `st`: the descriptor's status where the caller took it (none: it is asked here).
     pub fn track_opened(
         &self,
         fd: i32,
+        st: Option<libc::stat>,
         sync: bool,
         flags: i32,
         spawn_mark: u64,
     ) -> Option<Arc<Tracked>> {
-        self.track_if(fd, sync, Some(flags), Some(spawn_mark), || true)
+        self.track_if(fd, st, sync, Some(flags), Some(spawn_mark), || true)
     }
 
     /// Track `fd` if it is a regular file of the root's file system and `under()` says it
@@ -547,12 +549,16 @@ impl Client {
     fn track_if(
         &self,
         fd: i32,
+        st: Option<libc::stat>,
         sync: bool,
         flags: Option<i32>,
         opened: Option<u64>,
         under: impl FnOnce() -> bool,
     ) -> Option<Arc<Tracked>> {
-        let st = sys::fstat(fd).ok()?;
+        let st = match st {
+            Some(st) => st,
+            None => sys::fstat(fd).ok()?,
+        };
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_dev != self.root_dev || !under() {
             return None;
         }
