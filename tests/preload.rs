@@ -3995,6 +3995,54 @@ fn a_synced_file_opened_again_by_its_path_does_not_wait_for_the_watch() {
     assert!(f[..4096].iter().all(|&b| b == b'a') && f[4096..].iter().all(|&b| b == b'b'));
 }
 
+/// The paths remembered for opens through the copy of the root's mount are bounded: a
+/// program that syncs and removes many files (a mail spool) forgets the paths it removed, so
+/// the path of a file it synced first and keeps is still remembered after thousands of
+/// others came and went (the map is emptied when it is full: 4,096 paths). Half of the
+/// others are removed by unlink, half renamed away first: more than 4,096 each.
+#[test]
+fn paths_of_removed_files_are_forgotten() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("forget");
+    let watched = |v: &serde_json::Value| v["watched_opens"].as_u64().unwrap_or(0);
+    // (The first sync in a new root may be the lower's own.)
+    let synced = |v: &serde_json::Value| {
+        v["totals"]["absorbed_fsync"].as_u64().unwrap_or(0)
+            + v["totals"]["real_syncs"].as_u64().unwrap_or(0)
+    };
+    let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec(
+        "p = os.path.join(d, 'kept')\nfd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)\n\
+         os.write(fd, b'k' * 100)\nos.fsync(fd)\nos.close(fd)\n\
+         for i in range(9000):\n    q = os.path.join(d, 'm%d' % i)\n    \
+             fd = os.open(q, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)\n    \
+             os.write(fd, b'm')\n    os.fsync(fd)\n    os.close(fd)\n    \
+             if i % 2:\n        os.rename(q, q + '.old')\n        os.unlink(q + '.old')\n    \
+             else:\n        os.unlink(q)",
+    );
+    let v0 = s.wait_stats("the syncs are counted", |v| synced(v) >= 9001);
+    a.exec(
+        "fd = os.open(p, os.O_RDONLY)\nassert os.read(fd, 200) == b'k' * 100\nos.close(fd)\n\
+         fd = os.open(os.path.join(d, 'later'), os.O_RDWR | os.O_CREAT, 0o644)\n\
+         os.write(fd, b'l')\nos.fsync(fd)\nos.close(fd)",
+    );
+    // Had the open waited for the watch, the daemon counted it before it answered, so before
+    // the later sync (the stats read the watch's count after the syncs').
+    let v = s.wait_stats("the later sync is counted", |v| synced(v) > synced(&v0));
+    assert_eq!(
+        watched(&v),
+        watched(&v0),
+        "the reopen of the file synced first waited for the watch: {v}"
+    );
+    drop(a);
+    s.stop();
+}
+
 /// Opens wait for the daemon only while absorption depends on the file: a file an attached
 /// process wrote and closed without syncing it is not watched; one that was synced, or that
 /// another attached process holds, stays watched; one whose holder died is unmarked at the

@@ -131,7 +131,9 @@ pub unsafe extern "C" fn unlinkat(d: c_int, path: *const c_char, flags: c_int) -
         return native();
     }
     ns_call(&[(d, path)], native, |c, t| {
-        c.unlink(&t[0], flags & libc::AT_REMOVEDIR != 0)
+        c.unlink(&t[0], flags & libc::AT_REMOVEDIR != 0)?;
+        crate::tree::forget(d, path);
+        Ok(())
     })
 }
 #[no_mangle]
@@ -160,7 +162,11 @@ pub unsafe extern "C" fn renameat2(
         return unlogged(&[(od, old), (nd, new)], native);
     }
     ns_call(&[(od, old), (nd, new)], native, |c, t| {
-        c.rename(&t[0], &t[1], flags)
+        c.rename(&t[0], &t[1], flags)?;
+        // (An exchange leaves a file at the old path: forgotten too, it is remembered again
+        // at its next sync.)
+        crate::tree::forget(od, old);
+        Ok(())
     })
 }
 #[no_mangle]

@@ -95,6 +95,23 @@ pub(crate) fn remember(t: &Tracked, fd: c_int) {
     }
 }
 
+/// The path `path` (from `dirfd`) was removed or renamed away by this process: it is
+/// forgotten, so that a program that syncs and removes files (a mail spool, a queue) keeps
+/// only the paths of its files that are still there, and the remembered ones are not all
+/// forgotten at once when `PATHS_MAX` is reached. Caller is `Inside`, after the kernel read
+/// `path` successfully.
+pub(crate) fn forget(dirfd: c_int, path: *const c_char) {
+    if dirfd != libc::AT_FDCWD || path.is_null() {
+        return;
+    }
+    let Ok(mut m) = PATHS.try_lock() else { return };
+    if let Some(m) = m.as_mut().filter(|m| !m.is_empty()) {
+        // SAFETY: the kernel just read this path for the call that succeeded: a readable C
+        // string.
+        m.remove(unsafe { CStr::from_ptr(path) }.to_bytes());
+    }
+}
+
 /// Whether `rel` is a path of names only: not empty, no empty, `.` or `..` component, no
 /// trailing slash.
 fn plain(rel: &[u8]) -> bool {
