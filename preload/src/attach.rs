@@ -111,6 +111,7 @@ extern "C" fn after_fork_child() {
     // Another thread of the parent may have been attaching: that thread does not exist here.
     ATTACHING.store(false, Ordering::SeqCst);
     CLOSING.store(0, Ordering::SeqCst);
+    crate::tree::after_fork_child();
     FORKS.fetch_add(1, Ordering::SeqCst);
 }
 

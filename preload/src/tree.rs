@@ -30,8 +30,8 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use pmstack::front::client::{Client, Tracked};
 use pmstack::front::sys;
@@ -39,9 +39,51 @@ use pmstack::front::sys;
 use crate::attach::*;
 
 /// Paths programs gave (relative to the working directory, or absolute) -> the same path
-/// relative to the root. Only ever `try_lock`ed (a child forked while another thread held it
-/// never waits on it).
-static PATHS: Mutex<Option<HashMap<Box<[u8]>, CString>>> = Mutex::new(None);
+/// relative to the root. Only ever `try_lock`ed (`paths`: a child forked while another
+/// thread held it never waits on it).
+static PATHS: Mutex<Option<Paths>> = Mutex::new(None);
+
+type Paths = HashMap<Box<[u8]>, CString>;
+
+/// How many paths `PATHS` holds, kept under its lock and read without it: an open in a
+/// process that remembers none costs nothing.
+static REMEMBERED: AtomicUsize = AtomicUsize::new(0);
+
+/// `PATHS`, locked. Another thread holds it for a lookup or an insert, a few hundred
+/// nanoseconds: tried again, spinning, then yielding the CPU to the holder, a bounded number
+/// of times. A lock taken once per try meant that with four threads opening and syncing
+/// files, opens went past the copy and paths went unremembered whenever two met (varmail:
+/// 1,900 opens waited for the watch in 3 s). None: still held (a holder preempted for long,
+/// or a child forked while another thread held it, where it is held forever).
+fn paths() -> Option<MutexGuard<'static, Option<Paths>>> {
+    if STUCK.load(Ordering::Relaxed) {
+        return None;
+    }
+    for i in 0..PATHS_TRIES {
+        match PATHS.try_lock() {
+            Ok(g) => return Some(g),
+            Err(TryLockError::WouldBlock) if i < PATHS_SPINS => std::hint::spin_loop(),
+            Err(TryLockError::WouldBlock) => std::thread::yield_now(),
+            Err(TryLockError::Poisoned(_)) => return None,
+        }
+    }
+    None
+}
+
+/// Set in a child forked while another thread of its parent held `PATHS`: that thread does not
+/// exist here, so the lock is held forever; the child remembers nothing.
+static STUCK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// In a child just forked (only this thread exists): whether `PATHS` is held forever.
+pub(crate) fn after_fork_child() {
+    if matches!(PATHS.try_lock(), Err(TryLockError::WouldBlock)) {
+        STUCK.store(true, Ordering::Relaxed);
+        REMEMBERED.store(0, Ordering::Relaxed);
+    }
+}
+
+const PATHS_SPINS: u32 = 200;
+const PATHS_TRIES: u32 = PATHS_SPINS + 20;
 
 /// Paths remembered at most (then forgotten all at once).
 const PATHS_MAX: usize = 4096;
@@ -86,12 +128,13 @@ pub(crate) fn remember(t: &Tracked, fd: c_int) {
         }),
     };
     let Some(rel) = rel else { return };
-    if let Ok(mut m) = PATHS.try_lock() {
+    if let Some(mut m) = paths() {
         let m = m.get_or_insert_with(HashMap::new);
         if m.len() >= PATHS_MAX {
             m.clear();
         }
         m.insert(given, rel);
+        REMEMBERED.store(m.len(), Ordering::Relaxed);
     }
 }
 
@@ -104,11 +147,15 @@ pub(crate) fn forget(dirfd: c_int, path: *const c_char) {
     if dirfd != libc::AT_FDCWD || path.is_null() {
         return;
     }
-    let Ok(mut m) = PATHS.try_lock() else { return };
-    if let Some(m) = m.as_mut().filter(|m| !m.is_empty()) {
+    if REMEMBERED.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let Some(mut m) = paths() else { return };
+    if let Some(m) = m.as_mut() {
         // SAFETY: the kernel just read this path for the call that succeeded: a readable C
         // string.
         m.remove(unsafe { CStr::from_ptr(path) }.to_bytes());
+        REMEMBERED.store(m.len(), Ordering::Relaxed);
     }
 }
 
@@ -130,7 +177,7 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<(c
     }
     let c = attached(FORKS.load(Ordering::Acquire) + 1)?;
     let tree = c.tree.as_ref()?;
-    if PATHS.try_lock().ok()?.as_ref().is_none_or(|m| m.is_empty()) {
+    if REMEMBERED.load(Ordering::Relaxed) == 0 {
         return None;
     }
     // The program's pointer, not trusted before the kernel saw it (EFAULT is the kernel's to
@@ -138,7 +185,7 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<(c
     let given = crate::abi::user_cstr(path)?;
     let given = &given[..];
     let rel = {
-        let m = PATHS.try_lock().ok()?;
+        let m = paths()?;
         m.as_ref()?.get(given)?.clone()
     };
     // The kernel's struct open_how (libc's is non-exhaustive): flags, mode, resolve.
@@ -182,9 +229,10 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<(c
     };
     let Some(st) = same else {
         sys::close(fd);
-        if let Ok(mut m) = PATHS.try_lock() {
+        if let Some(mut m) = paths() {
             if let Some(m) = m.as_mut() {
                 m.remove(given);
+                REMEMBERED.store(m.len(), Ordering::Relaxed);
             }
         }
         return None;
