@@ -41,6 +41,17 @@ fn have(tool: &str) -> bool {
     ok
 }
 
+/// Syncs counted in a set of counters (a process's record, or the daemon's `totals`):
+/// absorbed and the lower's own.
+fn fsyncs(c: &serde_json::Value) -> u64 {
+    c["absorbed_fsync"].as_u64().unwrap_or(0) + c["real_syncs"].as_u64().unwrap_or(0)
+}
+
+/// Opens the daemon's watch answered (`watched_opens` in its stats).
+fn watched_opens(v: &serde_json::Value) -> u64 {
+    v["watched_opens"].as_u64().unwrap_or(0)
+}
+
 /// The record of attached process `pid` in the daemon's stats `v`.
 fn proc_stats(v: &serde_json::Value, pid: u64) -> Option<serde_json::Value> {
     v["attached"]
@@ -1546,9 +1557,7 @@ fn an_existing_file_is_absorbed_from_its_first_sync_and_keeps_what_an_earlier_wr
     };
     a.exec("fd = os.open(os.path.join(d, 'mbox'), os.O_RDWR | os.O_APPEND)\nos.write(fd, b'z' * 700)\nos.fsync(fd)\nos.close(fd)");
     let v = s.wait_stats("the mailbox's sync is counted", |v| {
-        proc_stats(v, pid).is_some_and(|p| {
-            p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0) >= 1
-        })
+        proc_stats(v, pid).is_some_and(|p| fsyncs(&p) >= 1)
     });
     let (absorbed, real, _) = counts(&s);
     assert_eq!((absorbed, real), (1, 0), "the mailbox's first sync: {v}");
@@ -1579,9 +1588,7 @@ fn an_existing_file_is_absorbed_from_its_first_sync_and_keeps_what_an_earlier_wr
     }
     a.exec("for i in range(20):\n    fd = os.open(os.path.join(d, 'm%d' % i), (os.O_WRONLY if i == 0 else os.O_RDWR) | os.O_APPEND)\n    os.write(fd, b'q' * 10)\n    os.fsync(fd)\n    os.close(fd)");
     let v = s.wait_stats("the twenty syncs are counted", |v| {
-        proc_stats(v, pid).is_some_and(|p| {
-            p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0) >= 22
-        })
+        proc_stats(v, pid).is_some_and(|p| fsyncs(&p) >= 22)
     });
     let (absorbed, real, _) = counts(&s);
     assert_eq!((absorbed, real), (21, 1), "syncs right after the open: {v}");
@@ -2295,11 +2302,7 @@ fn over_a_fuse_lower_a_sync_never_logs_bytes_another_process_changed_since() {
     assert!(fs::read(root.join("f")).unwrap() == f && fs::read(root.join("t")).unwrap() == t);
     let (pa, pb) = (a.pid(), b.pid());
     let v = s.wait_stats("both processes' syncs", |v| {
-        let n = |pid| {
-            proc_stats(v, pid).map_or(0, |p| {
-                p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0)
-            })
-        };
+        let n = |pid| proc_stats(v, pid).map_or(0, |p| fsyncs(&p));
         n(pa) >= 2 && n(pb) >= 2
     });
     let absorbed = proc_stats(&v, pa).map_or(0, |p| p["absorbed_fsync"].as_u64().unwrap_or(0));
@@ -3945,10 +3948,9 @@ fn a_synced_file_opened_again_by_its_path_does_not_wait_for_the_watch() {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
     let pm = shm_region("tree");
-    let watched = |v: &serde_json::Value| v["watched_opens"].as_u64().unwrap_or(0);
+    let watched = watched_opens;
     let absorbed = |v: &serde_json::Value| v["totals"]["absorbed_fsync"].as_u64().unwrap_or(0);
-    let synced =
-        |v: &serde_json::Value| absorbed(v) + v["totals"]["real_syncs"].as_u64().unwrap_or(0);
+    let synced = |v: &serde_json::Value| fsyncs(&v["totals"]);
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut a = Py::spawn(s.run(), &root);
     a.exec(
@@ -4008,12 +4010,9 @@ fn paths_of_removed_files_are_forgotten() {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let root = fs::canonicalize(d.path()).unwrap();
     let pm = shm_region("forget");
-    let watched = |v: &serde_json::Value| v["watched_opens"].as_u64().unwrap_or(0);
+    let watched = watched_opens;
     // (The first sync in a new root may be the lower's own.)
-    let synced = |v: &serde_json::Value| {
-        v["totals"]["absorbed_fsync"].as_u64().unwrap_or(0)
-            + v["totals"]["real_syncs"].as_u64().unwrap_or(0)
-    };
+    let synced = |v: &serde_json::Value| fsyncs(&v["totals"]);
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut a = Py::spawn(s.run(), &root);
     a.exec(
@@ -4061,7 +4060,7 @@ fn only_files_that_absorption_depends_on_are_watched() {
         let out = Command::new("cat").arg(root.join(name)).output().unwrap();
         assert!(out.status.success(), "cat {name}: {out:?}");
     };
-    let watched = |v: &serde_json::Value| v["watched_opens"].as_u64().unwrap_or(0);
+    let watched = watched_opens;
 
     // 1. No write-back during this part: what is live stays live.
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
@@ -4107,10 +4106,7 @@ fn only_files_that_absorption_depends_on_are_watched() {
     );
     drop(a); // killed: `k` is still held by a process that no longer exists
              // A snapshot taken after the sync of `s`: its LSN counter is past the sync's entries.
-    let synced = |v: &serde_json::Value| {
-        v["totals"]["absorbed_fsync"].as_u64().unwrap_or(0)
-            + v["totals"]["real_syncs"].as_u64().unwrap_or(0)
-    };
+    let synced = |v: &serde_json::Value| fsyncs(&v["totals"]);
     let v = s.wait_stats("the sync of s is counted", |v| synced(v) >= 1);
     let lsn = v["lsn"].as_u64().unwrap();
     let v = s.wait_stats("the entries of s expire", |v| {
@@ -4284,9 +4280,7 @@ fn a_chown_that_changes_nothing_keeps_syncs_absorbed() {
          os.fchown(fd, 4321, st.st_gid)\nos.write(fd, b'y' * 100)\nos.fsync(fd)",
     );
     let pid = a.pid();
-    let synced = |p: &serde_json::Value| {
-        p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0)
-    };
+    let synced = fsyncs;
     let v = s.wait_stats("both syncs are counted", |v| {
         proc_stats(v, pid).is_some_and(|p| synced(&p) >= 3)
     });
@@ -4932,9 +4926,7 @@ fn a_relative_path_from_outside_the_root_reaches_a_tracked_file() {
     a.exec(&code.join("\n"));
     let pid = a.pid();
     let st = s.wait_stats("the syncs counted", |v| {
-        proc_stats(v, pid).is_some_and(|p| {
-            p["absorbed_fsync"].as_u64().unwrap_or(0) + p["real_syncs"].as_u64().unwrap_or(0) >= 3
-        })
+        proc_stats(v, pid).is_some_and(|p| fsyncs(&p) >= 3)
     });
     drop(a);
     assert_eq!(
@@ -5088,9 +5080,7 @@ fn an_attached_process_that_found_no_slot_is_a_writer_the_daemon_cannot_see() {
     a.exec("os.pwrite(ff, b'c' * 100, 0)");
     b.exec("os.pwrite(fd, b'b' * 10, 300)\nos.fsync(fd)");
     let v = s.wait_stats("B's two syncs", |v| {
-        proc_stats(v, b.pid()).is_some_and(|p| {
-            p["real_syncs"].as_u64().unwrap_or(0) + p["absorbed_fsync"].as_u64().unwrap_or(0) >= 2
-        })
+        proc_stats(v, b.pid()).is_some_and(|p| fsyncs(&p) >= 2)
     });
     let p = proc_stats(&v, b.pid()).unwrap();
     assert!(v["foreign_writers"].as_u64() >= Some(1), "{v}");

@@ -82,6 +82,16 @@ pub(crate) fn after_fork_child() {
     }
 }
 
+/// Change `PATHS` under its lock (`paths`), keeping `REMEMBERED` its size. Nothing where
+/// the lock cannot be had.
+fn edit(f: impl FnOnce(&mut Paths)) {
+    if let Some(mut g) = paths() {
+        let m = g.get_or_insert_with(HashMap::new);
+        f(m);
+        REMEMBERED.store(m.len(), Ordering::Relaxed);
+    }
+}
+
 const PATHS_SPINS: u32 = 200;
 const PATHS_TRIES: u32 = PATHS_SPINS + 20;
 
@@ -128,14 +138,12 @@ pub(crate) fn remember(t: &Tracked, fd: c_int) {
         }),
     };
     let Some(rel) = rel else { return };
-    if let Some(mut m) = paths() {
-        let m = m.get_or_insert_with(HashMap::new);
+    edit(|m| {
         if m.len() >= PATHS_MAX {
             m.clear();
         }
         m.insert(given, rel);
-        REMEMBERED.store(m.len(), Ordering::Relaxed);
-    }
+    });
 }
 
 /// The path `path` (from `dirfd`) was removed or renamed away by this process: it is
@@ -150,13 +158,12 @@ pub(crate) fn forget(dirfd: c_int, path: *const c_char) {
     if REMEMBERED.load(Ordering::Relaxed) == 0 {
         return;
     }
-    let Some(mut m) = paths() else { return };
-    if let Some(m) = m.as_mut() {
-        // SAFETY: the kernel just read this path for the call that succeeded: a readable C
-        // string.
-        m.remove(unsafe { CStr::from_ptr(path) }.to_bytes());
-        REMEMBERED.store(m.len(), Ordering::Relaxed);
-    }
+    // SAFETY: the kernel just read this path for the call that succeeded: a readable C
+    // string.
+    let path = unsafe { CStr::from_ptr(path) }.to_bytes();
+    edit(|m| {
+        m.remove(path);
+    });
 }
 
 /// Whether `rel` is a path of names only: not empty, no empty, `.` or `..` component, no
@@ -229,12 +236,9 @@ pub(crate) fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<(c
     };
     let Some(st) = same else {
         sys::close(fd);
-        if let Some(mut m) = paths() {
-            if let Some(m) = m.as_mut() {
-                m.remove(given);
-                REMEMBERED.store(m.len(), Ordering::Relaxed);
-            }
-        }
+        edit(|m| {
+            m.remove(given);
+        });
         return None;
     };
     Some((fd, st))

@@ -265,8 +265,8 @@ fn take_fd(pid: u64, n: i32) -> Option<Group> {
 /// same objects, reached through another mount, attached nowhere. Opens through it are kept
 /// from the group's open permission events (`Group::ignore_opens_through`): attached
 /// processes open the watched files they synced through it (`pmstack-preload`'s
-/// `tree::open`), so that their opens, which the daemon always allows, no longer wait for it (tens of
-/// microseconds each: two wake-ups, often across CPUs). Needs Linux 5.2.
+/// `tree::open`), so that their opens, which the daemon always allows, no longer wait for it
+/// (tens of microseconds each: two wake-ups, often across CPUs). Needs Linux 5.2.
 pub fn open_tree(root: &std::path::Path) -> io::Result<OwnedFd> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(root.as_os_str().as_bytes())
