@@ -37,6 +37,8 @@ mod coverage;
 mod lower;
 mod model;
 mod mount;
+#[cfg(test)]
+mod names_tests;
 mod outside;
 mod procs;
 mod run;

@@ -167,6 +167,19 @@ impl Client {
     /// fsync/fdatasync of a tracked descriptor.
     pub fn fsync(&self, t: &Tracked, fd: i32) -> io::Result<()> {
         let slot = self.table.slot(t.ino.slot);
+        // A first sync that may be absorbed as a baseline: the file's name made durable
+        // first, where it may not be (`name_durable`; before the slot lock, since the
+        // namespace lock comes first). The flags are looked at again under the lock: where
+        // they changed meanwhile to allow a baseline, the sync is real.
+        let named = {
+            let f = slot.flags();
+            !self.absorbable(f)
+                && self.baseline_loggable(f)
+                && self.serving()
+                && sys::fstat(fd).is_ok_and(|st| {
+                    st.st_size as u64 <= BASELINE_LOG_MAX && self.name_durable(fd, &st)
+                })
+        };
         let _g = slot.lock();
         self.note_sync(&slot, t, fd);
         let mut p = t.ino.p.lock();
@@ -175,7 +188,10 @@ impl Client {
             return self.real_sync(&slot, fd, &mut p);
         }
         if !self.absorbable(slot.flags()) {
-            if self.baseline_loggable(slot.flags()) && self.log_baseline(&slot, t, fd, &mut p) {
+            if named
+                && self.baseline_loggable(slot.flags())
+                && self.log_baseline(&slot, t, fd, &mut p)
+            {
                 self.count(P_ABSORBED_FSYNC, 1);
                 return Ok(());
             }

@@ -417,6 +417,73 @@ impl Client {
         fd: i32,
         under: impl FnOnce(&libc::stat) -> bool,
     ) -> Option<io::Result<()>> {
+        let r = self.dir_durable(fd, under)?;
+        Some(r.map(|nothing_to_do| {
+            if nothing_to_do {
+                self.count(P_DIR_FSYNC, 1);
+            }
+        }))
+    }
+
+    /// Before the first sync of a file is absorbed as a whole-file baseline
+    /// (`Client::log_baseline`; `st`, its status): its name made durable where the lower may
+    /// not have it yet. The lower's own fsync, which the baseline stands in for, commits the
+    /// journal and with it the file's name (ext4, XFS); but a file made by a program outside
+    /// `pmstack run`, or before the daemon started, has a name no record holds, and once a
+    /// power cut took it (and the inode with it) the baseline's records, bound to the file's
+    /// handle, would have nothing to be replayed on. So its directory is made durable as an
+    /// fsync of it would be (`dir_durable`): nothing to do where every change of it was
+    /// logged (a name made by a logged creation, or one the lower made durable before); else
+    /// a namespace write-back, which syncs it and every directory above it up to the root.
+    /// Whether the name is durable (true for a file with no name left); false where this
+    /// could not be told or done (no path under the root, the daemon not serving, a sync
+    /// that failed): the caller's sync is then the lower's own. Caller holds no slot lock
+    /// (the namespace lock comes first).
+    pub(in crate::front) fn name_durable(&self, fd: i32, st: &libc::stat) -> bool {
+        if st.st_nlink == 0 {
+            return true;
+        }
+        // (Through the daemon's copy of the root's mount too, `sys::fd_path_under`.)
+        let Some(mut path) = sys::fd_path_under(&self.root, fd) else {
+            return false;
+        };
+        let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
+            return false;
+        };
+        path.truncate(slash.max(1));
+        let Ok(dir) = CString::new(path) else {
+            return false;
+        };
+        let Ok(dfd) = sys::openat(
+            libc::AT_FDCWD,
+            dir.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            0,
+        ) else {
+            return false;
+        };
+        // SAFETY: a fresh descriptor we own.
+        let dir = unsafe { OwnedFd::from_raw_fd(dfd) };
+        match self.dir_durable(dir.as_raw_fd(), |_| true) {
+            Some(Ok(true)) => true,
+            Some(Ok(false)) => {
+                self.table
+                    .w(H_BASELINE_NAME_WRITE_BACKS)
+                    .fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Make the directory `fd` durable as its fsync must: nothing to do (Ok(true)) if every
+    /// change of it since it was last made durable was logged; otherwise everything is
+    /// written back (Ok(false)). None: not ours (`fsync_dir`).
+    fn dir_durable(
+        &self,
+        fd: i32,
+        under: impl FnOnce(&libc::stat) -> bool,
+    ) -> Option<io::Result<bool>> {
         let st = sys::fstat(fd).ok()?;
         if st.st_mode & libc::S_IFMT != libc::S_IFDIR
             || st.st_dev != self.root_dev
@@ -433,7 +500,7 @@ impl Client {
         if !slot.holds(st.st_dev, st.st_ino, gen) {
             // The daemon freed its slot since (it was idle): what it knew of the directory
             // went with it.
-            return Some(self.write_back_namespace(&[fd]));
+            return Some(self.write_back_namespace(&[fd]).map(|()| false));
         }
         let c0 = ctime(fd);
         if self.logged_up_to(&slot, c0) {
@@ -446,10 +513,9 @@ impl Client {
                     slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
                 }
                 self.count(P_FALLBACKS, 1);
-                return Some(r);
+                return Some(r.map(|()| false));
             }
-            self.count(P_DIR_FSYNC, 1);
-            return Some(Ok(()));
+            return Some(Ok(true));
         }
         // The write-back syncs the directory itself: an attribute change made before it is
         // durable with it.
@@ -460,6 +526,6 @@ impl Client {
         } else {
             slot.w(S_FLAGS).fetch_or(attrs, Ordering::AcqRel);
         }
-        Some(r)
+        Some(r.map(|()| false))
     }
 }

@@ -695,6 +695,7 @@ impl Daemon {
             "vetted_at_open": self.table.w(H_VETTED_AT_OPEN).load(Ordering::Relaxed),
             "baselines_from_snapshots": self.table.w(H_SNAPSHOTS_USED).load(Ordering::Relaxed),
             "syncs_from_copies": self.table.w(H_SYNCS_FROM_COPIES).load(Ordering::Relaxed),
+            "baseline_name_write_backs": self.table.w(H_BASELINE_NAME_WRITE_BACKS).load(Ordering::Relaxed),
             "areas_leased": claimed,
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),

@@ -99,6 +99,11 @@ pub const H_SNAPSHOTS_USED: usize = 67;
 /// Absorbed syncs whose dirty bytes all came from copies kept at write time, none read back
 /// from the lower (over a FUSE or network lower: `Client::copies`).
 pub const H_SYNCS_FROM_COPIES: usize = 68;
+/// Of the first syncs about to be absorbed as a baseline, those whose file's directory had
+/// a change that was not logged (a file made outside `pmstack run`, or before the daemon
+/// started): the namespace was written back first, so that the file's name is durable
+/// (`Client::name_durable`).
+pub const H_BASELINE_NAME_WRITE_BACKS: usize = 69;
 const _: () = {
     let mut i = 0;
     while i < COUNTERS.len() {
@@ -107,7 +112,7 @@ const _: () = {
         assert!(COUNTERS[i] != P_PID && COUNTERS[i] != P_IN_FLIGHT);
         i += 1;
     }
-    assert!(H_COARSE_CTIME < PROCS_AT && H_SNAPSHOTS_USED < PROCS_AT);
+    assert!(H_COARSE_CTIME < PROCS_AT && H_BASELINE_NAME_WRITE_BACKS < PROCS_AT);
     assert!(P_IN_FLIGHT < PROC_WORDS);
 };
 

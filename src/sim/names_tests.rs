@@ -1,0 +1,136 @@
+//! A file whose name the lower may not have made durable yet (a program outside `pmstack run`
+//! made it, and nothing synced its directory since), then synced by an attached process: the
+//! first sync is absorbed (its whole file logged, `Client::log_baseline`) instead of the
+//! lower's own fsync, which would have committed the name with the journal. Over the crash
+//! simulator's PM and a real lower directory, with the power cut the fault model allows: the
+//! names the lower did not commit are gone, and so is a file's data it did not sync.
+
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::procs::{attach_processes, close, counters, open_path};
+use super::ScratchDir;
+use crate::engine::Log;
+use crate::front::serve::{Daemon, ServeOpts};
+use crate::front::table::{DEFAULT_SLOTS, P_ABSORBED_FSYNC};
+use crate::lower::{creds, RealLower};
+use crate::pmem::sim::SimPmem;
+
+/// `out/f`, both made by a program that is not attached and synced by nobody, then written
+/// and fsynced by an attached one. Before 2026-11-28 the absorbed sync left the names to the
+/// lower's next journal commit, and a power cut before it lost the file and its acknowledged
+/// bytes: recovery found no object for the records' handle.
+#[test]
+fn a_file_made_outside_and_synced_under_run_keeps_its_name_through_a_power_cut() {
+    for in_subdir in [false, true] {
+        file_made_outside_then_synced(in_subdir);
+    }
+}
+
+fn file_made_outside_then_synced(in_subdir: bool) {
+    let dir = ScratchDir::new();
+    let lower = dir.0.join("lower");
+    fs::create_dir(&lower).unwrap();
+    let lower = fs::canonicalize(&lower).unwrap();
+    let sim = Arc::new(SimPmem::new(2048 * 4096));
+    let log = Arc::new(Log::format(sim.clone(), [3; 16], 16).unwrap());
+    crate::lower::write_marker(&lower, [3; 16]).unwrap();
+    log.reset();
+    log.set_clean(false);
+    let table_path = dir.0.join("table");
+    let d = Daemon::new(
+        log,
+        RealLower::open(&lower).unwrap(),
+        &table_path,
+        ServeOpts {
+            root: lower.clone(),
+            watch: false,
+            sock: dir.0.join("sock"),
+            region: dir.0.join("region"),
+            flush_interval: Duration::from_secs(3600),
+            early_bytes: u64::MAX,
+            user: creds::user_with_id(creds::euid()).unwrap(),
+            recovery: serde_json::Value::Null,
+            slots: DEFAULT_SLOTS,
+        },
+    )
+    .unwrap();
+    // Everything so far (the marker) is durable: the power cut below takes back only what
+    // comes after.
+    RealLower::open(&lower).unwrap().syncfs().unwrap();
+    let (pids, clients) = attach_processes(false, &table_path, d.table.epoch(), &sim, &lower);
+    let c = &clients[0];
+
+    // The program outside: no sync at all.
+    let top = if in_subdir {
+        lower.join("out")
+    } else {
+        lower.clone()
+    };
+    if in_subdir {
+        fs::create_dir(&top).unwrap();
+    }
+    let f = top.join("f");
+    fs::write(&f, b"outside").unwrap();
+    let before = counters(&d.table, &pids);
+    let absorbed_before = d.table.counters_of(pids[0]).unwrap()[P_ABSORBED_FSYNC];
+
+    // The attached program: a write after those bytes, and an fsync.
+    let o = open_path(c, f.as_os_str().as_bytes(), false, libc::O_RDWR);
+    let mut bytes = crate::front::sys::Aligned::zeroed(6);
+    bytes.copy_from_slice(b"synced");
+    let n = c
+        .write(
+            &o.t,
+            o.fd,
+            crate::front::sys::ProgramBytes::of(&bytes),
+            Some(7),
+            false,
+        )
+        .unwrap();
+    assert_eq!(n, 6);
+    c.fsync(&o.t, o.fd).unwrap();
+    let absorbed = d.table.counters_of(pids[0]).unwrap()[P_ABSORBED_FSYNC] - absorbed_before;
+    assert_eq!(
+        absorbed, 1,
+        "the sync is absorbed (what this test is about)"
+    );
+    let after = counters(&d.table, &pids);
+    // The power cut, now: PM as flushed; the lower as far as something committed it. A real
+    // sync of a file, or of a directory, or a syncfs (a namespace write-back) commits the
+    // journal of a local file system, and with it every name made before.
+    let img = sim.persisted_image();
+    let file_synced = after.0 > before.0;
+    let names_committed = file_synced || after.1 > before.1 || after.4 > before.4;
+    close(c, o.fd);
+    drop(clients);
+    drop(d);
+    if !names_committed {
+        if in_subdir {
+            fs::remove_dir_all(&top).unwrap();
+        } else {
+            fs::remove_file(&f).unwrap();
+        }
+    } else if !file_synced {
+        // Named, but its bytes were never synced by the lower.
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+    }
+
+    let (log2, s2) = Log::open(Arc::new(SimPmem::from_image(img))).unwrap();
+    let sum =
+        crate::core::recover::recover(&log2, &s2, &RealLower::open(&lower).unwrap(), &|_, _| {})
+            .unwrap();
+    let got = fs::read(&f).unwrap_or_else(|e| {
+        panic!(
+            "in_subdir {in_subdir}: the fsynced file is gone after recovery ({e}; names committed: {names_committed}; {sum:?})"
+        )
+    });
+    assert_eq!(got, b"outsidesynced", "in_subdir {in_subdir}: {sum:?}");
+}
