@@ -132,6 +132,7 @@ pub const METRICS: &[Metric] = &[
     m("baselines_logged", Counter, Count, Serve, "first syncs of an object since it was vetted absorbed by logging the whole file (at most 256 KiB) instead of the lower file system's own fsync"),
     m("vetted_at_open", Counter, Count, Serve, "objects vetted by the process that opened them, at the open (a lease test: no other open file writes or reads the object), without the daemon's scan of /proc"),
     m("baselines_from_snapshots", Counter, Count, Serve, "of baselines_logged, those built from the file as read when it was vetted at its open, with the process's unsynced bytes over it, instead of reading it back at the sync (a FUSE or network lower, whose reads after writes are slow)"),
+    m("baseline_name_write_backs", Counter, Count, Serve, "of the first syncs about to be logged whole, those whose directory had a change that was not logged (a file made outside pmstack run or before the daemon started): the namespace was written back first so that the file's name is durable"),
     m("syncs_from_copies", Counter, Count, Serve, "absorbed syncs whose unsynced bytes all came from copies kept when they were written, none read back from the lower (a FUSE or network lower, whose reads after writes are slow)"),
     m("areas_leased", Gauge, Count, Serve, "append areas of the PM log leased to processes now"),
     m("lsn", Gauge, Lsn, Serve, "the log's next sequence number"),
