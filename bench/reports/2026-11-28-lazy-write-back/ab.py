@@ -6,6 +6,7 @@ import json, os, statistics, subprocess, sys, time
 OLD, NEW = sys.argv[1], sys.argv[2]          # repository checkouts with release builds
 REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
 SECS = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+SIZE = sys.argv[5] if len(sys.argv) > 5 else "256M"
 W = "/var/tmp/ablazy"
 def sh(*a, **k): return subprocess.run(list(a), check=True, **k)
 os.makedirs(W, exist_ok=True)
@@ -22,7 +23,7 @@ try:
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.5)
     def wrap(c, cmd): return cmd if c == "ext4" else [pm(c), "run", "--root", dirs[c], "--"] + cmd
-    def fio(d): return ["fio", "--name=a", "--ioengine=psync", "--size=256M", "--randrepeat=1", "--rw=randwrite",
+    def fio(d): return ["fio", "--name=a", "--ioengine=psync", f"--size={SIZE}", "--randrepeat=1", "--rw=randwrite",
                         "--bs=4k", f"--runtime={SECS}", "--time_based", f"--filename={d}/f", "--output-format=json"]
     res = {c: [] for c in dirs}
     order = list(dirs)
@@ -34,7 +35,7 @@ try:
     for c in ("old", "new"):
         st = subprocess.run([pm(c), "stat", "--json", dirs[c]], capture_output=True, text=True).stdout
         wbs[c] = json.loads(st).get("writebacks")
-    print(f"{REPS} interleaved repetitions of {SECS} s, fio 4 KiB random writes to a 256 MiB file, no syncs, order rotated;")
+    print(f"{REPS} interleaved repetitions of {SECS} s, fio 4 KiB random writes to a {SIZE} file, no syncs, order rotated;")
     print("IOPS median (min-max), ratio to ext4 alone; daemon write-backs over the whole run")
     print("| ext4 | run before | run after | before/ext4 | after/ext4 | write-backs before | after |")
     print("|---|---|---|---|---|---|---|")

@@ -121,7 +121,9 @@ impl super::Client {
     /// that no closing call changes what the number refers to until the guard is dropped
     /// (`fdlock`). The guard is None where this thread holds the number already.
     pub fn tracked_held(&self, fd: i32) -> Option<(Held<'_>, std::sync::Arc<super::Tracked>)> {
-        self.tracked(fd)?;
+        if !self.is_tracked(fd) {
+            return None;
+        }
         let held = self.fd_locks.shared(fd);
         Some((held, self.tracked(fd)?))
     }

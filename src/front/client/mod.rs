@@ -403,6 +403,12 @@ impl Client {
         m.get(&fd).cloned()
     }
 
+    /// Whether `fd` is tracked (`tracked` without taking a reference).
+    pub(super) fn is_tracked(&self, fd: i32) -> bool {
+        let m = self.fds.read();
+        !m.is_empty() && m.contains_key(&fd)
+    }
+
     pub fn untrack(&self, fd: i32) {
         // Most closes are of descriptors nobody tracks (reads, sockets): asked under the
         // shared lock, so threads closing files at once do not take turns. (The descriptor
