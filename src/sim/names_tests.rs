@@ -8,14 +8,12 @@
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::procs::{attach_processes, close, counters, open_path};
 use super::ScratchDir;
 use crate::engine::Log;
-use crate::front::serve::{Daemon, ServeOpts};
 use crate::front::table::{DEFAULT_SLOTS, P_ABSORBED_FSYNC};
-use crate::lower::{creds, RealLower};
+use crate::lower::RealLower;
 use crate::pmem::sim::SimPmem;
 
 /// `out/f`, both made by a program that is not attached and synced by nobody, then written
@@ -31,32 +29,9 @@ fn a_file_made_outside_and_synced_under_run_keeps_its_name_through_a_power_cut()
 
 fn file_made_outside_then_synced(in_subdir: bool) {
     let dir = ScratchDir::new();
-    let lower = dir.0.join("lower");
-    fs::create_dir(&lower).unwrap();
-    let lower = fs::canonicalize(&lower).unwrap();
-    let sim = Arc::new(SimPmem::new(2048 * 4096));
-    let log = Arc::new(Log::format(sim.clone(), [3; 16], 16).unwrap());
-    crate::lower::write_marker(&lower, [3; 16]).unwrap();
-    log.reset();
-    log.set_clean(false);
+    let (lower, sim, d) =
+        super::run::serve_sim(&dir.0, |l| RealLower::open(l).unwrap(), DEFAULT_SLOTS);
     let table_path = dir.0.join("table");
-    let d = Daemon::new(
-        log,
-        RealLower::open(&lower).unwrap(),
-        &table_path,
-        ServeOpts {
-            root: lower.clone(),
-            watch: false,
-            sock: dir.0.join("sock"),
-            region: dir.0.join("region"),
-            flush_interval: Duration::from_secs(3600),
-            early_bytes: u64::MAX,
-            user: creds::user_with_id(creds::euid()).unwrap(),
-            recovery: serde_json::Value::Null,
-            slots: DEFAULT_SLOTS,
-        },
-    )
-    .unwrap();
     // Everything so far (the marker) is durable: the power cut below takes back only what
     // comes after.
     RealLower::open(&lower).unwrap().syncfs().unwrap();

@@ -64,9 +64,15 @@ fn small_table(nops: usize) -> usize {
     16.max(nops * 16 / 50)
 }
 
-pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) {
-    let dir = ScratchDir::new();
-    let lower_path = dir.0.join("lower");
+/// A lower directory `dir/lower` (its canonical path), the crash-simulating PM, and a daemon
+/// serving the lower on it (`real`: the lower as the daemon opens it, made from that path)
+/// with a table of `slots` at `dir/table`: no watch, and write-back only when the caller asks.
+pub(super) fn serve_sim(
+    dir: &std::path::Path,
+    real: impl FnOnce(&std::path::Path) -> RealLower,
+    slots: usize,
+) -> (std::path::PathBuf, Arc<SimPmem>, Daemon) {
+    let lower_path = dir.join("lower");
     fs::create_dir(&lower_path).unwrap();
     let lower = fs::canonicalize(&lower_path).unwrap();
     let sim = Arc::new(SimPmem::new(2048 * 4096));
@@ -76,38 +82,51 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // As `serve` starts on an empty log: every page chunk back to the shared pool.
     log.reset();
     log.set_clean(false);
-    let table_path = dir.0.join("table");
-    let small_table = seed % 3 == 1;
-    cov.small_tables += small_table as u64;
-    let per_object = kinds.syncfs_ignored;
-    cov.syncfs_ignored += per_object as u64;
-    let mut real = RealLower::open(&lower).unwrap();
-    if per_object {
-        real = real.ignoring_syncfs();
-    }
     let d = Daemon::new(
         log,
-        real,
-        &table_path,
+        real(&lower),
+        &dir.join("table"),
         ServeOpts {
             root: lower.clone(),
             watch: false,
-            sock: dir.0.join("sock"),
-            region: dir.0.join("region"),
+            sock: dir.join("sock"),
+            region: dir.join("region"),
             flush_interval: Duration::from_secs(3600),
             early_bytes: u64::MAX,
             user: creds::user_with_id(creds::euid()).unwrap(),
             recovery: serde_json::Value::Null,
-            // A third of the histories (by seed) on a table of a few slots, whose write-backs
-            // free the slots of every idle object (it gets a new one when tracked again).
-            slots: if small_table {
-                self::small_table(nops)
-            } else {
-                DEFAULT_SLOTS
-            },
+            slots,
         },
     )
     .unwrap();
+    (lower, sim, d)
+}
+
+pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) {
+    let dir = ScratchDir::new();
+    let small_table = seed % 3 == 1;
+    cov.small_tables += small_table as u64;
+    let per_object = kinds.syncfs_ignored;
+    cov.syncfs_ignored += per_object as u64;
+    let (lower, sim, d) = serve_sim(
+        &dir.0,
+        |l| {
+            let real = RealLower::open(l).unwrap();
+            if per_object {
+                real.ignoring_syncfs()
+            } else {
+                real
+            }
+        },
+        // A third of the histories (by seed) on a table of a few slots, whose write-backs
+        // free the slots of every idle object (it gets a new one when tracked again).
+        if small_table {
+            self::small_table(nops)
+        } else {
+            DEFAULT_SLOTS
+        },
+    );
+    let table_path = dir.0.join("table");
     let d = Arc::new(d);
     // The daemon's syncs of the lower, on this thread (the history's write-backs) and on the
     // waker's (those a process waits for).
