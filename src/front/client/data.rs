@@ -17,16 +17,19 @@ impl Client {
     ) -> io::Result<usize> {
         let sync = t.sync || sync_flag;
         let slot = self.table.slot(t.ino.slot);
+        // An O_SYNC write absorbed stands in for the lower's own sync, which would have made
+        // the file's name durable too (`name_settled`; before the slot lock, since the
+        // namespace lock comes first). Where it is not known to be, the write is the lower's
+        // own, synced.
+        let named = !sync || self.name_settled(&slot, fd);
         let _g = slot.lock();
         if sync {
             self.note_sync(&slot, t, fd);
         }
         let mut p = t.ino.p.lock();
         let serving = self.serving();
-        if serving
-            && self.loggable(slot.flags())
-            && crate::policy::must_log_first(sync, self.live(&slot))
-        {
+        let loggable = named && self.loggable(slot.flags());
+        if serving && loggable && crate::policy::must_log_first(sync, self.live(&slot)) {
             // Logged (and committed) before the lower file system sees the bytes: see
             // `policy::must_log_first`. Where they land is known before the write.
             // An O_APPEND descriptor writes at the end of the file, a pwrite too (Linux
@@ -88,10 +91,7 @@ impl Client {
             }
             return Ok(n);
         }
-        if crate::policy::must_write_back_first(
-            self.live(&slot),
-            serving && self.loggable(slot.flags()),
-        ) {
+        if crate::policy::must_write_back_first(self.live(&slot), serving && loggable) {
             // On the lower file system alone from here: its live entries go first (replay
             // must never apply them over this write, which the lower may make durable by
             // itself).
@@ -115,7 +115,7 @@ impl Client {
         // the file now: a later absorbed sync reads them back (logging a copy would roll
         // these bytes back at replay). So is the file as read at its open
         // (`Private::snapshot`), which lacks them.
-        if !serving || !self.loggable(slot.flags()) {
+        if !serving || !loggable {
             p.dirty.forget_copy();
             p.snapshot = None;
             if sync {
@@ -175,10 +175,8 @@ impl Client {
             let f = slot.flags();
             !self.absorbable(f)
                 && self.baseline_loggable(f)
-                && self.serving()
-                && sys::fstat(fd).is_ok_and(|st| {
-                    st.st_size as u64 <= BASELINE_LOG_MAX && self.name_durable(fd, &st)
-                })
+                && sys::fstat(fd).is_ok_and(|st| st.st_size as u64 <= BASELINE_LOG_MAX)
+                && self.name_settled(&slot, fd)
         };
         let _g = slot.lock();
         self.note_sync(&slot, t, fd);
@@ -243,6 +241,30 @@ impl Client {
         slot.clear_lazy(Some(self.pid));
         self.count(P_ABSORBED_FSYNC, 1);
         Ok(())
+    }
+
+    /// Whether the object's name needs nothing more before a sync of it is absorbed: known
+    /// (`F_BASELINE`: born through the log, or synced by the lower since; `F_NAMED`), or made
+    /// durable now (`name_durable`), which is then remembered. False where that could not be
+    /// done, or the object is not one whose syncs are absorbed now (the caller's sync is then
+    /// the lower's own, also where the flags change before it takes the slot lock). Caller
+    /// holds no slot lock.
+    fn name_settled(&self, slot: &Slot<'_>, fd: i32) -> bool {
+        let f = slot.flags();
+        if f & (F_BASELINE | F_NAMED) != 0 {
+            return true;
+        }
+        if !self.loggable(f) || !self.serving() {
+            return false;
+        }
+        let Ok(st) = sys::fstat(fd) else {
+            return false;
+        };
+        if !self.name_durable(fd, &st) {
+            return false;
+        }
+        slot.w(S_FLAGS).fetch_or(F_NAMED, Ordering::AcqRel);
+        true
     }
 
     /// The object's syncs could be absorbed but for its baseline: every writer is seen from

@@ -295,6 +295,11 @@ pub const F_BORN_UNSYNCED: u64 = 2048;
 /// A directory (set when its slot is claimed): its lazy words say what the log knows of its
 /// entries (`S_DIR_CTIME`, `S_DIR_NS_LSN`).
 pub const F_DIR: u64 = 4096;
+/// The object's name is known to be durable, or to need nothing for a sync of it to be
+/// absorbed (`Client::name_settled`): a sync absorbed from the log stands in for the lower's
+/// own fsync, which would have committed the name with the journal, and the log's records
+/// are bound to the object's handle.
+pub const F_NAMED: u64 = 8192;
 /// Writers the library does not see: while any of these is set, nothing about the object is
 /// logged and its syncs are the lower file system's own.
 pub const F_NOT_SEEN: u64 = F_MMAP | F_UNSEEN | F_FOREIGN;
