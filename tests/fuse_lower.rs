@@ -37,6 +37,24 @@ impl Drop for BindFs {
 }
 
 /// `pmstack stat --json` of the served directory `dir` (null if it answers nothing).
+/// Wake the daemon serving `bind` until it has made `n` more write-backs (at most a minute).
+fn woken_write_backs(bind: &Path, n: u64) {
+    let writebacks = || pmstack_stat(bind)["writebacks"].as_u64().unwrap_or(0);
+    let w0 = writebacks();
+    let table = pmstack::front::table::Table::open(&pmstack::front::paths(bind).1).unwrap();
+    let t0 = Instant::now();
+    while writebacks() < w0 + n {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no write-back within a minute of waking the daemon"
+        );
+        table
+            .w(pmstack::front::table::H_WAKE)
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn pmstack_stat(dir: &Path) -> serde_json::Value {
     let out = Command::new(common::bin())
         .args(["stat", "--json"])
@@ -321,21 +339,9 @@ os.fsync(fd); os.close(fd)
     common::run_python(&bind, script, &[bind.as_os_str(), stats.as_os_str()]);
     let stat = || pmstack_stat(&bind);
     assert_eq!(stat()["syncfs_trusted"], false, "{}", stat());
-    let w0 = stat()["writebacks"].as_u64().unwrap_or(0);
-    let t0 = Instant::now();
     // Woken: with nothing live left, the periodic write-back waits for the kernel's age of
     // dirty pages (30 s).
-    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&bind).1).unwrap();
-    while stat()["writebacks"].as_u64().unwrap_or(0) < w0 + 2 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no write-back within a minute"
-        );
-        table
-            .w(pmstack::front::table::H_WAKE)
-            .store(1, std::sync::atomic::Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    woken_write_backs(&bind, 2);
     let s = stat();
     assert!(
         s["totals"]["absorbed_fsync"].as_u64().unwrap_or(0) > 0,
@@ -395,7 +401,6 @@ os.write(fd, bytes((k % 253) for k in range(65536))); os.fsync(fd)
 os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd)
 "#;
     common::run_python(&bind, script, &[bind.as_os_str()]);
-    let stat = || pmstack_stat(&bind);
     assert!(
         unsynced_pages(&ext4.join("f")) > 0,
         "the file's bytes are already durable below: this test cannot show what it is for"
@@ -411,19 +416,7 @@ os.pwrite(fd, bytes(200 for k in range(30000)), 4096); os.fsync(fd); os.close(fd
         fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
         std::thread::sleep(Duration::from_millis(10));
     }
-    let w0 = stat()["writebacks"].as_u64().unwrap_or(0);
-    let table = pmstack::front::table::Table::open(&pmstack::front::paths(&bind).1).unwrap();
-    let t0 = Instant::now();
-    while stat()["writebacks"].as_u64().unwrap_or(0) < w0 + 1 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no write-back within a minute of waking the daemon"
-        );
-        table
-            .w(pmstack::front::table::H_WAKE)
-            .store(1, std::sync::atomic::Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    woken_write_backs(&bind, 1);
     assert_eq!(
         unsynced_pages(&ext4.join("f")),
         0,

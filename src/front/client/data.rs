@@ -21,7 +21,7 @@ impl Client {
         // the file's name durable too (`name_settled`; before the slot lock, since the
         // namespace lock comes first). Where it is not known to be, the write is the lower's
         // own, synced.
-        let named = !sync || self.name_settled(&slot, fd);
+        let named = !sync || self.name_settled(&slot, fd, None);
         let _g = slot.lock();
         if sync {
             self.note_sync(&slot, t, fd);
@@ -175,8 +175,9 @@ impl Client {
             let f = slot.flags();
             !self.absorbable(f)
                 && self.baseline_loggable(f)
-                && sys::fstat(fd).is_ok_and(|st| st.st_size as u64 <= BASELINE_LOG_MAX)
-                && self.name_settled(&slot, fd)
+                && sys::fstat(fd).is_ok_and(|st| {
+                    st.st_size as u64 <= BASELINE_LOG_MAX && self.name_settled(&slot, fd, Some(st))
+                })
         };
         let _g = slot.lock();
         self.note_sync(&slot, t, fd);
@@ -247,9 +248,9 @@ impl Client {
     /// (`F_BASELINE`: born through the log, or synced by the lower since; `F_NAMED`), or made
     /// durable now (`name_durable`), which is then remembered. False where that could not be
     /// done, or the object is not one whose syncs are absorbed now (the caller's sync is then
-    /// the lower's own, also where the flags change before it takes the slot lock). Caller
-    /// holds no slot lock.
-    fn name_settled(&self, slot: &Slot<'_>, fd: i32) -> bool {
+    /// the lower's own, also where the flags change before it takes the slot lock). `st`:
+    /// the status of `fd` where the caller has it. Caller holds no slot lock.
+    fn name_settled(&self, slot: &Slot<'_>, fd: i32, st: Option<libc::stat>) -> bool {
         let f = slot.flags();
         if f & (F_BASELINE | F_NAMED) != 0 {
             return true;
@@ -257,7 +258,7 @@ impl Client {
         if !self.loggable(f) || !self.serving() {
             return false;
         }
-        let Ok(st) = sys::fstat(fd) else {
+        let Some(st) = st.or_else(|| sys::fstat(fd).ok()) else {
             return false;
         };
         if !self.name_durable(fd, &st) {

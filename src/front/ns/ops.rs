@@ -381,22 +381,10 @@ impl Client {
             return Ok(false);
         }
         // (Through the daemon's copy of the root's mount too, `sys::fd_path_under`.)
-        let mut path = sys::fd_path_under(&self.root, fd)
+        let path = sys::fd_path_under(&self.root, fd)
             .or_else(|| sys::fd_path(fd))
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EIO))?;
-        let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        };
-        path.truncate(slash.max(1));
-        let dir = CString::new(path).map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
-        let dfd = sys::openat(
-            libc::AT_FDCWD,
-            dir.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            0,
-        )?;
-        // SAFETY: a fresh descriptor we own.
-        let dir = unsafe { OwnedFd::from_raw_fd(dfd) };
+        let dir = open_parent(path)?;
         let mut synced = false;
         self.each_dir_up_to_root(dir.as_raw_fd(), |at, st| {
             if self.named_live(st) {
@@ -444,26 +432,9 @@ impl Client {
             return true;
         }
         // (Through the daemon's copy of the root's mount too, `sys::fd_path_under`.)
-        let Some(mut path) = sys::fd_path_under(&self.root, fd) else {
+        let Some(Ok(dir)) = sys::fd_path_under(&self.root, fd).map(open_parent) else {
             return false;
         };
-        let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
-            return false;
-        };
-        path.truncate(slash.max(1));
-        let Ok(dir) = CString::new(path) else {
-            return false;
-        };
-        let Ok(dfd) = sys::openat(
-            libc::AT_FDCWD,
-            dir.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            0,
-        ) else {
-            return false;
-        };
-        // SAFETY: a fresh descriptor we own.
-        let dir = unsafe { OwnedFd::from_raw_fd(dfd) };
         match self.dir_durable(dir.as_raw_fd(), |_| true) {
             Some(Ok(true)) => true,
             Some(Ok(false)) => {
@@ -528,4 +499,22 @@ impl Client {
         }
         Some(r.map(|()| false))
     }
+}
+
+/// The directory that holds the entry at the absolute `path`, opened for reading (and so for
+/// fsync). EIO for a path with no slash or a NUL in it.
+fn open_parent(mut path: Vec<u8>) -> io::Result<OwnedFd> {
+    let Some(slash) = path.iter().rposition(|&b| b == b'/') else {
+        return Err(io::Error::from_raw_os_error(libc::EIO));
+    };
+    path.truncate(slash.max(1));
+    let dir = CString::new(path).map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+    let dfd = sys::openat(
+        libc::AT_FDCWD,
+        dir.as_ptr(),
+        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        0,
+    )?;
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(dfd) })
 }

@@ -490,8 +490,6 @@ impl Daemon {
         }
     }
 
-    /// The daemon's loop until `stop`: periodic and early write-back, reclaiming
-    /// the leases of processes that died once a write-back passed their last append.
     /// Whether the periodic write-back is due, `since` the last one: every `flush_interval`
     /// while the log holds records that may be live (a record took an LSN since the last
     /// checkpoint) or a process that exited holds an area; with nothing but unsynced writes
@@ -507,6 +505,8 @@ impl Daemon {
             && (self.log.lsn_now() > self.log.checkpoint_lsn() || dead || since >= lazy_every)
     }
 
+    /// The daemon's loop until `stop`: periodic and early write-back, reclaiming
+    /// the leases of processes that died once a write-back passed their last append.
     pub fn run(&self, stop: &AtomicBool, stats_path: &Path) {
         let mut last_wb = Instant::now();
         let mut logged_at_wb = self.logged_bytes();
