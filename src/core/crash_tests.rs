@@ -27,6 +27,7 @@ const LINKS: Kinds = Kinds {
     write_only: false,
     appends: false,
     direct: false,
+    unsynced_outside: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -356,6 +357,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 write_only: false,
                 appends: false,
                 direct: false,
+                unsynced_outside: false,
             },
         )
     });
@@ -388,6 +390,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 write_only: false,
                 appends: false,
                 direct: false,
+                unsynced_outside: false,
             },
         )
     });

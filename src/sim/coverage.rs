@@ -65,6 +65,12 @@ pub struct Coverage {
     pub paths_synced: u64,
     /// `pmstack run`: names changed in the lower by a program that is not attached.
     pub outside_changes: u64,
+    /// `pmstack run`: files such a program made and synced nothing of
+    /// (`Kinds::unsynced_outside`).
+    pub outside_unsynced: u64,
+    /// Crashes after which such a file's name was gone (the power cut took it back), with
+    /// nothing of it acknowledged as durable since.
+    pub unsynced_names_lost: u64,
     /// Histories that ended in a kill of the processes rather than a power cut.
     pub kills: u64,
     /// Crash images whose live log records were in more than one append area (recovery
@@ -128,6 +134,8 @@ impl Coverage {
         self.refused_unserved_data += o.refused_unserved_data;
         self.paths_synced += o.paths_synced;
         self.outside_changes += o.outside_changes;
+        self.outside_unsynced += o.outside_unsynced;
+        self.unsynced_names_lost += o.unsynced_names_lost;
         self.kills += o.kills;
         self.multi_area_logs += o.multi_area_logs;
         self.rmdirs_taken_back += o.rmdirs_taken_back;

@@ -180,6 +180,13 @@ pub struct Kinds {
     /// own caching opens its files: its writes are whole pages at page offsets, from
     /// page-aligned memory, and the lower's page cache never holds them.
     pub direct: bool,
+    /// `pmstack run`: the program that is not attached (`outside`) also makes files it
+    /// syncs nothing of, neither their bytes nor their directories (a program that leaves
+    /// durability to others, or to the lower's next journal commit): a power cut may take
+    /// back such a file's name, and then no attached operation may depend on it, until the
+    /// lower commits it or an attached process acknowledges something of the file as
+    /// durable (a sync, an O_SYNC write, a namespace operation naming it).
+    pub unsynced_outside: bool,
 }
 
 impl Kinds {
@@ -197,13 +204,22 @@ impl Kinds {
         write_only: true,
         appends: true,
         direct: true,
+        unsynced_outside: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had files made and left unsynced by the
+    /// program that is not attached (2026-11-28, the fifteenth session): what the seeds
+    /// found before run with.
+    pub const CAMPAIGN_BEFORE_UNSYNCED_OUTSIDE: Kinds = Kinds {
+        unsynced_outside: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had O_DIRECT descriptors (2026-11-28, the
     /// eleventh session): what the seeds found before run with.
     pub const CAMPAIGN_BEFORE_DIRECT: Kinds = Kinds {
         direct: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_UNSYNCED_OUTSIDE
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had O_APPEND descriptors (2026-11-28, the
@@ -273,6 +289,9 @@ impl Kinds {
         }
         if !self.direct {
             f += " --no-direct";
+        }
+        if !self.unsynced_outside {
+            f += " --no-unsynced-outside";
         }
         f
     }
@@ -651,6 +670,7 @@ fn recover_and_check(
         panic!("seed {seed} (crash in op {c}, after {k} ops): recovery rolled back {e}");
     }
     let got = by_name(&recovered);
+    cov.unsynced_names_lost += !lost_unsettled(&got, &models[k]).is_empty() as u64;
     // The operation in flight: its writes happened (maybe), none of it was acknowledged.
     let mid = models[k].in_flight(&models[k1]);
     if check(&got, &mid).is_err() && ![k, k1].iter().any(|&j| check(&got, &models[j]).is_ok()) {

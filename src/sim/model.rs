@@ -94,6 +94,12 @@ pub(super) struct Model {
     pub(super) names: BTreeMap<String, u32>,
     pub(super) files: BTreeMap<u32, File>,
     pub(super) dirs: std::collections::BTreeSet<String>,
+    /// Files a program that is not attached made and synced nothing of
+    /// (`Kinds::unsynced_outside`), by id, with the operation that made them: a power cut
+    /// may take back their names (and then nothing of them may be left), until the lower's
+    /// journal commits past that operation (`settle_committed`) or an attached process is
+    /// told something of the file is durable (`settle`).
+    pub(super) unsettled: BTreeMap<u32, usize>,
 }
 
 impl Model {
@@ -150,6 +156,43 @@ impl Model {
         self.files.insert(id, File { id, events: vec![] });
     }
 
+    /// `create` by a program that is not attached, in operation `op`, syncing nothing.
+    pub(super) fn create_unsettled(&mut self, name: &str, id: u32, op: usize) {
+        self.create(name, id);
+        self.unsettled.insert(id, op);
+    }
+
+    /// Something of the file named `name` was acknowledged as durable: its name must stay.
+    fn settle(&mut self, name: &str) {
+        if let Some(id) = self.names.get(name) {
+            self.unsettled.remove(id);
+        }
+    }
+
+    /// A directory fsync of `dir` (`""`: the root) was acknowledged: the names in it stay.
+    pub(super) fn settle_in(&mut self, dir: &str) {
+        let inside: Vec<u32> = self
+            .names
+            .iter()
+            .filter(|(n, _)| n.rsplit_once('/').map_or("", |(d, _)| d) == dir.trim_end_matches('/'))
+            .map(|(_, &id)| id)
+            .collect();
+        for id in inside {
+            self.unsettled.remove(&id);
+        }
+    }
+
+    /// The lower's journal committed its names as of after `ops` operations: the files made
+    /// before by programs that are not attached keep their names.
+    pub(super) fn settle_committed(&mut self, ops: usize) {
+        self.unsettled.retain(|_, op| *op >= ops);
+    }
+
+    /// Whether a power cut may have taken back the name of the file `id`.
+    pub(super) fn is_unsettled(&self, id: u32) -> bool {
+        self.unsettled.contains_key(&id)
+    }
+
     /// Append the file's next record of `len` bytes: (file id, record index).
     pub(super) fn write(&mut self, name: &str, len: usize, durable: bool) -> (u32, u64) {
         self.write_at(name, len, durable, None)
@@ -165,6 +208,9 @@ impl Model {
         start: Option<u64>,
     ) -> (u32, u64) {
         let idx = self.next_record(name);
+        if durable {
+            self.settle(name);
+        }
         let f = self.file(name);
         f.events
             .push((Ev::Rec(idx, len, start.unwrap_or(idx * REC)), durable));
@@ -203,20 +249,28 @@ impl Model {
     }
 
     pub(super) fn fallocate(&mut self, name: &str, f: Falloc, durable: bool) {
+        if durable {
+            self.settle(name);
+        }
         self.file(name).events.push((Ev::Falloc(f), durable));
     }
 
     pub(super) fn truncate(&mut self, name: &str, size: u64, durable: bool) {
+        if durable {
+            self.settle(name);
+        }
         self.file(name).events.push((Ev::Trunc(size), durable));
     }
 
     /// fsync: everything done to the file so far is durable. (An O_SYNC write makes only
     /// itself durable: `write`.)
     pub(super) fn sync(&mut self, name: &str) {
+        self.settle(name);
         self.file(name).sync();
     }
 
     pub(super) fn sync_everything(&mut self) {
+        self.unsettled.clear();
         self.files.values_mut().for_each(File::sync);
     }
 
@@ -227,6 +281,7 @@ impl Model {
             return None;
         }
         self.files.remove(&id);
+        self.unsettled.remove(&id);
         Some(id)
     }
 
@@ -234,6 +289,7 @@ impl Model {
     /// the file it replaced when that lost its last name.
     pub(super) fn rename(&mut self, a: &str, b: &str) -> Option<u32> {
         let id = self.names[a];
+        self.settle(a);
         if self.names.get(b) == Some(&id) {
             return None;
         }
@@ -245,6 +301,8 @@ impl Model {
 
     pub(super) fn exchange(&mut self, a: &str, b: &str) {
         let (ia, ib) = (self.names[a], self.names[b]);
+        self.settle(a);
+        self.settle(b);
         self.names.insert(a.to_string(), ib);
         self.names.insert(b.to_string(), ia);
     }
@@ -262,6 +320,7 @@ impl Model {
     }
 
     pub(super) fn link(&mut self, a: &str, b: &str) {
+        self.settle(a);
         self.names.insert(b.to_string(), self.names[a]);
     }
 
@@ -269,6 +328,12 @@ impl Model {
     /// far as they were in `self` (the operation was not acknowledged).
     pub(super) fn in_flight(&self, after: &Model) -> Model {
         let mut m = after.clone();
+        // (Nor did it settle a name.)
+        for (id, op) in &self.unsettled {
+            if m.files.contains_key(id) {
+                m.unsettled.insert(*id, *op);
+            }
+        }
         for (id, f) in m.files.iter_mut() {
             let was = self.files.get(id).map_or(&[][..], |f| &f.events[..]);
             for (n, e) in f.events.iter_mut().enumerate() {
@@ -419,9 +484,11 @@ pub(super) fn no_rollback(
 /// some write of it (never garbage).
 pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
     let names: Vec<&String> = got.keys().collect();
+    let lost = lost_unsettled(got, m);
     let want: Vec<&String> = m
         .names
         .keys()
+        .filter(|n| !lost.contains(n))
         .chain(&m.dirs)
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
@@ -429,7 +496,7 @@ pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), St
     if names != want {
         return Err(format!("names {names:?}, model {want:?}"));
     }
-    for (name, id) in &m.names {
+    for (name, id) in m.names.iter().filter(|(n, _)| !lost.contains(n)) {
         let f = &m.files[id];
         let data = &got[name];
         let (bytes, most) = byte_history(f);
@@ -463,6 +530,19 @@ pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), St
         }
     }
     Ok(())
+}
+
+/// The names of `m` that `got` lacks and a power cut may have taken back: those of files a
+/// program that is not attached made and left unsynced (`Model::unsettled`).
+pub(super) fn lost_unsettled<'a>(
+    got: &BTreeMap<String, Vec<u8>>,
+    m: &'a Model,
+) -> std::collections::BTreeSet<&'a String> {
+    m.names
+        .iter()
+        .filter(|(n, id)| m.is_unsettled(**id) && !got.contains_key(*n))
+        .map(|(n, _)| n)
+        .collect()
 }
 
 /// A name for a new file: `f0` to `f5` at the root or, with directories, in any directory of

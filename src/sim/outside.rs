@@ -3,7 +3,9 @@
 //! changed before the next operation (durable by the lower's own means). It renames and
 //! removes only files it made whose names no attached process changed since (`ids`): a name
 //! whose creation is still in the log, removed or renamed over by a program pmstack does not
-//! see, may come back in recovery (the known limit in `docs/preload.md`).
+//! see, may come back in recovery (the known limit in `docs/preload.md`). With
+//! `Kinds::unsynced_outside` it also makes files it syncs nothing of, their names nor their
+//! bytes (`Model::unsettled`).
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -13,7 +15,17 @@ use std::path::Path;
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::{new_file_name, Kinds, Model, Stash};
+use super::{new_file_name, pattern, Kinds, Model, Stash};
+
+/// What `change` did.
+pub(super) struct Change {
+    /// The inode of the file it made.
+    pub(super) made: Option<u64>,
+    /// The file id whose last name it removed.
+    pub(super) gone: Option<u32>,
+    /// It synced what it changed (the lower's journal committed its names up to here).
+    pub(super) synced: bool,
+}
 
 fn sync_dir_of(path: &Path) {
     let d = path.parent().expect("a name under the lower");
@@ -21,10 +33,12 @@ fn sync_dir_of(path: &Path) {
     crate::lower::real::fsync(f.as_raw_fd(), false).expect("harness: fsync of a directory");
 }
 
-/// One change: an empty file made (its data and name synced), a file of `ids` renamed to a
-/// new name, or one removed. `ids`: the files it made whose names no attached process
-/// changed since (the caller takes out those an attached process touches). Returns the inode
-/// it made, and the file id whose last name it removed; None if it changed nothing.
+/// One change (in operation `op`): an empty file made (its data and name synced), a file of
+/// `ids` renamed to a new name, or one removed; with `Kinds::unsynced_outside`, also a file
+/// made, maybe with a record written to it, and nothing synced. `ids`: the files it made
+/// whose names no attached process changed since (the caller takes out those an attached
+/// process touches). None if it changed nothing.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn change(
     ids: &mut BTreeSet<u32>,
     rng: &mut StdRng,
@@ -33,7 +47,8 @@ pub(super) fn change(
     lower: &Path,
     stash: &Stash,
     next_file: &mut u32,
-) -> Option<(Option<u64>, Option<u32>)> {
+    op: usize,
+) -> Option<Change> {
     let names: Vec<String> = model
         .names
         .iter()
@@ -41,7 +56,14 @@ pub(super) fn change(
         .map(|(n, _)| n.clone())
         .collect();
     let at = |n: &str| lower.join(n);
-    match rng.gen_range(0..3) {
+    let done = |made, gone| {
+        Some(Change {
+            made,
+            gone,
+            synced: true,
+        })
+    };
+    match rng.gen_range(0..if kinds.unsynced_outside { 4 } else { 3 }) {
         0 => {
             let name = new_file_name(rng, model, kinds);
             if model.names.contains_key(&name) {
@@ -61,7 +83,7 @@ pub(super) fn change(
             let ino = crate::lower::real::fstat(f.as_raw_fd())
                 .expect("harness: fstat")
                 .st_ino;
-            Some((Some(ino), None))
+            done(Some(ino), None)
         }
         1 if !names.is_empty() => {
             let a = names[rng.gen_range(0..names.len())].clone();
@@ -73,14 +95,41 @@ pub(super) fn change(
             fs::rename(at(&a), at(&b)).expect("harness: rename");
             sync_dir_of(&at(&a));
             sync_dir_of(&at(&b));
-            Some((None, model.rename(&a, &b)))
+            done(None, model.rename(&a, &b))
         }
         2 if !names.is_empty() => {
             let a = names[rng.gen_range(0..names.len())].clone();
             stash.keep_last(lower, &a);
             fs::remove_file(at(&a)).expect("harness: unlink");
             sync_dir_of(&at(&a));
-            Some((None, model.unlink(&a)))
+            done(None, model.unlink(&a))
+        }
+        3 => {
+            let name = new_file_name(rng, model, kinds);
+            if model.names.contains_key(&name) {
+                return None;
+            }
+            let f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(at(&name))
+                .expect("harness: a new file");
+            *next_file += 1;
+            ids.insert(*next_file);
+            model.create_unsettled(&name, *next_file, op);
+            if rng.gen_bool(0.5) {
+                // A record of its own, in the page cache only.
+                use std::os::unix::fs::FileExt;
+                let len = rng.gen_range(1..3000);
+                let (id, idx) = model.write(&name, len, false);
+                f.write_all_at(&pattern(id, idx, len), idx * super::REC)
+                    .expect("harness: a write");
+            }
+            Some(Change {
+                made: None,
+                gone: None,
+                synced: false,
+            })
         }
         _ => None,
     }

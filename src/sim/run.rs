@@ -225,6 +225,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             .w(H_HEARTBEAT)
             .store(if alive { u64::MAX } else { 0 }, Ordering::Relaxed);
         let before = counters(&d.table, &pids);
+        let unsettled_before = model.unsettled.clone();
         // The process whose operation this is.
         let w = if pids.len() > 1 {
             rng.gen_range(0..pids.len())
@@ -247,7 +248,19 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             };
         }
         let names = model.names();
-        let pick = |rng: &mut StdRng| names[rng.gen_range(0..names.len())].clone();
+        // Half the time, while there are any, a name a power cut may take back
+        // (`Kinds::unsynced_outside`): what attached processes then do to such a file is
+        // what must settle its name.
+        let unsettled: Vec<&String> = names
+            .iter()
+            .filter(|n| model.is_unsettled(model.names[*n]))
+            .collect();
+        let pick = |rng: &mut StdRng| {
+            if !unsettled.is_empty() && rng.gen_bool(0.5) {
+                return unsettled[rng.gen_range(0..unsettled.len())].clone();
+            }
+            names[rng.gen_range(0..names.len())].clone()
+        };
         // The inode a real sync of this operation made durable, and whether as of before the
         // operation (the sync preceded the change) or after; a namespace operation on the
         // lower alone: the inode whose directory entry it made durable.
@@ -504,6 +517,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                         real_dir_sync = true;
                     }
                 }
+                if !refused {
+                    model.settle_in(&place);
+                }
                 // SAFETY: opened above.
                 unsafe { libc::close(dfd) };
             }
@@ -620,7 +636,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             k if k >= base_kinds => {
                 // A program that is not attached (`super::outside`): it syncs the directories
                 // it changed, so the lower commits its names up to here.
-                if let Some((made, gone)) = super::outside::change(
+                if let Some(ch) = super::outside::change(
                     &mut outside_ids,
                     &mut rng,
                     &mut model,
@@ -628,11 +644,13 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     &lower,
                     &stash,
                     &mut next_file,
+                    j,
                 ) {
-                    real_dir_sync = true;
+                    real_dir_sync = ch.synced;
                     cov.outside_changes += 1;
-                    entry_made_durable = made;
-                    if let Some(gone) = gone {
+                    cov.outside_unsynced += !ch.synced as u64;
+                    entry_made_durable = ch.made;
+                    if let Some(gone) = ch.gone {
                         close_everywhere(&clients, &mut opens, gone);
                     }
                 }
@@ -670,6 +688,16 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         }
 
         let after = counters(&d.table, &pids);
+        if per_object && after.0 > before.0 && after.4 == before.4 {
+            // A real sync of a file over a lower that ignores syncfs that did not sync its
+            // path too: the lower's own fsync, which commits no names there. A file made
+            // outside and synced so keeps its name only as over the lower alone.
+            for (id, op) in unsettled_before {
+                if model.files.contains_key(&id) {
+                    model.unsettled.entry(id).or_insert(op);
+                }
+            }
+        }
         cov.baselines_logged = d.table.w(H_BASELINES_LOGGED).load(Ordering::Relaxed);
         cov.syncs_from_copies = d.table.w(H_SYNCS_FROM_COPIES).load(Ordering::Relaxed);
         cov.unserved_ops += (after.2 > before.2) as u64;
@@ -759,6 +787,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 durable.iter().map(|(i, (n, d))| (i, n, d.len())).collect::<Vec<_>>(),
             );
         }
+        // The files made outside that the journal committed since keep their names.
+        model.settle_committed(ns_durable);
         models.push(model.clone());
         trees.push(now);
     }
