@@ -28,6 +28,7 @@ const LINKS: Kinds = Kinds {
     appends: false,
     direct: false,
     unsynced_outside: false,
+    unsynced_renames: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -358,6 +359,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 appends: false,
                 direct: false,
                 unsynced_outside: false,
+                unsynced_renames: false,
             },
         )
     });
@@ -391,6 +393,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 appends: false,
                 direct: false,
                 unsynced_outside: false,
+                unsynced_renames: false,
             },
         )
     });

@@ -71,6 +71,11 @@ pub struct Coverage {
     /// Crashes after which such a file's name was gone (the power cut took it back), with
     /// nothing of it acknowledged as durable since.
     pub unsynced_names_lost: u64,
+    /// `pmstack run`: files such a program renamed and synced nothing of
+    /// (`Kinds::unsynced_renames`).
+    pub outside_unsynced_renames: u64,
+    /// Crashes after which such a file was back under its name before.
+    pub unsynced_renames_lost: u64,
     /// Histories that ended in a kill of the processes rather than a power cut.
     pub kills: u64,
     /// Crash images whose live log records were in more than one append area (recovery
@@ -136,6 +141,8 @@ impl Coverage {
         self.outside_changes += o.outside_changes;
         self.outside_unsynced += o.outside_unsynced;
         self.unsynced_names_lost += o.unsynced_names_lost;
+        self.outside_unsynced_renames += o.outside_unsynced_renames;
+        self.unsynced_renames_lost += o.unsynced_renames_lost;
         self.kills += o.kills;
         self.multi_area_logs += o.multi_area_logs;
         self.rmdirs_taken_back += o.rmdirs_taken_back;

@@ -187,6 +187,10 @@ pub struct Kinds {
     /// lower commits it or an attached process acknowledges something of the file as
     /// durable (a sync, an O_SYNC write, a namespace operation naming it).
     pub unsynced_outside: bool,
+    /// `pmstack run`: with `unsynced_outside`, the program that is not attached also renames
+    /// files of its own to new names and syncs nothing of it: a power cut may bring a file
+    /// back under its name before, on the same terms.
+    pub unsynced_renames: bool,
 }
 
 impl Kinds {
@@ -205,6 +209,14 @@ impl Kinds {
         appends: true,
         direct: true,
         unsynced_outside: true,
+        unsynced_renames: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had files renamed and left unsynced by
+    /// the program that is not attached (2026-11-28, the fifteenth session).
+    pub const CAMPAIGN_BEFORE_UNSYNCED_RENAMES: Kinds = Kinds {
+        unsynced_renames: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had files made and left unsynced by the
@@ -212,7 +224,7 @@ impl Kinds {
     /// found before run with.
     pub const CAMPAIGN_BEFORE_UNSYNCED_OUTSIDE: Kinds = Kinds {
         unsynced_outside: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_UNSYNCED_RENAMES
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had O_DIRECT descriptors (2026-11-28, the
@@ -292,6 +304,9 @@ impl Kinds {
         }
         if !self.unsynced_outside {
             f += " --no-unsynced-outside";
+        }
+        if !self.unsynced_renames {
+            f += " --no-unsynced-renames";
         }
         f
     }
@@ -671,6 +686,7 @@ fn recover_and_check(
     }
     let got = by_name(&recovered);
     cov.unsynced_names_lost += !lost_unsettled(&got, &models[k]).is_empty() as u64;
+    cov.unsynced_renames_lost += !moved_back(&got, &models[k]).is_empty() as u64;
     // The operation in flight: its writes happened (maybe), none of it was acknowledged.
     let mid = models[k].in_flight(&models[k1]);
     if check(&got, &mid).is_err() && ![k, k1].iter().any(|&j| check(&got, &models[j]).is_ok()) {

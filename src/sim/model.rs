@@ -95,11 +95,13 @@ pub(super) struct Model {
     pub(super) files: BTreeMap<u32, File>,
     pub(super) dirs: std::collections::BTreeSet<String>,
     /// Files a program that is not attached made and synced nothing of
-    /// (`Kinds::unsynced_outside`), by id, with the operation that made them: a power cut
-    /// may take back their names (and then nothing of them may be left), until the lower's
-    /// journal commits past that operation (`settle_committed`) or an attached process is
-    /// told something of the file is durable (`settle`).
-    pub(super) unsettled: BTreeMap<u32, usize>,
+    /// (`Kinds::unsynced_outside`), or renamed and synced nothing of
+    /// (`Kinds::unsynced_renames`), by id, with the operation that did it and, for a rename,
+    /// the name before: a power cut may take back their names (a file made so is then gone,
+    /// a file renamed so back under its old name), until the lower's journal commits past
+    /// that operation (`settle_committed`) or an attached process is told something of the
+    /// file is durable (`settle`).
+    pub(super) unsettled: BTreeMap<u32, (usize, Option<String>)>,
 }
 
 impl Model {
@@ -159,7 +161,16 @@ impl Model {
     /// `create` by a program that is not attached, in operation `op`, syncing nothing.
     pub(super) fn create_unsettled(&mut self, name: &str, id: u32, op: usize) {
         self.create(name, id);
-        self.unsettled.insert(id, op);
+        self.unsettled.insert(id, (op, None));
+    }
+
+    /// `rename` of `a` to a new name `b` by a program that is not attached, in operation
+    /// `op`, syncing nothing (`a`'s name settled).
+    pub(super) fn rename_unsettled(&mut self, a: &str, b: &str, op: usize) {
+        let id = self.names[a];
+        assert!(!self.names.contains_key(b) && !self.is_unsettled(id));
+        self.rename(a, b);
+        self.unsettled.insert(id, (op, Some(a.to_string())));
     }
 
     /// Something of the file named `name` was acknowledged as durable: its name must stay.
@@ -185,7 +196,7 @@ impl Model {
     /// The lower's journal committed its names as of after `ops` operations: the files made
     /// before by programs that are not attached keep their names.
     pub(super) fn settle_committed(&mut self, ops: usize) {
-        self.unsettled.retain(|_, op| *op >= ops);
+        self.unsettled.retain(|_, (op, _)| *op >= ops);
     }
 
     /// Whether a power cut may have taken back the name of the file `id`.
@@ -329,9 +340,9 @@ impl Model {
     pub(super) fn in_flight(&self, after: &Model) -> Model {
         let mut m = after.clone();
         // (Nor did it settle a name.)
-        for (id, op) in &self.unsettled {
+        for (id, u) in &self.unsettled {
             if m.files.contains_key(id) {
-                m.unsettled.insert(*id, *op);
+                m.unsettled.insert(*id, u.clone());
             }
         }
         for (id, f) in m.files.iter_mut() {
@@ -483,6 +494,17 @@ pub(super) fn no_rollback(
 /// durable truncate that removed it leaves it absent); any other byte shows zero, absence, or
 /// some write of it (never garbage).
 pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
+    let moved_back = moved_back(got, m);
+    let got = &if moved_back.is_empty() {
+        got.clone()
+    } else {
+        let mut g = got.clone();
+        for (old, new) in moved_back {
+            let data = g.remove(old).unwrap();
+            g.insert(new.clone(), data);
+        }
+        g
+    };
     let names: Vec<&String> = got.keys().collect();
     let lost = lost_unsettled(got, m);
     let want: Vec<&String> = m
@@ -540,8 +562,28 @@ pub(super) fn lost_unsettled<'a>(
 ) -> std::collections::BTreeSet<&'a String> {
     m.names
         .iter()
-        .filter(|(n, id)| m.is_unsettled(**id) && !got.contains_key(*n))
+        .filter(|(n, id)| matches!(m.unsettled.get(id), Some((_, None))) && !got.contains_key(*n))
         .map(|(n, _)| n)
+        .collect()
+}
+
+/// The files of `m` that `got` has under the name a program that is not attached renamed them
+/// from without a sync (`Kinds::unsynced_renames`), as a power cut may leave them: (that
+/// name, the model's).
+pub(super) fn moved_back<'a>(
+    got: &BTreeMap<String, Vec<u8>>,
+    m: &'a Model,
+) -> Vec<(&'a String, &'a String)> {
+    m.names
+        .iter()
+        .filter_map(|(n, id)| match m.unsettled.get(id) {
+            Some((_, Some(old)))
+                if !got.contains_key(n) && got.contains_key(old) && !m.names.contains_key(old) =>
+            {
+                Some((old, n))
+            }
+            _ => None,
+        })
         .collect()
 }
 

@@ -25,6 +25,8 @@ pub(super) struct Change {
     pub(super) gone: Option<u32>,
     /// It synced what it changed (the lower's journal committed its names up to here).
     pub(super) synced: bool,
+    /// It renamed a file (and synced nothing: `Kinds::unsynced_renames`).
+    pub(super) renamed: bool,
 }
 
 fn sync_dir_of(path: &Path) {
@@ -35,7 +37,8 @@ fn sync_dir_of(path: &Path) {
 
 /// One change (in operation `op`): an empty file made (its data and name synced), a file of
 /// `ids` renamed to a new name, or one removed; with `Kinds::unsynced_outside`, also a file
-/// made, maybe with a record written to it, and nothing synced. `ids`: the files it made
+/// made, maybe with a record written to it, and nothing synced; with
+/// `Kinds::unsynced_renames`, also a file of `ids` renamed, nothing synced. `ids`: the files it made
 /// whose names no attached process changed since (the caller takes out those an attached
 /// process touches). None if it changed nothing.
 #[allow(clippy::too_many_arguments)]
@@ -61,9 +64,15 @@ pub(super) fn change(
             made,
             gone,
             synced: true,
+            renamed: false,
         })
     };
-    match rng.gen_range(0..if kinds.unsynced_outside { 4 } else { 3 }) {
+    let kinds_of_change = match (kinds.unsynced_outside, kinds.unsynced_renames) {
+        (false, _) => 3,
+        (true, false) => 4,
+        (true, true) => 5,
+    };
+    match rng.gen_range(0..kinds_of_change) {
         0 => {
             let name = new_file_name(rng, model, kinds);
             if model.names.contains_key(&name) {
@@ -129,6 +138,31 @@ pub(super) fn change(
                 made: None,
                 gone: None,
                 synced: false,
+                renamed: false,
+            })
+        }
+        4 => {
+            // A rename to a new name, nothing synced, of a file whose name is settled.
+            let settled: Vec<&String> = names
+                .iter()
+                .filter(|n| !model.is_unsettled(model.names[*n]))
+                .collect();
+            if settled.is_empty() {
+                return None;
+            }
+            let a = settled[rng.gen_range(0..settled.len())].clone();
+            let b = new_file_name(rng, model, kinds);
+            if model.names.contains_key(&b) {
+                return None;
+            }
+            stash.keep_last(lower, &b);
+            fs::rename(at(&a), at(&b)).expect("harness: rename");
+            model.rename_unsettled(&a, &b, op);
+            Some(Change {
+                made: None,
+                gone: None,
+                synced: false,
+                renamed: true,
             })
         }
         _ => None,

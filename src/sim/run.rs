@@ -648,7 +648,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 ) {
                     real_dir_sync = ch.synced;
                     cov.outside_changes += 1;
-                    cov.outside_unsynced += !ch.synced as u64;
+                    cov.outside_unsynced += (!ch.synced && !ch.renamed) as u64;
+                    cov.outside_unsynced_renames += (!ch.synced && ch.renamed) as u64;
                     entry_made_durable = ch.made;
                     if let Some(gone) = ch.gone {
                         close_everywhere(&clients, &mut opens, gone);
@@ -692,9 +693,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             // A real sync of a file over a lower that ignores syncfs that did not sync its
             // path too: the lower's own fsync, which commits no names there. A file made
             // outside and synced so keeps its name only as over the lower alone.
-            for (id, op) in unsettled_before {
+            for (id, u) in unsettled_before {
                 if model.files.contains_key(&id) {
-                    model.unsettled.entry(id).or_insert(op);
+                    model.unsettled.entry(id).or_insert(u);
                 }
             }
         }
