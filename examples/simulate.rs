@@ -96,6 +96,10 @@ struct Args {
     /// seeds found before it left some unsynced)
     #[arg(long)]
     no_unsynced_renames: bool,
+    /// Have the program that is not attached sync every removal it makes (the histories of
+    /// seeds found before it left some unsynced)
+    #[arg(long)]
+    no_unsynced_removals: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -145,6 +149,7 @@ fn main() {
         direct: !a.no_direct,
         unsynced_outside: !a.no_unsynced_outside,
         unsynced_renames: !a.no_unsynced_renames,
+        unsynced_removals: !a.no_unsynced_removals,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -218,8 +223,8 @@ fn main() {
             cov.fsyncs, cov.write_backs, cov.renames, cov.exchanges, cov.unlinks, cov.links, cov.truncates, cov.fallocates, cov.forgets, cov.mkdirs, cov.rmdirs, cov.dir_renames, cov.dir_exchanges, cov.recreated
         );
         println!(
-            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {} (files they made and synced nothing of {}, whose names a power cut took back {}; renamed so {}, back under the name before {}); histories with a small table (16 slots for 50 operations) {} (slots freed {})",
-            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes, cov.outside_unsynced, cov.unsynced_names_lost, cov.outside_unsynced_renames, cov.unsynced_renames_lost, cov.small_tables, cov.slots_freed
+            "  pmstack run: daemon taken for dead {}, operations run on the lower alone {}, syncs the lower made durable {}, names changed by programs not attached {} (files they made and synced nothing of {}, whose names a power cut took back {}; renamed so {}, back under the name before {}; removed so {}, back {}); histories with a small table (16 slots for 50 operations) {} (slots freed {})",
+            cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes, cov.outside_unsynced, cov.unsynced_names_lost, cov.outside_unsynced_renames, cov.unsynced_renames_lost, cov.outside_unsynced_removals, cov.unsynced_removals_back, cov.small_tables, cov.slots_freed
         );
         println!(
             "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {} (data operations {}), real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",

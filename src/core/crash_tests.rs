@@ -29,6 +29,7 @@ const LINKS: Kinds = Kinds {
     direct: false,
     unsynced_outside: false,
     unsynced_renames: false,
+    unsynced_removals: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -360,6 +361,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 direct: false,
                 unsynced_outside: false,
                 unsynced_renames: false,
+                unsynced_removals: false,
             },
         )
     });
@@ -394,6 +396,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 direct: false,
                 unsynced_outside: false,
                 unsynced_renames: false,
+                unsynced_removals: false,
             },
         )
     });

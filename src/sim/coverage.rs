@@ -76,6 +76,11 @@ pub struct Coverage {
     pub outside_unsynced_renames: u64,
     /// Crashes after which such a file was back under its name before.
     pub unsynced_renames_lost: u64,
+    /// `pmstack run`: files such a program removed and synced nothing of
+    /// (`Kinds::unsynced_removals`).
+    pub outside_unsynced_removals: u64,
+    /// Crashes after which such a name was back.
+    pub unsynced_removals_back: u64,
     /// Histories that ended in a kill of the processes rather than a power cut.
     pub kills: u64,
     /// Crash images whose live log records were in more than one append area (recovery
@@ -143,6 +148,8 @@ impl Coverage {
         self.unsynced_names_lost += o.unsynced_names_lost;
         self.outside_unsynced_renames += o.outside_unsynced_renames;
         self.unsynced_renames_lost += o.unsynced_renames_lost;
+        self.outside_unsynced_removals += o.outside_unsynced_removals;
+        self.unsynced_removals_back += o.unsynced_removals_back;
         self.kills += o.kills;
         self.multi_area_logs += o.multi_area_logs;
         self.rmdirs_taken_back += o.rmdirs_taken_back;

@@ -191,6 +191,10 @@ pub struct Kinds {
     /// files of its own to new names and syncs nothing of it: a power cut may bring a file
     /// back under its name before, on the same terms.
     pub unsynced_renames: bool,
+    /// `pmstack run`: with `unsynced_outside`, the program that is not attached also removes
+    /// files of its own and syncs nothing of it: a power cut may bring such a name back, with
+    /// the file as it was, until the lower commits past it or its directory is made durable.
+    pub unsynced_removals: bool,
 }
 
 impl Kinds {
@@ -210,13 +214,21 @@ impl Kinds {
         direct: true,
         unsynced_outside: true,
         unsynced_renames: true,
+        unsynced_removals: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had files removed and left unsynced by
+    /// the program that is not attached (2026-11-28, the fifteenth session).
+    pub const CAMPAIGN_BEFORE_UNSYNCED_REMOVALS: Kinds = Kinds {
+        unsynced_removals: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had files renamed and left unsynced by
     /// the program that is not attached (2026-11-28, the fifteenth session).
     pub const CAMPAIGN_BEFORE_UNSYNCED_RENAMES: Kinds = Kinds {
         unsynced_renames: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_UNSYNCED_REMOVALS
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had files made and left unsynced by the
@@ -307,6 +319,9 @@ impl Kinds {
         }
         if !self.unsynced_renames {
             f += " --no-unsynced-renames";
+        }
+        if !self.unsynced_removals {
+            f += " --no-unsynced-removals";
         }
         f
     }
@@ -687,6 +702,7 @@ fn recover_and_check(
     let got = by_name(&recovered);
     cov.unsynced_names_lost += !lost_unsettled(&got, &models[k]).is_empty() as u64;
     cov.unsynced_renames_lost += !moved_back(&got, &models[k]).is_empty() as u64;
+    cov.unsynced_removals_back += !back_from_removal(&got, &models[k]).is_empty() as u64;
     // The operation in flight: its writes happened (maybe), none of it was acknowledged.
     let mid = models[k].in_flight(&models[k1]);
     if check(&got, &mid).is_err() && ![k, k1].iter().any(|&j| check(&got, &models[j]).is_ok()) {

@@ -102,6 +102,13 @@ pub(super) struct Model {
     /// that operation (`settle_committed`) or an attached process is told something of the
     /// file is durable (`settle`).
     pub(super) unsettled: BTreeMap<u32, (usize, Option<String>)>,
+    /// Names a program that is not attached removed and synced nothing of
+    /// (`Kinds::unsynced_removals`), with the operation that removed them and their file as
+    /// it was: a power cut may bring such a name back, until the lower's journal commits past
+    /// that operation or an attached process is told the name's directory is durable (its
+    /// fsync, a namespace operation there that must write it back first: a new name in its
+    /// place).
+    pub(super) ghosts: BTreeMap<String, (usize, File)>,
 }
 
 impl Model {
@@ -154,6 +161,7 @@ impl Model {
     }
 
     pub(super) fn create(&mut self, name: &str, id: u32) {
+        self.ghosts.remove(name);
         self.names.insert(name.to_string(), id);
         self.files.insert(id, File { id, events: vec![] });
     }
@@ -171,6 +179,16 @@ impl Model {
         assert!(!self.names.contains_key(b) && !self.is_unsettled(id));
         self.rename(a, b);
         self.unsettled.insert(id, (op, Some(a.to_string())));
+    }
+
+    /// `unlink` of `name`, the last name of a file whose name is settled, by a program that
+    /// is not attached, in operation `op`, syncing nothing.
+    pub(super) fn unlink_unsettled(&mut self, name: &str, op: usize) -> Option<u32> {
+        let id = self.names[name];
+        assert!(!self.is_unsettled(id) && self.names.values().filter(|&&i| i == id).count() == 1);
+        self.ghosts
+            .insert(name.to_string(), (op, self.files[&id].clone()));
+        self.unlink(name)
     }
 
     /// Something of the file named `name` was acknowledged as durable: its name must stay.
@@ -191,12 +209,15 @@ impl Model {
         for id in inside {
             self.unsettled.remove(&id);
         }
+        self.ghosts
+            .retain(|n, _| n.rsplit_once('/').map_or("", |(d, _)| d) != dir.trim_end_matches('/'));
     }
 
     /// The lower's journal committed its names as of after `ops` operations: the files made
     /// before by programs that are not attached keep their names.
     pub(super) fn settle_committed(&mut self, ops: usize) {
         self.unsettled.retain(|_, (op, _)| *op >= ops);
+        self.ghosts.retain(|_, (op, _)| *op >= ops);
     }
 
     /// Whether a power cut may have taken back the name of the file `id`.
@@ -282,6 +303,7 @@ impl Model {
 
     pub(super) fn sync_everything(&mut self) {
         self.unsettled.clear();
+        self.ghosts.clear();
         self.files.values_mut().for_each(File::sync);
     }
 
@@ -305,6 +327,7 @@ impl Model {
             return None;
         }
         let gone = self.names.contains_key(b).then(|| self.unlink(b)).flatten();
+        self.ghosts.remove(b);
         self.names.remove(a);
         self.names.insert(b.to_string(), id);
         gone
@@ -332,6 +355,7 @@ impl Model {
 
     pub(super) fn link(&mut self, a: &str, b: &str) {
         self.settle(a);
+        self.ghosts.remove(b);
         self.names.insert(b.to_string(), self.names[a]);
     }
 
@@ -343,6 +367,11 @@ impl Model {
         for (id, u) in &self.unsettled {
             if m.files.contains_key(id) {
                 m.unsettled.insert(*id, u.clone());
+            }
+        }
+        for (n, g) in &self.ghosts {
+            if !m.names.contains_key(n) {
+                m.ghosts.entry(n.clone()).or_insert_with(|| g.clone());
             }
         }
         for (id, f) in m.files.iter_mut() {
@@ -505,7 +534,8 @@ pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), St
         }
         g
     };
-    let names: Vec<&String> = got.keys().collect();
+    let back = back_from_removal(got, m);
+    let names: Vec<&String> = got.keys().filter(|n| !back.contains(n)).collect();
     let lost = lost_unsettled(got, m);
     let want: Vec<&String> = m
         .names
@@ -518,8 +548,13 @@ pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), St
     if names != want {
         return Err(format!("names {names:?}, model {want:?}"));
     }
-    for (name, id) in m.names.iter().filter(|(n, _)| !lost.contains(n)) {
-        let f = &m.files[id];
+    let live = m
+        .names
+        .iter()
+        .filter(|(n, _)| !lost.contains(n))
+        .map(|(n, id)| (n, &m.files[id]));
+    let ghosts = back.iter().map(|n| (*n, &m.ghosts[*n].1));
+    for (name, f) in live.chain(ghosts) {
         let data = &got[name];
         let (bytes, most) = byte_history(f);
         if data.len() > most {
@@ -564,6 +599,17 @@ pub(super) fn lost_unsettled<'a>(
         .iter()
         .filter(|(n, id)| matches!(m.unsettled.get(id), Some((_, None))) && !got.contains_key(*n))
         .map(|(n, _)| n)
+        .collect()
+}
+
+/// The names of `got` that `m` lacks and a power cut may have brought back: those a program
+/// that is not attached removed without a sync (`Model::ghosts`).
+pub(super) fn back_from_removal<'a>(
+    got: &'a BTreeMap<String, Vec<u8>>,
+    m: &Model,
+) -> std::collections::BTreeSet<&'a String> {
+    got.keys()
+        .filter(|n| !m.names.contains_key(*n) && m.ghosts.contains_key(*n))
         .collect()
 }
 

@@ -38,7 +38,8 @@ fn sync_dir_of(path: &Path) {
 /// One change (in operation `op`): an empty file made (its data and name synced), a file of
 /// `ids` renamed to a new name, or one removed; with `Kinds::unsynced_outside`, also a file
 /// made, maybe with a record written to it, and nothing synced; with
-/// `Kinds::unsynced_renames`, also a file of `ids` renamed, nothing synced. `ids`: the files it made
+/// `Kinds::unsynced_renames`, also a file of `ids` renamed, nothing synced; with
+/// `Kinds::unsynced_removals`, one removed, nothing synced. `ids`: the files it made
 /// whose names no attached process changed since (the caller takes out those an attached
 /// process touches). None if it changed nothing.
 #[allow(clippy::too_many_arguments)]
@@ -67,10 +68,15 @@ pub(super) fn change(
             renamed: false,
         })
     };
-    let kinds_of_change = match (kinds.unsynced_outside, kinds.unsynced_renames) {
-        (false, _) => 3,
-        (true, false) => 4,
-        (true, true) => 5,
+    let kinds_of_change = match (
+        kinds.unsynced_outside,
+        kinds.unsynced_renames,
+        kinds.unsynced_removals,
+    ) {
+        (false, _, _) => 3,
+        (true, false, false) => 4,
+        (true, true, false) => 5,
+        (true, _, true) => 6,
     };
     match rng.gen_range(0..kinds_of_change) {
         0 => {
@@ -141,7 +147,7 @@ pub(super) fn change(
                 renamed: false,
             })
         }
-        4 => {
+        4 if kinds.unsynced_renames => {
             // A rename to a new name, nothing synced, of a file whose name is settled.
             let settled: Vec<&String> = names
                 .iter()
@@ -163,6 +169,25 @@ pub(super) fn change(
                 gone: None,
                 synced: false,
                 renamed: true,
+            })
+        }
+        4 | 5 => {
+            // A removal, nothing synced, of a file whose name is settled.
+            let settled: Vec<&String> = names
+                .iter()
+                .filter(|n| !model.is_unsettled(model.names[*n]))
+                .collect();
+            if settled.is_empty() {
+                return None;
+            }
+            let a = settled[rng.gen_range(0..settled.len())].clone();
+            stash.keep_last(lower, &a);
+            fs::remove_file(at(&a)).expect("harness: unlink");
+            Some(Change {
+                made: None,
+                gone: model.unlink_unsettled(&a, op),
+                synced: false,
+                renamed: false,
             })
         }
         _ => None,

@@ -648,7 +648,8 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 ) {
                     real_dir_sync = ch.synced;
                     cov.outside_changes += 1;
-                    cov.outside_unsynced += (!ch.synced && !ch.renamed) as u64;
+                    cov.outside_unsynced += (!ch.synced && !ch.renamed && ch.gone.is_none()) as u64;
+                    cov.outside_unsynced_removals += (!ch.synced && ch.gone.is_some()) as u64;
                     cov.outside_unsynced_renames += (!ch.synced && ch.renamed) as u64;
                     entry_made_durable = ch.made;
                     if let Some(gone) = ch.gone {

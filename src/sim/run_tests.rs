@@ -30,6 +30,7 @@ fn crash_histories_through_pmstack_run_keep_the_contract() {
             && c.outside_unsynced > 0
             && c.unsynced_names_lost > 0
             && c.outside_unsynced_renames > 0
+            && c.outside_unsynced_removals > 0
     };
     until_covered(Kinds::CAMPAIGN, covered);
 }
@@ -103,7 +104,7 @@ fn a_file_made_outside_and_left_unsynced_keeps_its_name_once_synced_under_run() 
 #[test]
 fn a_directory_changed_outside_and_left_unsynced_is_written_back_before_a_sync_needs_it() {
     let cov = expect_contract([68900041, 68901877], |s| {
-        run_history_preload(s, 50, Kinds::CAMPAIGN)
+        run_history_preload(s, 50, Kinds::CAMPAIGN_BEFORE_UNSYNCED_REMOVALS)
     });
     assert!(cov.outside_unsynced_renames > 0, "{cov:?}");
 }
