@@ -154,6 +154,22 @@ impl Model {
         };
         self.dirs = self.dirs.iter().map(moved).collect();
         self.names = self.names.iter().map(|(n, &i)| (moved(n), i)).collect();
+        self.move_unsettled(moved);
+    }
+
+    /// The names of `unsettled` and `ghosts` after a rename of a directory (`to`: a name's
+    /// new path): a power cut that brings them back brings them back where their directory
+    /// is now.
+    fn move_unsettled(&mut self, to: impl Fn(&String) -> String) {
+        for (_, old) in self.unsettled.values_mut() {
+            if let Some(o) = old {
+                *o = to(o);
+            }
+        }
+        self.ghosts = std::mem::take(&mut self.ghosts)
+            .into_iter()
+            .map(|(n, g)| (to(&n), g))
+            .collect();
     }
 
     pub(super) fn file(&mut self, name: &str) -> &mut File {
@@ -351,6 +367,7 @@ impl Model {
         };
         self.dirs = self.dirs.iter().map(swapped).collect();
         self.names = self.names.iter().map(|(n, &i)| (swapped(n), i)).collect();
+        self.move_unsettled(swapped);
     }
 
     pub(super) fn link(&mut self, a: &str, b: &str) {

@@ -59,13 +59,32 @@ pub(super) fn change(
         .filter(|(_, id)| ids.contains(*id))
         .map(|(n, _)| n.clone())
         .collect();
+    // Its files whose names are settled: those it renames or removes without a sync.
+    let settled: Vec<String> = names
+        .iter()
+        .filter(|n| !model.is_unsettled(model.names[*n]))
+        .cloned()
+        .collect();
     let at = |n: &str| lower.join(n);
-    let done = |made, gone| {
+    let one_of = |rng: &mut StdRng, names: &[String]| names[rng.gen_range(0..names.len())].clone();
+    // A name for a file it makes or renames to, that the model does not have.
+    let new_name = |rng: &mut StdRng, model: &Model| {
+        let name = new_file_name(rng, model, kinds);
+        (!model.names.contains_key(&name)).then_some(name)
+    };
+    let create = |name: &str| {
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(at(name))
+            .expect("harness: a new file")
+    };
+    let did = |made, gone, synced, renamed| {
         Some(Change {
             made,
             gone,
-            synced: true,
-            renamed: false,
+            synced,
+            renamed,
         })
     };
     let kinds_of_change = match (
@@ -80,15 +99,8 @@ pub(super) fn change(
     };
     match rng.gen_range(0..kinds_of_change) {
         0 => {
-            let name = new_file_name(rng, model, kinds);
-            if model.names.contains_key(&name) {
-                return None;
-            }
-            let f = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(at(&name))
-                .expect("harness: a new file");
+            let name = new_name(rng, model)?;
+            let f = create(&name);
             // Its (empty) data durable too, as a careful program makes it.
             f.sync_all().expect("harness: fsync");
             sync_dir_of(&at(&name));
@@ -98,37 +110,27 @@ pub(super) fn change(
             let ino = crate::lower::real::fstat(f.as_raw_fd())
                 .expect("harness: fstat")
                 .st_ino;
-            done(Some(ino), None)
+            did(Some(ino), None, true, false)
         }
         1 if !names.is_empty() => {
-            let a = names[rng.gen_range(0..names.len())].clone();
-            let b = new_file_name(rng, model, kinds);
-            if model.names.contains_key(&b) {
-                return None;
-            }
+            let a = one_of(rng, &names);
+            let b = new_name(rng, model)?;
             stash.keep_last(lower, &b);
             fs::rename(at(&a), at(&b)).expect("harness: rename");
             sync_dir_of(&at(&a));
             sync_dir_of(&at(&b));
-            done(None, model.rename(&a, &b))
+            did(None, model.rename(&a, &b), true, false)
         }
         2 if !names.is_empty() => {
-            let a = names[rng.gen_range(0..names.len())].clone();
+            let a = one_of(rng, &names);
             stash.keep_last(lower, &a);
             fs::remove_file(at(&a)).expect("harness: unlink");
             sync_dir_of(&at(&a));
-            done(None, model.unlink(&a))
+            did(None, model.unlink(&a), true, false)
         }
         3 => {
-            let name = new_file_name(rng, model, kinds);
-            if model.names.contains_key(&name) {
-                return None;
-            }
-            let f = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(at(&name))
-                .expect("harness: a new file");
+            let name = new_name(rng, model)?;
+            let f = create(&name);
             *next_file += 1;
             ids.insert(*next_file);
             model.create_unsettled(&name, *next_file, op);
@@ -140,55 +142,23 @@ pub(super) fn change(
                 f.write_all_at(&pattern(id, idx, len), idx * super::REC)
                     .expect("harness: a write");
             }
-            Some(Change {
-                made: None,
-                gone: None,
-                synced: false,
-                renamed: false,
-            })
+            did(None, None, false, false)
         }
-        4 if kinds.unsynced_renames => {
-            // A rename to a new name, nothing synced, of a file whose name is settled.
-            let settled: Vec<&String> = names
-                .iter()
-                .filter(|n| !model.is_unsettled(model.names[*n]))
-                .collect();
-            if settled.is_empty() {
-                return None;
-            }
-            let a = settled[rng.gen_range(0..settled.len())].clone();
-            let b = new_file_name(rng, model, kinds);
-            if model.names.contains_key(&b) {
-                return None;
-            }
+        4 if kinds.unsynced_renames && !settled.is_empty() => {
+            // A rename to a new name, nothing synced.
+            let a = one_of(rng, &settled);
+            let b = new_name(rng, model)?;
             stash.keep_last(lower, &b);
             fs::rename(at(&a), at(&b)).expect("harness: rename");
             model.rename_unsettled(&a, &b, op);
-            Some(Change {
-                made: None,
-                gone: None,
-                synced: false,
-                renamed: true,
-            })
+            did(None, None, false, true)
         }
-        4 | 5 => {
-            // A removal, nothing synced, of a file whose name is settled.
-            let settled: Vec<&String> = names
-                .iter()
-                .filter(|n| !model.is_unsettled(model.names[*n]))
-                .collect();
-            if settled.is_empty() {
-                return None;
-            }
-            let a = settled[rng.gen_range(0..settled.len())].clone();
+        4 | 5 if kinds.unsynced_removals && !settled.is_empty() => {
+            // A removal, nothing synced.
+            let a = one_of(rng, &settled);
             stash.keep_last(lower, &a);
             fs::remove_file(at(&a)).expect("harness: unlink");
-            Some(Change {
-                made: None,
-                gone: model.unlink_unsettled(&a, op),
-                synced: false,
-                renamed: false,
-            })
+            did(None, model.unlink_unsettled(&a, op), false, false)
         }
         _ => None,
     }
