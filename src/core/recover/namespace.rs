@@ -283,9 +283,17 @@ impl Replayer<'_> {
             }
             if next.len() == before {
                 for k in &next {
-                    // The parent directory is gone for good: removed by a later operation.
-                    self.sum.namespace_skipped += 1;
-                    let _ = k;
+                    if self.object(k.0).is_some() {
+                        // Its parent is there, but it cannot move into it: inside itself.
+                        self.sum.errors.push(format!(
+                            "placing {}: its directory is inside it and nothing moved it out",
+                            String::from_utf8_lossy(&k.1)
+                        ));
+                    } else {
+                        // The parent directory is gone for good: removed by a later
+                        // operation.
+                        self.sum.namespace_skipped += 1;
+                    }
                 }
                 break;
             }
@@ -434,7 +442,13 @@ impl Replayer<'_> {
         if let Some((ofd, _)) = obj {
             match from {
                 Some((d, n, false)) => {
-                    l.rename(d, OsStr::from_bytes(&n), p, name, 0)?;
+                    match l.rename(d, OsStr::from_bytes(&n), p, name, 0) {
+                        // A directory wanted inside one that is inside it now (renames of
+                        // directories into each other's places, the lower keeping an
+                        // earlier state): once that one is placed, as a later round does.
+                        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+                        r => r?,
+                    }
                     self.touched_dirs.push(d);
                 }
                 _ => l.link(ofd, p, name)?,
