@@ -214,19 +214,22 @@ impl Model {
         }
     }
 
-    /// A directory fsync of `dir` (`""`: the root) was acknowledged: the names in it stay.
+    /// A directory fsync of `dir` (`""`: the root, else ending in `/`) was acknowledged: the
+    /// names in it stay, and those removed from it stay removed.
     pub(super) fn settle_in(&mut self, dir: &str) {
+        let dir = dir.trim_end_matches('/');
+        // The directory a name is in, as `dir`.
+        let in_dir = |n: &str| n.rsplit_once('/').map_or("", |(d, _)| d) == dir;
         let inside: Vec<u32> = self
             .names
             .iter()
-            .filter(|(n, _)| n.rsplit_once('/').map_or("", |(d, _)| d) == dir.trim_end_matches('/'))
+            .filter(|(n, _)| in_dir(n))
             .map(|(_, &id)| id)
             .collect();
         for id in inside {
             self.unsettled.remove(&id);
         }
-        self.ghosts
-            .retain(|n, _| n.rsplit_once('/').map_or("", |(d, _)| d) != dir.trim_end_matches('/'));
+        self.ghosts.retain(|n, _| !in_dir(n));
     }
 
     /// The lower's journal committed its names as of after `ops` operations: the files made
@@ -540,17 +543,19 @@ pub(super) fn no_rollback(
 /// durable truncate that removed it leaves it absent); any other byte shows zero, absence, or
 /// some write of it (never garbage).
 pub(super) fn check(got: &BTreeMap<String, Vec<u8>>, m: &Model) -> Result<(), String> {
+    // A file back under its name before an unsynced rename is checked under the model's.
     let moved_back = moved_back(got, m);
     let got = &if moved_back.is_empty() {
-        got.clone()
+        std::borrow::Cow::Borrowed(got)
     } else {
         let mut g = got.clone();
         for (old, new) in moved_back {
             let data = g.remove(old).unwrap();
             g.insert(new.clone(), data);
         }
-        g
+        std::borrow::Cow::Owned(g)
     };
+    let got: &BTreeMap<String, Vec<u8>> = got;
     let back = back_from_removal(got, m);
     let names: Vec<&String> = got.keys().filter(|n| !back.contains(n)).collect();
     let lost = lost_unsettled(got, m);
