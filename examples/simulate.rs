@@ -100,6 +100,11 @@ struct Args {
     /// seeds found before it left some unsynced)
     #[arg(long)]
     no_unsynced_removals: bool,
+    /// Have a lower that ignores syncfs commit every name at any directory's sync, as a
+    /// journal would (the histories of seeds found before it committed each directory's
+    /// entries separately)
+    #[arg(long)]
+    no_per_dir_commits: bool,
     /// Print the coverage as JSON.
     #[arg(long)]
     json: bool,
@@ -150,6 +155,7 @@ fn main() {
         unsynced_outside: !a.no_unsynced_outside,
         unsynced_renames: !a.no_unsynced_renames,
         unsynced_removals: !a.no_unsynced_removals,
+        per_dir_commits: !a.no_per_dir_commits,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());
@@ -227,8 +233,8 @@ fn main() {
             cov.daemon_deaths, cov.unserved_ops, cov.real_syncs, cov.outside_changes, cov.outside_unsynced, cov.unsynced_names_lost, cov.outside_unsynced_renames, cov.unsynced_renames_lost, cov.outside_unsynced_removals, cov.unsynced_removals_back, cov.small_tables, cov.slots_freed
         );
         println!(
-            "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {} (data operations {}), real syncs of new files that synced their path too {}; crash images with live records in more than one append area {}",
-            cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.multi_area_logs
+            "  over a lower that ignores syncfs: histories {}, objects write-backs synced one by one {}, namespace operations refused while the daemon was taken for dead {} (data operations {}), real syncs of new files that synced their path too {}; committing each directory's entries separately {} (power cuts that left names no one prefix of the operations had {}); crash images with live records in more than one append area {}",
+            cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.per_dir_commits, cov.names_apart, cov.multi_area_logs
         );
         println!(
             "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}, through an O_DIRECT one {}",

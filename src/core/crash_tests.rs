@@ -30,6 +30,7 @@ const LINKS: Kinds = Kinds {
     unsynced_outside: false,
     unsynced_renames: false,
     unsynced_removals: false,
+    per_dir_commits: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -362,6 +363,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 unsynced_outside: false,
                 unsynced_renames: false,
                 unsynced_removals: false,
+                per_dir_commits: false,
             },
         )
     });
@@ -397,6 +399,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 unsynced_outside: false,
                 unsynced_renames: false,
                 unsynced_removals: false,
+                per_dir_commits: false,
             },
         )
     });
@@ -434,4 +437,27 @@ fn a_lost_rmdir_is_replayed() {
         crate::sim::run_history(s, 50, m, Kinds::CAMPAIGN_BEFORE_KILLS)
     });
     assert!(cov.rmdirs_taken_back >= 2, "{cov:?}");
+}
+
+/// Over a lower that commits each directory's entries separately (`Kinds::per_dir_commits`:
+/// a network or FUSE file system, whose directories share no journal), the write-back must
+/// fsync every directory whose records it expires, not one of them. Seeds of the long run
+/// (`--mode sync --lower syncfs-ignored --ops 100`) that find names gone or back when the
+/// write-back syncs only one of the directories it holds (the one with the lowest inode
+/// number); 1,500 seeds of the histories that take any directory's sync for a commit of every
+/// name (`--no-per-dir-commits`) find none.
+#[test]
+fn a_write_back_over_a_lower_committing_each_directory_alone_syncs_each_directory() {
+    let cov = crate::sim::expect_contract([84001125, 84001260, 84001321], |s| {
+        crate::sim::run_history(
+            s,
+            100,
+            Mode::Sync,
+            Kinds {
+                syncfs_ignored: true,
+                ..Kinds::CAMPAIGN
+            },
+        )
+    });
+    assert_eq!(cov.per_dir_commits, 3, "{cov:?}");
 }

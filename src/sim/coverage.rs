@@ -54,6 +54,11 @@ pub struct Coverage {
     /// their write-backs made durable with their own fsync.
     pub syncfs_ignored: u64,
     pub objects_synced: u64,
+    /// Histories over a lower that commits each directory's entries separately
+    /// (`Kinds::per_dir_commits`), and their power cuts that left names no single prefix of
+    /// the operations had (directories rewound to different operations).
+    pub per_dir_commits: u64,
+    pub names_apart: u64,
     /// `pmstack run` over a lower that ignores syncfs: namespace operations refused (EIO)
     /// while the daemon was taken for dead with namespace records live.
     pub refused_unserved: u64,
@@ -140,6 +145,8 @@ impl Coverage {
         self.real_syncs += o.real_syncs;
         self.syncfs_ignored += o.syncfs_ignored;
         self.objects_synced += o.objects_synced;
+        self.per_dir_commits += o.per_dir_commits;
+        self.names_apart += o.names_apart;
         self.refused_unserved += o.refused_unserved;
         self.refused_unserved_data += o.refused_unserved_data;
         self.paths_synced += o.paths_synced;

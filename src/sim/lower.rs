@@ -299,7 +299,11 @@ pub(super) fn names_of(t: &Tree) -> BTreeMap<&String, u64> {
 /// relative to its log entries. With each, what `probe` returned then (the front end's count
 /// of real syncs so far, say; 0 without one).
 #[derive(Clone, Default)]
-pub(super) struct FenceTrees(pub(super) Arc<parking_lot::Mutex<Vec<(Tree, SyncCount)>>>);
+pub(super) struct FenceTrees(pub(super) Arc<parking_lot::Mutex<Vec<FenceTree>>>);
+
+/// The lower at a fence (`FenceTrees`), what the probe counted, and the directories synced
+/// in the operation before it, each with its entries then (`Kinds::per_dir_commits`).
+type FenceTree = (Tree, SyncCount, Vec<(u64, Entries)>);
 
 /// A front end's real syncs so far: of single files (fsync), of the whole lower (syncfs);
 /// and the syncs of files and of directories the lower made that the simulator watched
@@ -311,17 +315,24 @@ impl FenceTrees {
         &self,
         lower: &Path,
         probe: impl Fn() -> SyncCount + Send + Sync + 'static,
+        dirs_synced: impl Fn() -> Vec<(u64, Entries)> + Send + Sync + 'static,
     ) -> crate::pmem::sim::CaptureHook {
         let (trees, lower) = (self.0.clone(), lower.to_path_buf());
         Box::new(move || {
             let mut t = trees.lock();
-            t.push((read_tree(&lower), probe()));
+            t.push((read_tree(&lower), probe(), dirs_synced()));
             t.len() as u64 - 1
         })
     }
 
     pub(super) fn get(&self, note: u64) -> (Tree, SyncCount) {
-        self.0.lock()[note as usize].clone()
+        let t = &self.0.lock()[note as usize];
+        (t.0.clone(), t.1)
+    }
+
+    /// The directories synced in the operation before the fence `note`.
+    pub(super) fn dirs_synced(&self, note: u64) -> Vec<(u64, Entries)> {
+        self.0.lock()[note as usize].2.clone()
     }
 }
 
@@ -355,8 +366,9 @@ pub(super) struct SyncsSeen(Arc<parking_lot::Mutex<Seen>>, Option<std::path::Pat
 pub(super) struct Seen {
     /// Regular files synced: inode, and its data when the sync returned.
     pub(super) files: Vec<(u64, Vec<u8>)>,
-    /// Directories synced (each a journal commit).
-    pub(super) dirs: usize,
+    /// Directories synced: inode, and its entries when the sync returned (each a journal
+    /// commit; with `Kinds::per_dir_commits`, a commit of that directory's entries only).
+    pub(super) dirs: Vec<(u64, Entries)>,
 }
 
 impl SyncsSeen {
@@ -384,7 +396,10 @@ impl SyncsSeen {
             let st = crate::lower::real::fstat(fd).expect("harness: fstat of a synced file");
             let mut s = s.lock();
             match st.st_mode & libc::S_IFMT {
-                libc::S_IFDIR => s.dirs += 1,
+                libc::S_IFDIR => {
+                    let ents = dir_entries(fd);
+                    s.dirs.push((st.st_ino, ents));
+                }
                 libc::S_IFREG => {
                     let data = fs::read(format!("/proc/self/fd/{fd}"))
                         .expect("harness: read of a synced file");
@@ -410,8 +425,15 @@ impl SyncsSeen {
         let s = self.0.clone();
         move || {
             let s = s.lock();
-            (s.files.len(), s.dirs)
+            (s.files.len(), s.dirs.len())
         }
+    }
+
+    /// What tells, from any thread, which directories were synced since the last `take`,
+    /// each with its entries then.
+    pub(super) fn dirs_synced(&self) -> impl Fn() -> Vec<(u64, Entries)> + Send + Sync + 'static {
+        let s = self.0.clone();
+        move || s.lock().dirs.clone()
     }
 }
 
@@ -448,7 +470,7 @@ impl Drop for Unwatch {
 
 impl Seen {
     pub(super) fn len(&self) -> usize {
-        self.files.len() + self.dirs
+        self.files.len() + self.dirs.len()
     }
 
     /// Record in `durable` (a tree and its `Times`) the data of the files synced in operation
@@ -482,5 +504,215 @@ pub(super) fn new_files_empty(durable: &mut (Tree, Times), now: &Tree, j: usize)
             durable.0.insert(*ino, (names.clone(), Vec::new()));
             durable.1.insert(*ino, if d.is_empty() { j + 1 } else { j });
         }
+    }
+}
+
+/// A directory's entries: name and inode.
+pub(super) type Entries = std::collections::BTreeSet<(String, u64)>;
+
+/// The entries of the directory open as `fd`, as the file system lists them now (the lower's
+/// own files left out).
+fn dir_entries(fd: i32) -> Entries {
+    use std::os::unix::fs::DirEntryExt;
+    fs::read_dir(format!("/proc/self/fd/{fd}"))
+        .expect("harness: list a synced directory")
+        .flatten()
+        .map(|e| (e.file_name().to_string_lossy().to_string(), e.ino()))
+        .filter(|(n, _)| !crate::lower::is_internal(n.as_bytes()))
+        .collect()
+}
+
+/// The entries of directory `dir` (an inode number; `root`: the lower's root, which a `Tree`
+/// does not hold) in `t`, each with whether it is a directory; `None` where `t` has no such
+/// directory.
+fn typed_entries(t: &Tree, dir: u64, root: u64) -> Option<Vec<(String, u64, bool)>> {
+    let path = if dir == root {
+        String::new()
+    } else {
+        let n = first(&t.get(&dir)?.0);
+        if !is_dir(n) {
+            return None;
+        }
+        n.clone()
+    };
+    Some(
+        t.iter()
+            .flat_map(|(i, (names, _))| {
+                let path = &path;
+                names.iter().filter_map(move |n| {
+                    let base = n.strip_prefix(path.as_str())?;
+                    let d = is_dir(base);
+                    let base = base.trim_end_matches('/');
+                    (!base.is_empty() && !base.contains('/')).then(|| (base.to_string(), *i, d))
+                })
+            })
+            .collect(),
+    )
+}
+
+/// The entries of directory `dir` in `t` (see `typed_entries`); none where it has no such
+/// directory.
+pub(super) fn entries(t: &Tree, dir: u64, root: u64) -> Entries {
+    typed_entries(t, dir, root)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(n, i, _)| (n, i))
+        .collect()
+}
+
+/// The directories of the trees, by inode, the root's (`root`) included.
+pub(super) fn all_dirs<'a>(
+    trees: impl IntoIterator<Item = &'a Tree>,
+    root: u64,
+) -> std::collections::BTreeSet<u64> {
+    let mut d: std::collections::BTreeSet<u64> = [root].into();
+    for t in trees {
+        d.extend(dirs_of(t));
+    }
+    d
+}
+
+/// A lower that commits each directory's entries separately (`Kinds::per_dir_commits`): the
+/// names a power cut leaves when each directory `D` keeps its entries as of operation
+/// `p[D]` (an index of `tree`; `default` for a directory `p` does not list), each from
+/// `lo..=hi`. An operation that changed the entries of several directories (a rename from
+/// one to another, an exchange, a directory moved) is kept in all of them or in none, as a
+/// file system's rename is one transaction: `p` is raised until that holds, and where two
+/// directories would both hold one directory. Returns the tree of those names (each file's
+/// data as the directory that names it first had it) and, per inode, the operation its
+/// entry came from.
+pub(super) fn per_dir_names<'a>(
+    tree: &dyn Fn(usize) -> &'a Tree,
+    p: &mut BTreeMap<u64, usize>,
+    default: usize,
+    (lo, hi): (usize, usize),
+    root: u64,
+) -> (Tree, Times) {
+    // The directories each operation in the range changed the entries of.
+    let dirs = all_dirs((lo..=hi).map(tree), root);
+    let changed: Vec<Vec<u64>> = (lo..hi)
+        .map(|j| {
+            dirs.iter()
+                .copied()
+                .filter(|&d| entries(tree(j), d, root) != entries(tree(j + 1), d, root))
+                .collect()
+        })
+        .collect();
+    loop {
+        // Operations kept in some of their directories and not in others: kept in all.
+        let mut raised = false;
+        for (i, ds) in changed.iter().enumerate() {
+            let j = lo + i;
+            let at = |p: &BTreeMap<u64, usize>, d: &u64| p.get(d).copied().unwrap_or(default);
+            if ds.len() > 1 && ds.iter().any(|d| at(p, d) > j) && ds.iter().any(|d| at(p, d) <= j) {
+                for d in ds {
+                    if at(p, d) <= j {
+                        p.insert(*d, j + 1);
+                    }
+                }
+                raised = true;
+            }
+        }
+        if raised {
+            continue;
+        }
+        match place_names(tree, p, default, root) {
+            Ok(r) => return r,
+            Err((a, b)) => {
+                let (pa, pb) = (
+                    p.get(&a).copied().unwrap_or(default),
+                    p.get(&b).copied().unwrap_or(default),
+                );
+                assert_ne!(pa, pb, "harness: one state puts a directory in two places");
+                let m = pa.max(pb);
+                p.insert(a, m);
+                p.insert(b, m);
+            }
+        }
+    }
+}
+
+/// The tree of `per_dir_names`, from the root down; `Err` with two directories whose states
+/// both hold one directory.
+fn place_names<'a>(
+    tree: &dyn Fn(usize) -> &'a Tree,
+    p: &BTreeMap<u64, usize>,
+    default: usize,
+    root: u64,
+) -> Result<(Tree, Times), (u64, u64)> {
+    let mut out = Tree::new();
+    let mut at = Times::new();
+    let mut parent: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut todo = std::collections::VecDeque::from([(root, String::new())]);
+    while let Some((d, prefix)) = todo.pop_front() {
+        let pd = p.get(&d).copied().unwrap_or(default);
+        let t = tree(pd);
+        // A directory its own state does not have yet (or any more) is empty.
+        for (base, ino, is_d) in typed_entries(t, d, root).unwrap_or_default() {
+            if is_d {
+                if let Some(&other) = parent.get(&ino) {
+                    return Err((other, d));
+                }
+                parent.insert(ino, d);
+                let path = format!("{prefix}{base}/");
+                out.insert(ino, ([path.clone()].into(), Vec::new()));
+                at.insert(ino, pd);
+                todo.push_back((ino, path));
+            } else {
+                let e = out.entry(ino).or_insert_with(|| {
+                    at.insert(ino, pd);
+                    (Default::default(), t[&ino].1.clone())
+                });
+                e.0.insert(format!("{prefix}{base}"));
+            }
+        }
+    }
+    Ok((out, at))
+}
+
+/// A sync of directory `dir` that committed its entries as of operation `at` (an index of
+/// `tree`), in `lb` (per directory, as of which operation its entries are committed,
+/// `Kinds::per_dir_commits`): its entries, and its own name in each directory above it up to
+/// the root, as a local file system's fsync of a directory also makes durable the entry that
+/// names it when that is new (btrfs logs it with the directory; ext4 and XFS commit every
+/// name). Each directory above is taken as committed from the first operation its entry had
+/// its name on (so also its other entries as of then: a power cut loses no less of them).
+pub(super) fn commit_dir<'a>(
+    lb: &mut BTreeMap<u64, usize>,
+    tree: &dyn Fn(usize) -> &'a Tree,
+    dir: u64,
+    at: usize,
+    root: u64,
+) {
+    let mut raise = |d: u64, j: usize| {
+        let e = lb.entry(d).or_insert(j);
+        *e = (*e).max(j);
+    };
+    raise(dir, at);
+    let t = tree(at);
+    let mut d = dir;
+    while d != root {
+        let Some((names, _)) = t.get(&d) else { break };
+        let path = first(names);
+        let mut since = at;
+        while since > 0
+            && tree(since - 1)
+                .get(&d)
+                .is_some_and(|(n, _)| first(n) == path)
+        {
+            since -= 1;
+        }
+        let up = match path.trim_end_matches('/').rfind('/') {
+            Some(i) => {
+                let up = &path[..=i];
+                match t.iter().find(|(_, (n, _))| first(n) == up) {
+                    Some((&i, _)) => i,
+                    None => break,
+                }
+            }
+            None => root,
+        };
+        raise(up, since);
+        d = up;
     }
 }

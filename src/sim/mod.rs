@@ -195,6 +195,14 @@ pub struct Kinds {
     /// files of its own and syncs nothing of it: a power cut may bring such a name back, with
     /// the file as it was, until the lower commits past it or its directory is made durable.
     pub unsynced_removals: bool,
+    /// `pmstack run` over a lower that ignores syncfs (`syncfs_ignored`): the lower commits
+    /// each directory's entries separately, as a directory's own fsync makes them durable
+    /// (a network or FUSE file system has no journal shared by all its directories), not all
+    /// names at once: a power cut keeps each directory's entries as of its own last sync or
+    /// a later state, an operation that changed several directories (a rename from one to
+    /// another) in all of them or in none. Without it, any directory's sync commits every
+    /// name, as a local file system's journal does.
+    pub per_dir_commits: bool,
 }
 
 impl Kinds {
@@ -215,13 +223,21 @@ impl Kinds {
         unsynced_outside: true,
         unsynced_renames: true,
         unsynced_removals: true,
+        per_dir_commits: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories over a lower that ignores syncfs had it
+    /// commit each directory's entries separately (2026-11-28, the sixteenth session).
+    pub const CAMPAIGN_BEFORE_PER_DIR_COMMITS: Kinds = Kinds {
+        per_dir_commits: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had files removed and left unsynced by
     /// the program that is not attached (2026-11-28, the fifteenth session).
     pub const CAMPAIGN_BEFORE_UNSYNCED_REMOVALS: Kinds = Kinds {
         unsynced_removals: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_PER_DIR_COMMITS
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had files renamed and left unsynced by
@@ -322,6 +338,9 @@ impl Kinds {
         }
         if !self.unsynced_removals {
             f += " --no-unsynced-removals";
+        }
+        if !self.per_dir_commits {
+            f += " --no-per-dir-commits";
         }
         f
     }
@@ -435,6 +454,19 @@ struct Crash<'a> {
     /// A kill of the processes, not a power cut (`Kinds::kills`): the images are of every
     /// store, and the lower keeps everything as at the crash point.
     killed: bool,
+    /// `Kinds::per_dir_commits`: as of which operation each directory's own syncs had
+    /// committed its entries.
+    dir_commits: Option<DirCommits>,
+}
+
+/// Per directory (by inode), the operation (an index of the trees) as of which the lower
+/// had committed its entries (`Kinds::per_dir_commits`): at the fences of the crashing
+/// operation (before the syncs it made, which each fence lists), and after it.
+pub(super) struct DirCommits {
+    /// The lower's root (a `Tree` does not hold it).
+    pub(super) root: u64,
+    pub(super) in_op: BTreeMap<u64, usize>,
+    pub(super) after: BTreeMap<u64, usize>,
 }
 
 impl Kinds {
@@ -471,17 +503,18 @@ fn recover_and_check(
     images.retain(|i| restorable(&x.at_fences.get(i.note).0, [&trees[c + 1]], &kept));
     let mut narrowed = images.len() < captured;
     cov.kills += x.killed as u64;
-    let (img, k, at_fence) = if images.is_empty() {
+    let (img, k, at_fence, fence_dirs) = if images.is_empty() {
         // Operation c had no fence: crash right after it.
         let img = if x.killed {
             sim.current_image()
         } else {
             sim.crash_image(rng)
         };
-        (img, c + 1, None)
+        (img, c + 1, None, Vec::new())
     } else {
         let i = images.swap_remove(rng.gen_range(0..images.len()));
-        (i.bytes, c, Some(x.at_fences.get(i.note)))
+        let dirs = x.at_fences.dirs_synced(i.note);
+        (i.bytes, c, Some(x.at_fences.get(i.note)), dirs)
     };
     let (at_fence, synced_at_fence) = match at_fence {
         Some((t, n)) => (Some(t), Some(n)),
@@ -523,6 +556,35 @@ fn recover_and_check(
         x.ns_after
     }
     .min(ns_max);
+    // A lower that commits each directory's entries separately: as of which operation each
+    // directory's own syncs had committed them (a sync of operation c before the fence: as
+    // of after it where the fence found the entries as synced, else as of before it).
+    let dir_lb = x.dir_commits.as_ref().map(|dc| {
+        let mut lb = if k == c {
+            dc.in_op.clone()
+        } else {
+            dc.after.clone()
+        };
+        for (ino, ents) in &fence_dirs {
+            let at = if entries(tree(k1), *ino, dc.root) == *ents {
+                k1
+            } else {
+                c
+            };
+            commit_dir(&mut lb, &tree, *ino, at, dc.root);
+        }
+        for v in lb.values_mut() {
+            *v = (*v).clamp(ns_min, ns_max);
+        }
+        lb
+    });
+    let ns_lo = ns_min;
+    // All the names as of one operation (where the directories' states below cannot be
+    // restored, or without them): one no earlier than any directory's commit.
+    let ns_min = dir_lb
+        .as_ref()
+        .and_then(|lb| lb.values().max().copied())
+        .map_or(ns_min, |m| ns_min.max(m));
     let restorable_from =
         |p: usize| restorable(tree(p), trees[p..].iter().chain(at_fence.as_ref()), &kept);
     // A kill leaves the names as they were at the crash point.
@@ -547,15 +609,66 @@ fn recover_and_check(
             cands[rng.gen_range(0..cands.len())]
         }
     };
+    // Each directory's entries as of an operation of its own, from its commit on (half the
+    // time all as of the crash point).
+    let apart = match (&x.dir_commits, &dir_lb) {
+        (Some(dc), Some(lb)) if !x.killed => {
+            let lo = ns_lo;
+            let all_last = rng.gen_bool(0.5);
+            let mut at: BTreeMap<u64, usize> = all_dirs((lo..=ns_max).map(tree), dc.root)
+                .into_iter()
+                .map(|d| {
+                    let from = lb.get(&d).copied().unwrap_or(lo).clamp(lo, ns_max);
+                    (
+                        d,
+                        if all_last {
+                            ns_max
+                        } else {
+                            rng.gen_range(from..=ns_max)
+                        },
+                    )
+                })
+                .collect();
+            let (t, from) = per_dir_names(&tree, &mut at, ns_max, (lo, ns_max), dc.root);
+            if std::env::var("PMSTACK_TRACE").is_ok() {
+                eprintln!(
+                    "per-directory commits: root {} from {lb:?}, {lo}..={ns_max}: {at:?}",
+                    dc.root
+                );
+            }
+            let lowest = at.values().copied().min().unwrap_or(ns_max);
+            if restorable(&t, trees[lowest..].iter().chain(at_fence.as_ref()), &kept) {
+                cov.names_apart += (lo..=ns_max).all(|q| names_of(tree(q)) != names_of(&t)) as u64;
+                Some((t, from, at))
+            } else {
+                narrowed = true;
+                None
+            }
+        }
+        _ => None,
+    };
     cov.dir_removals_kept += narrowed as u64;
     // A FUSE lower that hands out no inode number twice (GlusterFS, JuiceFS), or one that passes
     // a local file system's numbers through (bindfs): every other history of each.
-    cov.rmdirs_taken_back +=
-        x.stash
-            .rewind_names(lower_path, tree(p), x.fuse_lower && (seed / 3) % 2 == 0);
-    let lost = (p..k.min(ns_max))
-        .filter(|&j| names_of(tree(j)) != names_of(tree(j + 1)))
-        .count() as u64;
+    cov.rmdirs_taken_back += x.stash.rewind_names(
+        lower_path,
+        apart.as_ref().map_or(tree(p), |a| &a.0),
+        x.fuse_lower && (seed / 3) % 2 == 0,
+    );
+    // The operations that changed names the power cut took back (with each directory's
+    // entries as of an operation of its own: those that changed one it took back to before).
+    let lost = match (&apart, &x.dir_commits) {
+        (Some((_, _, at)), Some(dc)) => (ns_lo..k.min(ns_max))
+            .filter(|&j| {
+                at.iter().any(|(&d, &pd)| {
+                    pd <= j && entries(tree(j), d, dc.root) != entries(tree(j + 1), d, dc.root)
+                })
+            })
+            .count(),
+        _ => (p..k.min(ns_max))
+            .filter(|&j| names_of(tree(j)) != names_of(tree(j + 1)))
+            .count(),
+    } as u64;
     cov.namespace_rewinds += (lost > 0) as u64;
     cov.namespace_ops_lost += lost;
     if std::env::var("PMSTACK_TRACE").is_ok() {
@@ -623,18 +736,37 @@ fn recover_and_check(
         let (t, at) = (tree(k1), &at_k1);
         power_cut(lower_path, (t, at), &[(t, at), (t, at), (t, at)], rng)
     } else {
+        // The names' own state: each inode as of the operation its entry came from.
+        let (names_tree, names_at) = match &apart {
+            Some((t, from, _)) => (
+                t,
+                from.iter()
+                    .map(|(i, &j)| {
+                        (
+                            *i,
+                            if j == k1 {
+                                at_k1.get(i).copied().unwrap_or(k)
+                            } else {
+                                j
+                            },
+                        )
+                    })
+                    .collect(),
+            ),
+            None => (
+                tree(p),
+                if p == k1 {
+                    at_k1.clone()
+                } else {
+                    times(tree(p), p)
+                },
+            ),
+        };
         power_cut(
             lower_path,
             (&base_tree, &base_at),
             &[
-                (
-                    tree(p),
-                    &if p == k1 {
-                        at_k1.clone()
-                    } else {
-                        times(tree(p), p)
-                    },
-                ),
+                (names_tree, &names_at),
                 (tree(k), &times(tree(k), k)),
                 (tree(k1), &at_k1),
             ],

@@ -41,11 +41,21 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     // Index of the tree whose names the lower's journal has committed, per op count: the
     // last write-back (syncfs), or the last fsync the core fell back to (PM full).
     let mut ns_at: Vec<usize> = vec![0];
+    // A lower that commits each directory's entries separately (`Kinds::per_dir_commits`):
+    // per op count, as of which operation each directory's entries are committed (by inode;
+    // the root's by its own).
+    let per_dir = kinds.syncfs_ignored && kinds.per_dir_commits;
+    cov.per_dir_commits += per_dir as u64;
+    let root_ino = {
+        use std::os::unix::fs::MetadataExt;
+        fs::metadata(&lower_path).unwrap().ino()
+    };
+    let mut dir_at: Vec<BTreeMap<u64, usize>> = vec![BTreeMap::new()];
     let mut next_file = 0u32;
     for j in 0..=c {
         if j == c {
             r.sim
-                .on_capture(at_fences.hook(&lower_path, || (0, 0, 0, 0)));
+                .on_capture(at_fences.hook(&lower_path, || (0, 0, 0, 0), Vec::new));
             r.sim.capture_at_fences(1.0, 1, seed);
             if kinds.killed(seed) {
                 r.sim.capture_as_kills();
@@ -238,7 +248,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                     .iter()
                     .map(|(i, d)| (i, d.len()))
                     .collect::<Vec<_>>(),
-                seen.dirs
+                seen.dirs.len()
             );
         }
         let syncfs = wrote_back && !kinds.syncfs_ignored;
@@ -263,7 +273,21 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
             .real_syncs
             .load(std::sync::atomic::Ordering::Relaxed)
             > fallbacks;
-        let commits = syncfs || seen.dirs > 0 || (fell_back && !kinds.syncfs_ignored);
+        let mut dirs = dir_at[j].clone();
+        if per_dir {
+            let tree = |i: usize| if i == trees.len() { &now } else { &trees[i] };
+            for (ino, ents) in &seen.dirs {
+                let at = if entries(&now, *ino, root_ino) == *ents {
+                    j + 1
+                } else {
+                    j
+                };
+                commit_dir(&mut dirs, &tree, *ino, at, root_ino);
+            }
+        }
+        dir_at.push(dirs);
+        let commits =
+            syncfs || (!seen.dirs.is_empty() && !per_dir) || (fell_back && !kinds.syncfs_ignored);
         let ns = if commits { trees.len() } else { ns_at[j] };
         models.push(model.clone());
         trees.push(now);
@@ -295,6 +319,12 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         names_change_after_fences: false,
         stash,
         at_fences,
+        // (A write-back's syncs come before its fences too.)
+        dir_commits: per_dir.then(|| DirCommits {
+            root: root_ino,
+            in_op: dir_at[if crash_op_syncs { c + 1 } else { c }].clone(),
+            after: dir_at[c + 1].clone(),
+        }),
         in_op_syncs: None,
         fuse_lower: kinds.syncfs_ignored,
         killed: kinds.killed(seed),

@@ -108,6 +108,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     cov.small_tables += small_table as u64;
     let per_object = kinds.syncfs_ignored;
     cov.syncfs_ignored += per_object as u64;
+    // The lower commits each directory's entries separately (`Kinds::per_dir_commits`).
+    let per_dir = per_object && kinds.per_dir_commits;
+    cov.per_dir_commits += per_dir as u64;
     let (lower, sim, d) = serve_sim(
         &dir.0,
         |l| {
@@ -181,6 +184,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // every real sync commits it (a namespace write-back, a file's fsync, a directory's).
     let mut ns_durable = 0usize;
     let mut ns_in_op = 0usize;
+    // With `per_dir`, per directory (by inode): as of which operation its own syncs
+    // committed its entries (the root's by its inode too); at the crashing operation's start.
+    let root_ino = {
+        use std::os::unix::fs::MetadataExt;
+        fs::metadata(&lower).unwrap().ino()
+    };
+    let mut dir_durable: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut dir_in_op = BTreeMap::new();
     let stash = Stash::new(&dir.0);
     let at_fences = FenceTrees::default();
     let mut crash_op_unserved_ns = false;
@@ -193,24 +204,30 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             // The program's real syncs so far, read at each captured fence.
             let table = Table::open(&table_path).unwrap();
             let seen_so_far = seen.as_ref().map(|s| s.counter());
+            let dirs_so_far = seen.as_ref().map(|s| s.dirs_synced());
             let ps = pids.clone();
             // Write-backs that synced only directories are left out: inside the operation,
             // nothing is taken as made durable by them (a power cut may lose more).
-            sim.on_capture(at_fences.hook(&lower, move || {
-                let (f, ns, _, ns_dir, path_syncs) = counters(&table, &ps);
-                let (files, dirs) = seen_so_far.as_ref().map_or((0, 0), |c| c());
-                (
-                    f,
-                    ns.saturating_sub(ns_dir),
-                    files,
-                    dirs + path_syncs as usize,
-                )
-            }));
+            sim.on_capture(at_fences.hook(
+                &lower,
+                move || {
+                    let (f, ns, _, ns_dir, path_syncs) = counters(&table, &ps);
+                    let (files, dirs) = seen_so_far.as_ref().map_or((0, 0), |c| c());
+                    (
+                        f,
+                        ns.saturating_sub(ns_dir),
+                        files,
+                        dirs + path_syncs as usize,
+                    )
+                },
+                move || dirs_so_far.as_ref().map_or_else(Vec::new, |d| d()),
+            ));
             sim.capture_at_fences(1.0, 1, seed);
             if kinds.killed(seed) {
                 sim.capture_as_kills();
             }
             let (f, ns, _, ns_dir, path_syncs) = counters(&d.table, &pids);
+            dir_in_op = dir_durable.clone();
             in_op = Some((
                 durable.clone(),
                 durable_at.clone(),
@@ -706,10 +723,25 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         cov.real_syncs += after.0 - before.0 + after.1 - before.1;
         cov.paths_synced += after.4 - before.4;
         let (before_op, after_op) = (j, j + 1);
-        if kind == 10 && alive {
+        if kind == 10 && alive && !per_dir {
             ns_durable = after_op;
         }
-        if per_object && after.1 > before.1 {
+        if per_dir {
+            // Each directory's entries as of its own last sync (as of after the operation
+            // where they were then as after it, else as of before it).
+            let tree = |i: usize| if i == trees.len() { &now } else { &trees[i] };
+            for (ino, ents) in &seen_now.dirs {
+                let at = if super::entries(&now, *ino, root_ino) == *ents {
+                    after_op
+                } else {
+                    before_op
+                };
+                super::commit_dir(&mut dir_durable, &tree, *ino, at, root_ino);
+            }
+            if std::env::var("PMSTACK_TRACE").is_ok() && !seen_now.dirs.is_empty() {
+                eprintln!("op {j}: directories synced {:?}", seen_now.dirs);
+            }
+        } else if per_object && after.1 > before.1 {
             // Namespace write-backs over a lower that ignores syncfs: the operation's
             // directories fsynced (the journal commits), and the daemon's write-back, whose
             // syncs the watch saw (below).
@@ -745,7 +777,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // (A file's fsync commits the journal of a local file system; not
                 // necessarily the names of a lower that ignores syncfs: there, only when it
                 // synced the file's path too.)
-                if !per_object || after.4 > before.4 {
+                if !per_object || (after.4 > before.4 && !per_dir) {
                     ns_durable = ns_durable.max(if pre { before_op } else { after_op });
                 }
             }
@@ -764,14 +796,14 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             // A file made since is durable empty, until a sync of it.
             new_files_empty(&mut d2, &now, j);
             (durable, durable_at) = d2;
-            if seen_now.dirs > 0 {
+            if !seen_now.dirs.is_empty() && !per_dir {
                 let unserved_ns = ns_op && !alive;
                 ns_durable = ns_durable.max(if unserved_ns { before_op } else { after_op });
             }
         }
         // A namespace operation on the lower alone syncs its directories before it returns;
         // so does a directory fsync the library left to the lower.
-        if (ns_op && !alive) || real_dir_sync {
+        if ((ns_op && !alive) || real_dir_sync) && !per_dir {
             ns_durable = after_op;
         }
         // Any other operation: taken as of after it (its syncs may come after its fences;
@@ -824,6 +856,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         }),
         fuse_lower: per_object,
         killed: kinds.killed(seed),
+        dir_commits: per_dir.then_some(super::DirCommits {
+            root: root_ino,
+            in_op: dir_in_op,
+            after: dir_durable,
+        }),
     };
     recover_and_check(crash, &sim, &lower, &models, &trees, &mut rng, cov);
     drop(held);

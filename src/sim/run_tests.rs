@@ -339,3 +339,21 @@ fn a_write_the_log_did_not_see_leaves_no_copy_of_older_bytes_to_log() {
         expect_contract([seed], |s| run_history_preload(s, 200, kinds));
     }
 }
+
+/// The same through `pmstack run`: over a lower that commits each directory's entries
+/// separately (`Kinds::per_dir_commits`), the daemon's write-back fsyncs every directory the
+/// processes noted. Seeds of the long run (`--mode run --lower syncfs-ignored --ops 100`) that
+/// find names gone or back when it syncs no directory but the root; 1,000 seeds of the
+/// histories that take any directory's sync for a commit of every name
+/// (`--no-per-dir-commits`) find none.
+#[test]
+fn the_daemons_write_back_over_a_lower_committing_each_directory_alone_syncs_each_directory() {
+    let kinds = Kinds {
+        syncfs_ignored: true,
+        ..Kinds::CAMPAIGN
+    };
+    let cov = expect_contract([82000550, 82000602, 82000724], |s| {
+        run_history_preload(s, 100, kinds)
+    });
+    assert_eq!(cov.per_dir_commits, 3, "{cov:?}");
+}

@@ -105,12 +105,29 @@ pub fn fsync(fd: RawFd, datasync: bool) -> io::Result<()> {
             libc::fsync(fd)
         }
     })?;
-    SYNC_WATCH.with(|w| {
-        if let Some(f) = w.borrow_mut().as_mut() {
-            f(fd)
+    synced(fd);
+    Ok(())
+}
+
+/// Whether any thread has a `watch_syncs` installed: without one (every process but the
+/// crash simulator), a sync costs no look at thread-local state.
+static WATCHING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Tell this thread's `watch_syncs` watch, if any, that `fd` was synced: `fsync` here does,
+/// and so does every other place that syncs a lower object with its own system call (the
+/// preload library's raw calls, `front::sys::fsync`), so that the simulator sees the syncs
+/// of both front ends. Safe to call from anywhere, a thread's exit included.
+pub fn synced(fd: RawFd) {
+    if !WATCHING.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let _ = SYNC_WATCH.try_with(|w| {
+        if let Ok(mut w) = w.try_borrow_mut() {
+            if let Some(f) = w.as_mut() {
+                f(fd)
+            }
         }
     });
-    Ok(())
 }
 
 /// What `watch_syncs` installs.
@@ -144,6 +161,10 @@ pub(super) fn rmdir_taken(dir: RawFd, name: &std::ffi::OsStr) -> Option<io::Resu
 /// with the descriptor once it succeeded (still open, so the simulator can read what was made
 /// durable). `None` stops it. Nothing else installs one.
 pub fn watch_syncs(f: Option<SyncWatch>) {
+    if f.is_some() {
+        // Never reset: another thread may still watch.
+        WATCHING.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     SYNC_WATCH.with(|w| *w.borrow_mut() = f);
 }
 
