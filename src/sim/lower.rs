@@ -613,6 +613,21 @@ pub(super) fn per_dir_names<'a>(
                 raised = true;
             }
         }
+        // A directory's entries are durable only with its own name: its directory keeps the
+        // entry it had when they were (a file system writes a new directory's name no later
+        // than what is in it).
+        let dirs_now: Vec<(u64, usize)> = p.iter().map(|(&d, &j)| (d, j)).collect();
+        for (d, j) in dirs_now {
+            if d == root {
+                continue;
+            }
+            if let Some((up, since)) = named_since(tree, d, j, root) {
+                if p.get(&up).copied().unwrap_or(default) < since {
+                    p.insert(up, since);
+                    raised = true;
+                }
+            }
+        }
         if raised {
             continue;
         }
@@ -689,30 +704,66 @@ pub(super) fn commit_dir<'a>(
         *e = (*e).max(j);
     };
     raise(dir, at);
-    let t = tree(at);
     let mut d = dir;
     while d != root {
-        let Some((names, _)) = t.get(&d) else { break };
-        let path = first(names);
-        let mut since = at;
-        while since > 0
-            && tree(since - 1)
-                .get(&d)
-                .is_some_and(|(n, _)| first(n) == path)
-        {
-            since -= 1;
-        }
-        let up = match path.trim_end_matches('/').rfind('/') {
-            Some(i) => {
-                let up = &path[..=i];
-                match t.iter().find(|(_, (n, _))| first(n) == up) {
-                    Some((&i, _)) => i,
-                    None => break,
-                }
-            }
-            None => root,
+        let Some((up, since)) = named_since(tree, d, at, root) else {
+            break;
         };
         raise(up, since);
         d = up;
     }
+}
+
+/// The directory that names directory `d` in `tree(at)`, and the first operation count from
+/// which it has had that name up to `at`; `None` where `tree(at)` has no such directory.
+fn named_since<'a>(
+    tree: &dyn Fn(usize) -> &'a Tree,
+    d: u64,
+    at: usize,
+    root: u64,
+) -> Option<(u64, usize)> {
+    let t = tree(at);
+    let path = first(&t.get(&d)?.0);
+    if !is_dir(path) {
+        return None;
+    }
+    let mut since = at;
+    while since > 0
+        && tree(since - 1)
+            .get(&d)
+            .is_some_and(|(n, _)| first(n) == path)
+    {
+        since -= 1;
+    }
+    let up = match path.trim_end_matches('/').rfind('/') {
+        Some(i) => {
+            let up = &path[..=i];
+            *t.iter().find(|(_, (n, _))| first(n) == up)?.0
+        }
+        None => root,
+    };
+    Some((up, since))
+}
+
+/// Whether a directory's inode number names a directory in some of `trees` (in order), then
+/// none, then one again: the number was handed out again, to another directory.
+pub(super) fn dir_numbers_reused<'a>(trees: impl IntoIterator<Item = &'a Tree>) -> bool {
+    // Per number: seen, and gone since.
+    let mut state: BTreeMap<u64, bool> = BTreeMap::new();
+    for t in trees {
+        let now = dirs_of(t);
+        for (d, gone) in state.iter_mut() {
+            if now.contains(d) {
+                if *gone {
+                    return true;
+                }
+            } else {
+                *gone = true;
+            }
+        }
+        for d in now {
+            state.entry(d).or_insert(false);
+        }
+    }
+    false
 }

@@ -51,6 +51,10 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         fs::metadata(&lower_path).unwrap().ino()
     };
     let mut dir_at: Vec<BTreeMap<u64, usize>> = vec![BTreeMap::new()];
+    // Directories removed or renamed over in the history, held open so that their inode
+    // numbers are not handed out again during it (by a later mkdir): with `per_dir`, a
+    // directory is known by its inode number across the history.
+    let mut held: Vec<fs::File> = Vec::new();
     let mut next_file = 0u32;
     for j in 0..=c {
         if j == c {
@@ -219,12 +223,20 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
                 }
                 Some(DirOp::Rmdir(d)) => {
                     cov.rmdirs += 1;
+                    if per_dir && !kinds.lost_rmdirs {
+                        // Its inode number stays taken: a directory is known by it.
+                        held.extend(fs::File::open(lower_path.join(&d)));
+                    }
                     let (p, n) = at(&r.core, &d);
                     r.core.remove(p, &n, true).unwrap();
                     model.rmdir(&d);
                 }
                 Some(DirOp::Rename(a, b)) => {
                     cov.dir_renames += 1;
+                    if per_dir && model.dirs.contains(&b) {
+                        // The empty directory renamed over keeps its inode number.
+                        held.extend(fs::File::open(lower_path.join(&b)));
+                    }
                     let ((da, na), (db, nb)) = (at(&r.core, &a), at(&r.core, &b));
                     r.core.rename(da, &na, db, &nb, 0).unwrap();
                     model.rename_dir(&a, &b);
@@ -296,6 +308,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
     }
     drop(synced);
     drop(r);
+    drop(held);
     cov.crashes_in_write_back += crash_op_syncs as u64;
     // The fences of a write-back come after its syncs: a crash at one finds the lower durable
     // as after them (with syncfs, as of the operation's start: nothing of the lower changes).

@@ -627,8 +627,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Rmdir(d)) => {
                     cov.rmdirs += 1;
                     ns_op = true;
-                    if per_object && kinds.outside {
-                        // The directory's inode number stays taken (see `held`).
+                    if per_dir || (per_object && kinds.outside) {
+                        // The directory's inode number stays taken (see `held`; over a lower
+                        // that commits each directory apart, a directory is known by it).
                         held.extend(fs::File::open(lower.join(&d)));
                     }
                     match done(c.unlink(&target(c, &d), true), may_refuse, "rmdir") {
@@ -639,6 +640,10 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 Some(DirOp::Rename(a, b)) => {
                     cov.dir_renames += 1;
                     ns_op = true;
+                    if per_dir && model.dirs.contains(&b) {
+                        // The empty directory renamed over keeps its inode number too.
+                        held.extend(fs::File::open(lower.join(&b)));
+                    }
                     match done(
                         c.rename(&target(c, &a), &target(c, &b), 0),
                         may_refuse,
@@ -707,10 +712,15 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         }
 
         let after = counters(&d.table, &pids);
-        if per_object && after.0 > before.0 && after.4 == before.4 {
-            // A real sync of a file over a lower that ignores syncfs that did not sync its
-            // path too: the lower's own fsync, which commits no names there. A file made
-            // outside and synced so keeps its name only as over the lower alone.
+        // A real sync of a file over a lower that ignores syncfs that did not sync its path
+        // too: the lower's own fsync, which commits no names there. Over one that commits each
+        // directory apart, any sync of a file, the lower's own or one absorbed in its place
+        // (after a real one, which may have left the name as it was). A file made outside and
+        // synced so keeps its name only as over the lower alone: where its directory's sync
+        // commits it.
+        if (per_object && after.0 > before.0 && after.4 == before.4)
+            || (per_dir && !ns_op && kind != 13 && kind < base_kinds)
+        {
             for (id, u) in unsettled_before {
                 if model.files.contains_key(&id) {
                     model.unsettled.entry(id).or_insert(u);
