@@ -195,13 +195,14 @@ pub struct Kinds {
     /// files of its own and syncs nothing of it: a power cut may bring such a name back, with
     /// the file as it was, until the lower commits past it or its directory is made durable.
     pub unsynced_removals: bool,
-    /// `pmstack run` over a lower that ignores syncfs (`syncfs_ignored`): the lower commits
-    /// each directory's entries separately, as a directory's own fsync makes them durable
-    /// (a network or FUSE file system has no journal shared by all its directories), not all
-    /// names at once: a power cut keeps each directory's entries as of its own last sync or
-    /// a later state, an operation that changed several directories (a rename from one to
-    /// another) in all of them or in none. Without it, any directory's sync commits every
-    /// name, as a local file system's journal does.
+    /// Over a lower that ignores syncfs (`syncfs_ignored`; both front ends): the lower
+    /// commits each directory's entries separately, as a directory's own fsync makes them
+    /// durable (a network or FUSE file system has no journal shared by all its directories),
+    /// not all names at once: a power cut keeps each directory's entries as of its own last
+    /// sync or a later state (with its own name, which its sync commits too), an operation
+    /// that changed several directories (a rename from one to another) in all of them or in
+    /// none, and a file's sync commits none of its names. Without it, any directory's sync
+    /// commits every name, as a local file system's journal does.
     pub per_dir_commits: bool,
 }
 
@@ -226,8 +227,8 @@ impl Kinds {
         per_dir_commits: true,
     };
 
-    /// `CAMPAIGN` before `pmstack run`'s histories over a lower that ignores syncfs had it
-    /// commit each directory's entries separately (2026-11-28, the sixteenth session).
+    /// `CAMPAIGN` before the histories over a lower that ignores syncfs had it commit each
+    /// directory's entries separately (2026-11-28, the sixteenth session).
     pub const CAMPAIGN_BEFORE_PER_DIR_COMMITS: Kinds = Kinds {
         per_dir_commits: false,
         ..Kinds::CAMPAIGN
