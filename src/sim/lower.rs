@@ -598,9 +598,54 @@ pub(super) fn per_dir_names<'a>(
                 .collect()
         })
         .collect();
+    // The operations that removed a name of a file that kept others (an unlink of one of its
+    // links, a rename within a directory onto one): the directories of the removed names,
+    // and each name left with the directory that holds it and the first operation count
+    // from which it has named the file.
+    let mut removals: Vec<Removal> = Vec::new();
+    for j in lo..hi {
+        let (before, after) = (tree(j), tree(j + 1));
+        for (ino, (was, _)) in before {
+            let Some((left, _)) = after.get(ino) else {
+                continue;
+            };
+            if is_dir(first(was)) || was.is_subset(left) || left.is_empty() {
+                continue;
+            }
+            let from: Vec<u64> = was
+                .difference(left)
+                .filter_map(|n| dir_of(before, n, root))
+                .collect();
+            let kept: Vec<(u64, usize)> = left
+                .iter()
+                .filter_map(|n| {
+                    let mut since = j + 1;
+                    while since > 0 && tree(since - 1).get(ino).is_some_and(|e| e.0.contains(n)) {
+                        since -= 1;
+                    }
+                    Some((dir_of(after, n, root)?, since))
+                })
+                .collect();
+            removals.push((j, from, kept));
+        }
+    }
     loop {
         // Operations kept in some of their directories and not in others: kept in all.
         let mut raised = false;
+        // A removal of a file's name kept where it has another name: the other names too (a
+        // file system removes a name of an inode no earlier than it writes the inode's new
+        // one: a link in one directory, then an unlink in another, leaves either name).
+        for (j, from, kept) in &removals {
+            let at = |p: &BTreeMap<u64, usize>, d: &u64| p.get(d).copied().unwrap_or(default);
+            if from.iter().any(|d| at(p, d) > *j) {
+                for (d, since) in kept {
+                    if at(p, d) < *since {
+                        p.insert(*d, *since);
+                        raised = true;
+                    }
+                }
+            }
+        }
         for (i, ds) in changed.iter().enumerate() {
             let j = lo + i;
             let at = |p: &BTreeMap<u64, usize>, d: &u64| p.get(d).copied().unwrap_or(default);
@@ -766,4 +811,20 @@ pub(super) fn dir_numbers_reused<'a>(trees: impl IntoIterator<Item = &'a Tree>) 
         }
     }
     false
+}
+
+/// An operation (its index) that removed names of a file that kept others: the directories
+/// of the removed names, and each name left as its directory and the first operation count
+/// from which it has named the file (`per_dir_names`).
+type Removal = (usize, Vec<u64>, Vec<(u64, usize)>);
+
+/// The directory (by inode; the root's is `root`) that holds `name` in `t`.
+fn dir_of(t: &Tree, name: &str, root: u64) -> Option<u64> {
+    match name.trim_end_matches('/').rfind('/') {
+        Some(i) => {
+            let up = &name[..=i];
+            Some(*t.iter().find(|(_, (n, _))| first(n) == up)?.0)
+        }
+        None => Some(root),
+    }
 }
