@@ -448,7 +448,7 @@ fn a_lost_rmdir_is_replayed() {
 /// name (`--no-per-dir-commits`) find none.
 #[test]
 fn a_write_back_over_a_lower_committing_each_directory_alone_syncs_each_directory() {
-    let cov = crate::sim::expect_contract([84001125, 84001260, 84001321], |s| {
+    let cov = crate::sim::expect_contract([84000023, 84001125, 84001260], |s| {
         crate::sim::run_history(
             s,
             100,

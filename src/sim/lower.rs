@@ -535,19 +535,21 @@ fn typed_entries(t: &Tree, dir: u64, root: u64) -> Option<Vec<(String, u64, bool
         }
         n.clone()
     };
-    Some(
-        t.iter()
-            .flat_map(|(i, (names, _))| {
-                let path = &path;
-                names.iter().filter_map(move |n| {
-                    let base = n.strip_prefix(path.as_str())?;
-                    let d = is_dir(base);
-                    let base = base.trim_end_matches('/');
-                    (!base.is_empty() && !base.contains('/')).then(|| (base.to_string(), *i, d))
-                })
+    let mut e: Vec<(String, u64, bool)> = t
+        .iter()
+        .flat_map(|(i, (names, _))| {
+            let path = &path;
+            names.iter().filter_map(move |n| {
+                let base = n.strip_prefix(path.as_str())?;
+                let d = is_dir(base);
+                let base = base.trim_end_matches('/');
+                (!base.is_empty() && !base.contains('/')).then(|| (base.to_string(), *i, d))
             })
-            .collect(),
-    )
+        })
+        .collect();
+    // By name, not by inode number (`per_dir_names` places them in this order).
+    e.sort();
+    Some(e)
 }
 
 /// The entries of directory `dir` in `t` (see `typed_entries`); none where it has no such
@@ -598,6 +600,8 @@ pub(super) fn per_dir_names<'a>(
                 .collect()
         })
         .collect();
+    // A directory's operation count in `p`.
+    let at = |p: &BTreeMap<u64, usize>, d: &u64| p.get(d).copied().unwrap_or(default);
     // The operations that removed a name of a file that kept others (an unlink of one of its
     // links, a rename within a directory onto one): the directories of the removed names,
     // and each name left with the directory that holds it and the first operation count
@@ -619,11 +623,10 @@ pub(super) fn per_dir_names<'a>(
             let kept: Vec<(u64, usize)> = left
                 .iter()
                 .filter_map(|n| {
-                    let mut since = j + 1;
-                    while since > 0 && tree(since - 1).get(ino).is_some_and(|e| e.0.contains(n)) {
-                        since -= 1;
-                    }
-                    Some((dir_of(after, n, root)?, since))
+                    Some((
+                        dir_of(after, n, root)?,
+                        since(tree, *ino, j + 1, |names| names.contains(n)),
+                    ))
                 })
                 .collect();
             removals.push((j, from, kept));
@@ -636,7 +639,6 @@ pub(super) fn per_dir_names<'a>(
         // file system removes a name of an inode no earlier than it writes the inode's new
         // one: a link in one directory, then an unlink in another, leaves either name).
         for (j, from, kept) in &removals {
-            let at = |p: &BTreeMap<u64, usize>, d: &u64| p.get(d).copied().unwrap_or(default);
             if from.iter().any(|d| at(p, d) > *j) {
                 for (d, since) in kept {
                     if at(p, d) < *since {
@@ -648,7 +650,6 @@ pub(super) fn per_dir_names<'a>(
         }
         for (i, ds) in changed.iter().enumerate() {
             let j = lo + i;
-            let at = |p: &BTreeMap<u64, usize>, d: &u64| p.get(d).copied().unwrap_or(default);
             if ds.len() > 1 && ds.iter().any(|d| at(p, d) > j) && ds.iter().any(|d| at(p, d) <= j) {
                 for d in ds {
                     if at(p, d) <= j {
@@ -667,7 +668,7 @@ pub(super) fn per_dir_names<'a>(
                 continue;
             }
             if let Some((up, since)) = named_since(tree, d, j, root) {
-                if p.get(&up).copied().unwrap_or(default) < since {
+                if at(p, &up) < since {
                     p.insert(up, since);
                     raised = true;
                 }
@@ -679,10 +680,7 @@ pub(super) fn per_dir_names<'a>(
         match place_names(tree, p, default, root) {
             Ok(r) => return r,
             Err((a, b)) => {
-                let (pa, pb) = (
-                    p.get(&a).copied().unwrap_or(default),
-                    p.get(&b).copied().unwrap_or(default),
-                );
+                let (pa, pb) = (at(p, &a), at(p, &b));
                 assert_ne!(pa, pb, "harness: one state puts a directory in two places");
                 let m = pa.max(pb);
                 p.insert(a, m);
@@ -759,6 +757,41 @@ pub(super) fn commit_dir<'a>(
     }
 }
 
+/// The syncs of directories `synced` (each with its entries when the sync returned) made in
+/// the operation from `tree(before)` to `tree(before + 1)`, in `lb` (`commit_dir`): each as
+/// of after the operation where its entries were then as after it, else as of before it.
+pub(super) fn commit_synced<'a>(
+    lb: &mut BTreeMap<u64, usize>,
+    tree: &dyn Fn(usize) -> &'a Tree,
+    synced: &[(u64, Entries)],
+    before: usize,
+    root: u64,
+) {
+    for (ino, ents) in synced {
+        let at = if entries(tree(before + 1), *ino, root) == *ents {
+            before + 1
+        } else {
+            before
+        };
+        commit_dir(lb, tree, *ino, at, root);
+    }
+}
+
+/// The first operation count from which `ino` in `tree` has been as `has` says, up to `at`
+/// (where it is).
+fn since<'a>(
+    tree: &dyn Fn(usize) -> &'a Tree,
+    ino: u64,
+    at: usize,
+    has: impl Fn(&std::collections::BTreeSet<String>) -> bool,
+) -> usize {
+    let mut since = at;
+    while since > 0 && tree(since - 1).get(&ino).is_some_and(|e| has(&e.0)) {
+        since -= 1;
+    }
+    since
+}
+
 /// The directory that names directory `d` in `tree(at)`, and the first operation count from
 /// which it has had that name up to `at`; `None` where `tree(at)` has no such directory.
 fn named_since<'a>(
@@ -772,22 +805,10 @@ fn named_since<'a>(
     if !is_dir(path) {
         return None;
     }
-    let mut since = at;
-    while since > 0
-        && tree(since - 1)
-            .get(&d)
-            .is_some_and(|(n, _)| first(n) == path)
-    {
-        since -= 1;
-    }
-    let up = match path.trim_end_matches('/').rfind('/') {
-        Some(i) => {
-            let up = &path[..=i];
-            *t.iter().find(|(_, (n, _))| first(n) == up)?.0
-        }
-        None => root,
-    };
-    Some((up, since))
+    Some((
+        dir_of(t, path, root)?,
+        since(tree, d, at, |n| first(n) == path),
+    ))
 }
 
 /// Whether a directory's inode number names a directory in some of `trees` (in order), then

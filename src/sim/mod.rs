@@ -566,14 +566,8 @@ fn recover_and_check(
         } else {
             dc.after.clone()
         };
-        for (ino, ents) in &fence_dirs {
-            let at = if entries(tree(k1), *ino, dc.root) == *ents {
-                k1
-            } else {
-                c
-            };
-            commit_dir(&mut lb, &tree, *ino, at, dc.root);
-        }
+        // (At a fence, k1 = c + 1: the fence's tree.)
+        commit_synced(&mut lb, &tree, &fence_dirs, c, dc.root);
         for v in lb.values_mut() {
             *v = (*v).clamp(ns_min, ns_max);
         }
@@ -618,9 +612,23 @@ fn recover_and_check(
         (Some(dc), Some(lb)) if !x.killed && !dir_numbers_reused((ns_lo..=ns_max).map(tree)) => {
             let lo = ns_lo;
             let all_last = rng.gen_bool(0.5);
-            let mut at: BTreeMap<u64, usize> = all_dirs((lo..=ns_max).map(tree), dc.root)
+            // Drawn in the order of the directories' names, not of their inode numbers: the
+            // file system hands those out differently from run to run (same seed, same run).
+            // (Two directories of one name in the window: by the last state that holds each.)
+            let mut dirs: Vec<(String, usize, u64)> = all_dirs((lo..=ns_max).map(tree), dc.root)
                 .into_iter()
                 .map(|d| {
+                    let (j, name) = (lo..=ns_max)
+                        .rev()
+                        .find_map(|j| tree(j).get(&d).map(|e| (j, first(&e.0).clone())))
+                        .unwrap_or_default();
+                    (name, j, d)
+                })
+                .collect();
+            dirs.sort();
+            let mut at: BTreeMap<u64, usize> = dirs
+                .into_iter()
+                .map(|(_, _, d)| {
                     let from = lb.get(&d).copied().unwrap_or(lo).clamp(lo, ns_max);
                     (
                         d,

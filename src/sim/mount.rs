@@ -288,14 +288,7 @@ pub(super) fn run(seed: u64, nops: usize, mode: Mode, kinds: Kinds, cov: &mut Co
         let mut dirs = dir_at[j].clone();
         if per_dir {
             let tree = |i: usize| if i == trees.len() { &now } else { &trees[i] };
-            for (ino, ents) in &seen.dirs {
-                let at = if entries(&now, *ino, root_ino) == *ents {
-                    j + 1
-                } else {
-                    j
-                };
-                commit_dir(&mut dirs, &tree, *ino, at, root_ino);
-            }
+            commit_synced(&mut dirs, &tree, &seen.dirs, j, root_ino);
         }
         dir_at.push(dirs);
         let commits =

@@ -740,14 +740,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
             // Each directory's entries as of its own last sync (as of after the operation
             // where they were then as after it, else as of before it).
             let tree = |i: usize| if i == trees.len() { &now } else { &trees[i] };
-            for (ino, ents) in &seen_now.dirs {
-                let at = if super::entries(&now, *ino, root_ino) == *ents {
-                    after_op
-                } else {
-                    before_op
-                };
-                super::commit_dir(&mut dir_durable, &tree, *ino, at, root_ino);
-            }
+            super::commit_synced(&mut dir_durable, &tree, &seen_now.dirs, before_op, root_ino);
             if std::env::var("PMSTACK_TRACE").is_ok() && !seen_now.dirs.is_empty() {
                 eprintln!("op {j}: directories synced {:?}", seen_now.dirs);
             }
