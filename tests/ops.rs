@@ -725,3 +725,57 @@ fn privileges_after_writes(opts: &str) {
     );
     m.umount();
 }
+
+/// The names in an open directory stream, from where it stands to its end ("." and ".."
+/// left out), sorted.
+fn stream_names(dir: *mut libc::DIR) -> Vec<String> {
+    let mut v = Vec::new();
+    loop {
+        // SAFETY: `dir` is an open stream; readdir's entry is valid until the next call.
+        let e = unsafe { libc::readdir(dir) };
+        if e.is_null() {
+            break;
+        }
+        // SAFETY: d_name is a NUL-terminated name.
+        let n = unsafe { std::ffi::CStr::from_ptr((*e).d_name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        if n != "." && n != ".." {
+            v.push(n);
+        }
+    }
+    v.sort();
+    v
+}
+
+/// A directory stream rewound by rewinddir sees the directory as it is then. POSIX: rewinddir
+/// "shall also cause the directory stream to refer to the current state of the corresponding
+/// directory, as a call to opendir() would have done". The mount reads a directory's entries
+/// at the first READDIR of each pass from its start, not once at OPENDIR (which also spared
+/// every open of a directory only to fsync it the reading of all its entries).
+#[test]
+fn a_rewound_directory_stream_sees_the_directory_as_it_is_then() {
+    if !can_mount() {
+        return;
+    }
+    use std::os::unix::ffi::OsStrExt;
+    let mut m = Mount::new(None);
+    m.mount(&[]);
+    let d = m.mnt.join("d");
+    fs::create_dir(&d).unwrap();
+    fs::write(d.join("a"), b"").unwrap();
+    let c = std::ffi::CString::new(d.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid path.
+    let dir = unsafe { libc::opendir(c.as_ptr()) };
+    assert!(!dir.is_null(), "opendir {}", d.display());
+    assert_eq!(stream_names(dir), ["a"]);
+    fs::write(d.join("b"), b"").unwrap();
+    fs::remove_file(d.join("a")).unwrap();
+    // SAFETY: an open stream.
+    unsafe { libc::rewinddir(dir) };
+    let after = stream_names(dir);
+    // SAFETY: an open stream, closed once.
+    unsafe { libc::closedir(dir) };
+    assert_eq!(after, ["b"], "the stream after rewinddir");
+    m.umount();
+}

@@ -141,9 +141,17 @@ pub struct Handle {
     pub sync_writes: bool,
 }
 
+/// An open directory: its entries (name, lower inode number, type), read at its first
+/// READDIR from the start (`Core::dir_entries`), not at OPENDIR: a program that opens a
+/// directory only to fsync it (SQLite, a mail server, every `fsync(dirfd)` pattern) would
+/// otherwise have the whole directory read for nothing, once per sync.
 pub struct DirHandle {
-    pub entries: Vec<(Vec<u8>, u64, u8)>,
+    ino: u64,
+    entries: parking_lot::Mutex<Option<Arc<DirEntries>>>,
 }
+
+/// A directory's entries as the lower lists them: name, inode number, type (`DT_*`).
+pub type DirEntries = Vec<(Vec<u8>, u64, u8)>;
 
 struct Table {
     by_ino: HashMap<u64, Arc<Inode>>,

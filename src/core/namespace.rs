@@ -467,24 +467,44 @@ impl Core {
     }
 
     pub fn opendir(&self, ino: u64) -> io::Result<u64> {
-        let i = self.inode(ino)?;
-        let mut entries = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
-        if ino == 1 {
-            entries.retain(|(n, _, _)| !crate::lower::is_internal(n));
-        }
+        // (The kernel sends OPENDIR only for what it knows as a directory.)
+        self.inode(ino)?;
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dirs
-            .write()
-            .insert(fh, Arc::new(DirHandle { entries }));
+        self.dirs.write().insert(
+            fh,
+            Arc::new(DirHandle {
+                ino,
+                entries: parking_lot::Mutex::new(None),
+            }),
+        );
         Ok(fh)
     }
 
-    pub fn dir(&self, fh: u64) -> io::Result<Arc<DirHandle>> {
-        self.dirs
+    /// The entries of the open directory `fh` (name, lower inode number, type): read from
+    /// the lower at the first call, and again at each call `from_start` (a READDIR at offset
+    /// 0: the first, or after a rewinddir, which must see the directory as it is then); the
+    /// same list for the rest of a pass, so that offsets stay valid.
+    pub fn dir_entries(&self, fh: u64, from_start: bool) -> io::Result<Arc<super::DirEntries>> {
+        let d = self
+            .dirs
             .read()
             .get(&fh)
             .cloned()
-            .ok_or_else(|| errno(libc::EBADF))
+            .ok_or_else(|| errno(libc::EBADF))?;
+        let mut e = d.entries.lock();
+        match &*e {
+            Some(list) if !from_start => Ok(list.clone()),
+            _ => {
+                let i = self.inode(d.ino)?;
+                let mut list = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
+                if d.ino == 1 {
+                    list.retain(|(n, _, _)| !crate::lower::is_internal(n));
+                }
+                let list = Arc::new(list);
+                *e = Some(list.clone());
+                Ok(list)
+            }
+        }
     }
 
     pub fn releasedir(&self, fh: u64) {

@@ -346,7 +346,7 @@ impl Filesystem for Adapter {
         mut reply: ReplyDirectory,
     ) {
         let _t = self.time(Op::Readdir);
-        let d = match self.core.dir(fh.0) {
+        let entries = match self.core.dir_entries(fh.0, offset == 0) {
             Ok(d) => d,
             Err(e) => return reply.error(err(e)),
         };
@@ -363,7 +363,7 @@ impl Filesystem for Adapter {
             }
             idx = 2;
         }
-        for (k, (name, lino, t)) in d.entries.iter().enumerate().skip(idx - 2) {
+        for (k, (name, lino, t)) in entries.iter().enumerate().skip(idx - 2) {
             let kind = match *t {
                 libc::DT_DIR => FileType::Directory,
                 libc::DT_LNK => FileType::Symlink,
