@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 #[derive(Parser, Clone)]
 struct Args {
     /// varmail, fileserver, webserver, webproxy, oltp, meta-create, meta-mkdir, meta-rename,
-    /// meta-unlink
+    /// meta-unlink, maildir
     #[arg(long)]
     personality: String,
     #[arg(long)]
@@ -195,6 +195,8 @@ struct Shared {
     stop: AtomicBool,
     log: Option<Mutex<File>>,
     counter: AtomicU64,
+    /// maildir: the messages in new/ at the start, oldest first by name.
+    spool: Vec<PathBuf>,
 }
 
 fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
@@ -389,9 +391,54 @@ fn worker(sh: &Shared, tid: usize, t: &mut Tally) {
                 }
             }
         }
+        "maildir" => {
+            // Mail delivery to a maildir (Postfix's local, Dovecot's LDA): the message is
+            // written to tmp/ and fsynced, renamed into new/, and new/ is fsynced through a
+            // descriptor opened for that sync (a delivery agent runs once per message). One
+            // message of this thread's share of new/ is removed per delivery (no sync), so the
+            // spool keeps its size. One delivery = one operation; both syncs are timed.
+            let md = sh.a.dir.join("maildir");
+            let (tmp, new) = (md.join("tmp"), md.join("new"));
+            let size = sh.a.mean_size.unwrap_or(MAILDIR_SIZE) as usize;
+            let mut share: std::collections::VecDeque<PathBuf> = sh
+                .spool
+                .iter()
+                .skip(tid)
+                .step_by(sh.a.threads.max(1))
+                .cloned()
+                .collect();
+            let pid = std::process::id();
+            let started = std::cell::Cell::new(false);
+            let more = || !started.replace(true) || !stop();
+            let mut k = 0u64;
+            while more() {
+                let name = format!("d{pid}-{tid}-{k}");
+                let (p, q) = (tmp.join(&name), new.join(&name));
+                let mut f = File::create(&p).expect("create in tmp/");
+                f.write_all(&wbuf[..size.min(wbuf.len())]).expect("write");
+                t.sync(|| f.sync_all().expect("fsync"));
+                drop(f);
+                fs::rename(&p, &q).expect("rename into new/");
+                t.sync(|| {
+                    File::open(&new)
+                        .and_then(|d| d.sync_all())
+                        .expect("fsync new/")
+                });
+                t.ops -= 1;
+                share.push_back(q);
+                if let Some(old) = share.pop_front() {
+                    fs::remove_file(old).expect("remove a message");
+                }
+                k += 1;
+            }
+        }
         other => panic!("unknown personality {other}"),
     }
 }
+
+/// maildir: messages in new/ at the start, and their size (and that of each delivery).
+const MAILDIR_FILES: usize = 10_000;
+const MAILDIR_SIZE: u64 = 4096;
 
 /// Scaled defaults: (files, mean size, dir width (0 = flat), share present at start).
 fn defaults(p: &str) -> (usize, u64, usize, f64) {
@@ -411,6 +458,20 @@ fn main() {
     let n = a.files.unwrap_or(n);
     let mean = a.mean_size.unwrap_or(mean);
     let set = (n > 0).then(|| Fileset::create(&a.dir.join("set"), n, width, mean, pre, a.seed));
+    if a.personality == "maildir" {
+        // The spool: new/ holds the messages (m0, m1, ...), tmp/ is where deliveries start.
+        let md = a.dir.join("maildir");
+        for sub in ["tmp", "new", "cur"] {
+            fs::create_dir_all(md.join(sub)).expect("maildir");
+        }
+        let body = vec![0x6du8; a.mean_size.unwrap_or(MAILDIR_SIZE) as usize];
+        for i in 0..a.files.unwrap_or(MAILDIR_FILES) {
+            let p = md.join("new").join(format!("m{i}"));
+            if !p.exists() {
+                fs::write(&p, &body).expect("message");
+            }
+        }
+    }
     if a.personality == "meta-unlink" {
         for tid in 0..a.threads {
             let d = a.dir.join(format!("t{tid}"));
@@ -440,12 +501,22 @@ fn main() {
     }
     // Prepared data goes to the lower file system first, so the timed phase starts alike.
     rustix::fs::sync();
+    let mut spool = Vec::new();
+    if a.personality == "maildir" {
+        spool = fs::read_dir(a.dir.join("maildir").join("new"))
+            .expect("new/")
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        spool.sort();
+    }
     let sh = Arc::new(Shared {
         a: a.clone(),
         set,
         stop: AtomicBool::new(false),
         log,
         counter: AtomicU64::new(0),
+        spool,
     });
     let t0 = Instant::now();
     let handles: Vec<_> = (0..a.threads)
