@@ -779,3 +779,53 @@ fn a_rewound_directory_stream_sees_the_directory_as_it_is_then() {
     assert_eq!(after, ["b"], "the stream after rewinddir");
     m.umount();
 }
+
+/// A directory opened only to be fsynced (a mail delivery, SQLite's rollback journal) costs
+/// one round trip, the FSYNCDIR: where the kernel checks the caller's rights (as root here)
+/// the mount declines OPENDIR once, and the kernel sends no OPENDIR or RELEASEDIR again.
+/// And a listing made without OPENDIR is whole (READDIR is served from the lower's own
+/// positions, nothing kept per open directory).
+#[test]
+fn a_directory_opened_to_be_synced_costs_one_round_trip() {
+    if !can_mount() {
+        return;
+    }
+    let mut m = Mount::new(None);
+    m.mount(&[]);
+    let d = m.mnt.join("d");
+    fs::create_dir(&d).unwrap();
+    // More entries than one READDIR reply holds.
+    for i in 0..500 {
+        fs::write(d.join(format!("f{i:03}")), b"").unwrap();
+    }
+    for _ in 0..50 {
+        fs::File::open(&d).unwrap().sync_all().unwrap();
+    }
+    let mut names: Vec<String> = fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let want: Vec<String> = (0..500).map(|i| format!("f{i:03}")).collect();
+    assert_eq!(names, want, "the listing through the mount");
+    // The daemon writes its stats out twice a second: until they show the syncs.
+    let count =
+        |v: &serde_json::Value, op: &str| v["latency_us"][op]["count"].as_u64().unwrap_or(0);
+    let t0 = Instant::now();
+    let v = loop {
+        let out = pmstack(&[&"stat", &"--json", &m.mnt]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        if count(&v, "fsyncdir") >= 50 || t0.elapsed() > Duration::from_secs(60) {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let count = |op: &str| count(&v, op);
+    assert_eq!(count("fsyncdir"), 50, "stats: {v}");
+    assert!(
+        count("open") <= 1,
+        "OPENDIR is still sent for each open of a directory: {} OPEN/OPENDIR requests",
+        count("open")
+    );
+    m.umount();
+}

@@ -141,18 +141,6 @@ pub struct Handle {
     pub sync_writes: bool,
 }
 
-/// An open directory: its entries (name, lower inode number, type), read at its first
-/// READDIR from the start (`Core::dir_entries`), not at OPENDIR: a program that opens a
-/// directory only to fsync it (SQLite, a mail server, every `fsync(dirfd)` pattern) would
-/// otherwise have the whole directory read for nothing, once per sync.
-pub struct DirHandle {
-    ino: u64,
-    entries: parking_lot::Mutex<Option<Arc<DirEntries>>>,
-}
-
-/// A directory's entries as the lower lists them: name, inode number, type (`DT_*`).
-pub type DirEntries = Vec<(Vec<u8>, u64, u8)>;
-
 struct Table {
     by_ino: HashMap<u64, Arc<Inode>>,
     by_dev_ino: HashMap<(u64, u64), u64>,
@@ -180,7 +168,6 @@ pub struct Core {
     pub log: Option<Arc<Log>>,
     table: RwLock<Table>,
     handles: RwLock<HashMap<u64, Arc<Handle>>>,
-    dirs: RwLock<HashMap<u64, Arc<DirHandle>>>,
     next_fh: AtomicU64,
     next_ino: AtomicU64,
     root_dev_ino: (u64, u64),
@@ -311,7 +298,6 @@ impl Core {
                 orphans: HashMap::new(),
             }),
             handles: RwLock::new(HashMap::new()),
-            dirs: RwLock::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             next_ino: AtomicU64::new(1 << 62),
             root_dev_ino: (st.st_dev, st.st_ino),

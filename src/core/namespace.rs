@@ -1,7 +1,7 @@
 //! The namespace: creations, removals, renames and links done on the lower and logged in
 //! one order with their LSNs, directory handles, directory fsync.
 
-use super::{kind_of, Core, DirHandle, Inode, Mode, Owed};
+use super::{kind_of, Core, Inode, Mode, Owed};
 use crate::engine::{NodeKind, NsOp, Record, ROOT_FID};
 use crate::lower::errno;
 use crate::lower::real::{self, fstat, Stat};
@@ -466,49 +466,32 @@ impl Core {
         self.lower.readlink(self.nfd(&i)?.as_raw_fd())
     }
 
-    pub fn opendir(&self, ino: u64) -> io::Result<u64> {
+    /// An OPENDIR: nothing is kept for it (READDIR is served from the lower's own positions,
+    /// `readdir`), so a program that opens a directory only to fsync it costs no listing.
+    pub fn opendir(&self, ino: u64) -> io::Result<()> {
         // (The kernel sends OPENDIR only for what it knows as a directory.)
-        self.inode(ino)?;
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dirs.write().insert(
-            fh,
-            Arc::new(DirHandle {
-                ino,
-                entries: parking_lot::Mutex::new(None),
-            }),
-        );
-        Ok(fh)
+        self.inode(ino).map(|_| ())
     }
 
-    /// The entries of the open directory `fh` (name, lower inode number, type): read from
-    /// the lower at the first call, and again at each call `from_start` (a READDIR at offset
-    /// 0: the first, or after a rewinddir, which must see the directory as it is then); the
-    /// same list for the rest of a pass, so that offsets stay valid.
-    pub fn dir_entries(&self, fh: u64, from_start: bool) -> io::Result<Arc<super::DirEntries>> {
-        let d = self
-            .dirs
-            .read()
-            .get(&fh)
-            .cloned()
-            .ok_or_else(|| errno(libc::EBADF))?;
-        let mut e = d.entries.lock();
-        match &*e {
-            Some(list) if !from_start => Ok(list.clone()),
-            _ => {
-                let i = self.inode(d.ino)?;
-                let mut list = self.lower.read_dir(self.nfd(&i)?.as_raw_fd())?;
-                if d.ino == 1 {
-                    list.retain(|(n, _, _)| !crate::lower::is_internal(n));
+    /// The entries of directory `ino` from `offset` (0: its start; else a cookie an entry
+    /// of an earlier call gave): `each(name, lower inode number, d_type, cookie)` until it
+    /// says it has had enough (`RealLower::read_dir_at`). "." and ".." come as the lower
+    /// lists them; the root's internal names do not.
+    pub fn readdir(
+        &self,
+        ino: u64,
+        offset: u64,
+        mut each: impl FnMut(&[u8], u64, u8, u64) -> bool,
+    ) -> io::Result<()> {
+        let i = self.inode(ino)?;
+        let root = ino == 1;
+        self.lower
+            .read_dir_at(self.nfd(&i)?.as_raw_fd(), offset, |name, lino, t, next| {
+                if root && crate::lower::is_internal(name) {
+                    return false;
                 }
-                let list = Arc::new(list);
-                *e = Some(list.clone());
-                Ok(list)
-            }
-        }
-    }
-
-    pub fn releasedir(&self, fh: u64) {
-        self.dirs.write().remove(&fh);
+                each(name, lino, t, next)
+            })
     }
 
     pub fn fsyncdir(&self, ino: u64, datasync: bool) -> io::Result<()> {

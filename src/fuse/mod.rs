@@ -38,6 +38,9 @@ pub struct Adapter {
     /// cover every file), outside passthrough and the writeback cache, which need handles;
     /// `init` turns it off where the kernel lacks FUSE_NO_OPEN_SUPPORT.
     pub open_less: bool,
+    /// Decline OPENDIR (`opendir`): opening and closing a directory costs no round trip.
+    /// Where OPEN is declined (`open_less`) and the kernel offers FUSE_NO_OPENDIR_SUPPORT.
+    opendir_less: bool,
     /// The kernel left dropping privileges on write, truncate and chown to us (`init`).
     killpriv: bool,
     /// Backing ids per inode (the kernel wants one per inode for all its passthrough handles),
@@ -61,6 +64,7 @@ impl Adapter {
             writeback_cache,
             passthrough,
             open_less: open_less && !writeback_cache && !passthrough,
+            opendir_less: false,
             killpriv: false,
             backing: Mutex::new(HashMap::new()),
             pt_handles: Mutex::new(HashMap::new()),
@@ -266,6 +270,10 @@ impl Adapter {
             );
             self.open_less = false;
         }
+        self.opendir_less = self.open_less
+            && config
+                .capabilities()
+                .contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT);
         if let Err(missing) = config.add_capabilities(caps) {
             tracing::warn!("kernel lacks FUSE capabilities {missing:?}; continuing without them");
             let _ = config.add_capabilities(caps & !missing);

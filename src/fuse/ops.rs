@@ -331,8 +331,16 @@ impl Filesystem for Adapter {
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.time(Op::Open);
+        if self.opendir_less {
+            // ENOSYS: the kernel sends no OPENDIR (and no RELEASEDIR) again on this mount.
+            // Nothing is kept per open directory anyway (`readdir`): a program that opens a
+            // directory only to fsync it then costs one round trip, the FSYNCDIR.
+            reply.error(Errno::ENOSYS);
+            return;
+        }
         match self.core.opendir(ino.0) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            // No state: READDIR is served from the lower's own positions.
+            Ok(()) => reply.opened(FileHandle(0), FopenFlags::empty()),
             Err(e) => reply.error(err(e)),
         }
     }
@@ -341,30 +349,16 @@ impl Filesystem for Adapter {
         &self,
         _req: &Request,
         ino: INodeNo,
-        fh: FileHandle,
+        _fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
         let _t = self.time(Op::Readdir);
-        let entries = match self.core.dir_entries(fh.0, offset == 0) {
-            Ok(d) => d,
-            Err(e) => return reply.error(err(e)),
-        };
-        let mut idx = offset as usize;
-        if idx == 0 {
-            if reply.add(ino, 1, FileType::Directory, ".") {
-                return reply.ok();
-            }
-            idx = 1;
-        }
-        if idx == 1 {
-            if reply.add(ino, 2, FileType::Directory, "..") {
-                return reply.ok();
-            }
-            idx = 2;
-        }
-        for (k, (name, lino, t)) in entries.iter().enumerate().skip(idx - 2) {
-            let kind = match *t {
+        // The offsets are the lower's own cookies (`Core::readdir`): a listing resumes where
+        // the lower's would, whatever was made or removed meanwhile, and one from the start
+        // (the first READDIR, or after rewinddir) sees the directory as it is then.
+        let r = self.core.readdir(ino.0, offset, |name, lino, t, next| {
+            let kind = match t {
                 libc::DT_DIR => FileType::Directory,
                 libc::DT_LNK => FileType::Symlink,
                 libc::DT_FIFO => FileType::NamedPipe,
@@ -373,24 +367,28 @@ impl Filesystem for Adapter {
                 libc::DT_BLK => FileType::BlockDevice,
                 _ => FileType::RegularFile,
             };
-            let ino = self.core.entry_ino(*lino);
-            if reply.add(INodeNo(ino), (k + 3) as u64, kind, OsStr::from_bytes(name)) {
-                break;
-            }
+            let e = if name == b"." || name == b".." {
+                ino.0
+            } else {
+                self.core.entry_ino(lino)
+            };
+            reply.add(INodeNo(e), next, kind, OsStr::from_bytes(name))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
         }
-        reply.ok();
     }
 
     fn releasedir(
         &self,
         _req: &Request,
         _ino: INodeNo,
-        fh: FileHandle,
+        _fh: FileHandle,
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
         let _t = self.time(Op::Release);
-        self.core.releasedir(fh.0);
         reply.ok();
     }
 

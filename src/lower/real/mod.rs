@@ -495,6 +495,39 @@ impl RealLower {
         }
     }
 
+    /// The entries of a directory object from the position `offset` (0: its start; else a
+    /// cookie this listing gave, the lower's own `d_off`), "." and ".." included: `each(name,
+    /// ino, d_type, cookie)` for each, the cookie being where the listing goes on after it,
+    /// until `each` says it has had enough (true) or the directory ends. No state is kept
+    /// between calls: a listing resumes at a cookie as the lower's own telldir/seekdir do, so
+    /// entries made or removed meanwhile change nothing for the others.
+    pub fn read_dir_at(
+        &self,
+        node: RawFd,
+        offset: u64,
+        mut each: impl FnMut(&[u8], u64, u8, u64) -> bool,
+    ) -> io::Result<()> {
+        let fd = self.reopen(node, libc::O_RDONLY | libc::O_DIRECTORY)?;
+        let mut dir = rustix::fs::Dir::read_from(&fd).map_err(io::Error::from)?;
+        if offset != 0 {
+            let off =
+                i64::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+            dir.seek(off).map_err(io::Error::from)?;
+        }
+        while let Some(e) = dir.read() {
+            let e = e.map_err(io::Error::from)?;
+            if each(
+                e.file_name().to_bytes(),
+                e.ino(),
+                dtype(e.file_type()),
+                e.offset() as u64,
+            ) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// Directory entries (name, ino, d_type) of a directory object, "." and ".." excluded.
     pub fn read_dir(&self, node: RawFd) -> io::Result<Vec<(Vec<u8>, u64, u8)>> {
         let fd = self.reopen(node, libc::O_RDONLY | libc::O_DIRECTORY)?;
@@ -506,19 +539,23 @@ impl RealLower {
             if name == b"." || name == b".." {
                 continue;
             }
-            let t = match e.file_type() {
-                rustix::fs::FileType::Directory => libc::DT_DIR,
-                rustix::fs::FileType::RegularFile => libc::DT_REG,
-                rustix::fs::FileType::Symlink => libc::DT_LNK,
-                rustix::fs::FileType::Fifo => libc::DT_FIFO,
-                rustix::fs::FileType::Socket => libc::DT_SOCK,
-                rustix::fs::FileType::CharacterDevice => libc::DT_CHR,
-                rustix::fs::FileType::BlockDevice => libc::DT_BLK,
-                _ => libc::DT_UNKNOWN,
-            };
-            out.push((name.to_vec(), e.ino(), t));
+            out.push((name.to_vec(), e.ino(), dtype(e.file_type())));
         }
         Ok(out)
+    }
+}
+
+/// The `DT_*` value of a directory entry's type.
+fn dtype(t: rustix::fs::FileType) -> u8 {
+    match t {
+        rustix::fs::FileType::Directory => libc::DT_DIR,
+        rustix::fs::FileType::RegularFile => libc::DT_REG,
+        rustix::fs::FileType::Symlink => libc::DT_LNK,
+        rustix::fs::FileType::Fifo => libc::DT_FIFO,
+        rustix::fs::FileType::Socket => libc::DT_SOCK,
+        rustix::fs::FileType::CharacterDevice => libc::DT_CHR,
+        rustix::fs::FileType::BlockDevice => libc::DT_BLK,
+        _ => libc::DT_UNKNOWN,
     }
 }
 
