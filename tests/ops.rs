@@ -750,9 +750,10 @@ fn stream_names(dir: *mut libc::DIR) -> Vec<String> {
 
 /// A directory stream rewound by rewinddir sees the directory as it is then. POSIX: rewinddir
 /// "shall also cause the directory stream to refer to the current state of the corresponding
-/// directory, as a call to opendir() would have done". The mount reads a directory's entries
-/// at the first READDIR of each pass from its start, not once at OPENDIR (which also spared
-/// every open of a directory only to fsync it the reading of all its entries).
+/// directory, as a call to opendir() would have done". The mount once listed a directory at
+/// OPENDIR and served that list until the stream was closed; READDIR now reads the lower
+/// from the position asked (its own cookies), so a pass from the start sees the directory as
+/// it is then.
 #[test]
 fn a_rewound_directory_stream_sees_the_directory_as_it_is_then() {
     if !can_mount() {
