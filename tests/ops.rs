@@ -726,6 +726,19 @@ fn privileges_after_writes(opts: &str) {
     m.umount();
 }
 
+/// A mount (default options) with a new directory `d` in it; None where mounting is not
+/// possible here (`can_mount`).
+fn mounted_with_dir() -> Option<(Mount, std::path::PathBuf)> {
+    if !can_mount() {
+        return None;
+    }
+    let mut m = Mount::new(None);
+    m.mount(&[]);
+    let d = m.mnt.join("d");
+    fs::create_dir(&d).unwrap();
+    Some((m, d))
+}
+
 /// The names in an open directory stream, from where it stands to its end ("." and ".."
 /// left out), sorted.
 fn stream_names(dir: *mut libc::DIR) -> Vec<String> {
@@ -756,14 +769,10 @@ fn stream_names(dir: *mut libc::DIR) -> Vec<String> {
 /// it is then.
 #[test]
 fn a_rewound_directory_stream_sees_the_directory_as_it_is_then() {
-    if !can_mount() {
-        return;
-    }
     use std::os::unix::ffi::OsStrExt;
-    let mut m = Mount::new(None);
-    m.mount(&[]);
-    let d = m.mnt.join("d");
-    fs::create_dir(&d).unwrap();
+    let Some((mut m, d)) = mounted_with_dir() else {
+        return;
+    };
     fs::write(d.join("a"), b"").unwrap();
     let c = std::ffi::CString::new(d.as_os_str().as_bytes()).unwrap();
     // SAFETY: a valid path.
@@ -788,13 +797,9 @@ fn a_rewound_directory_stream_sees_the_directory_as_it_is_then() {
 /// positions, nothing kept per open directory).
 #[test]
 fn a_directory_opened_to_be_synced_costs_one_round_trip() {
-    if !can_mount() {
+    let Some((mut m, d)) = mounted_with_dir() else {
         return;
-    }
-    let mut m = Mount::new(None);
-    m.mount(&[]);
-    let d = m.mnt.join("d");
-    fs::create_dir(&d).unwrap();
+    };
     // More entries than one READDIR reply holds.
     for i in 0..500 {
         fs::write(d.join(format!("f{i:03}")), b"").unwrap();

@@ -530,17 +530,13 @@ impl RealLower {
 
     /// Directory entries (name, ino, d_type) of a directory object, "." and ".." excluded.
     pub fn read_dir(&self, node: RawFd) -> io::Result<Vec<(Vec<u8>, u64, u8)>> {
-        let fd = self.reopen(node, libc::O_RDONLY | libc::O_DIRECTORY)?;
-        let dir = rustix::fs::Dir::read_from(&fd).map_err(io::Error::from)?;
         let mut out = Vec::new();
-        for e in dir {
-            let e = e.map_err(io::Error::from)?;
-            let name = e.file_name().to_bytes();
-            if name == b"." || name == b".." {
-                continue;
+        self.read_dir_at(node, 0, |name, ino, t, _| {
+            if name != b"." && name != b".." {
+                out.push((name.to_vec(), ino, t));
             }
-            out.push((name.to_vec(), e.ino(), dtype(e.file_type())));
-        }
+            false
+        })?;
         Ok(out)
     }
 }
