@@ -835,3 +835,135 @@ fn a_directory_opened_to_be_synced_costs_one_round_trip() {
     );
     m.umount();
 }
+
+/// A directory of `n` files of distinct sizes (`f000` holds 0 bytes, `f001` 1, ...), a
+/// subdirectory and a symbolic link, made in the lower before the mount (so the kernel has
+/// none of them cached), then mounted.
+fn mounted_over_a_listed_dir(n: usize) -> Option<(Mount, std::path::PathBuf)> {
+    if !can_mount() {
+        return None;
+    }
+    let mut m = Mount::new(None);
+    let d = m.lower.join("d");
+    fs::create_dir(&d).unwrap();
+    for i in 0..n {
+        fs::write(d.join(format!("f{i:03}")), vec![b'x'; i]).unwrap();
+    }
+    fs::create_dir(d.join("sub")).unwrap();
+    std::os::unix::fs::symlink("f001", d.join("link")).unwrap();
+    m.mount(&[]);
+    let d = m.mnt.join("d");
+    Some((m, d))
+}
+
+/// What a listing and a stat of each entry show: per name, its type, size and inode number
+/// as the directory entry gives it and as stat gives it.
+fn listed(d: &Path) -> Vec<(String, bool, bool, u64, u64, u64)> {
+    use std::os::unix::fs::{DirEntryExt, MetadataExt};
+    let mut v: Vec<_> = fs::read_dir(d)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let md = fs::symlink_metadata(e.path()).unwrap();
+            let t = e.file_type().unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                t.is_dir(),
+                t.is_symlink(),
+                md.len(),
+                e.ino(),
+                md.ino(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The mount's stats once they show what was done before `marker` (they are written out
+/// twice a second): `marker` fsyncs a directory through the mount, which is counted after
+/// everything before it.
+fn stats_after_a_dir_sync(m: &Mount, dir: &Path) -> serde_json::Value {
+    let before = stat_json(&m.mnt)["latency_us"]["fsyncdir"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    fs::File::open(dir).unwrap().sync_all().unwrap();
+    let t0 = Instant::now();
+    loop {
+        let v = stat_json(&m.mnt);
+        if v["latency_us"]["fsyncdir"]["count"].as_u64().unwrap_or(0) > before {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the stats never showed the directory sync: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Listing a directory and stating what it holds (`ls -l`, `du`, `find -ls`, `rsync`,
+/// `git status`) costs no LOOKUP round trip per entry: READDIRPLUS gives each entry's node
+/// and attributes with the listing. And what it gives is what the lower holds: the same
+/// names, types and sizes, and inode numbers that agree between the entry and its stat.
+#[test]
+fn listing_a_directory_and_stating_its_entries_costs_no_lookup_per_entry() {
+    let Some((mut m, d)) = mounted_over_a_listed_dir(600) else {
+        return;
+    };
+    let lookups = |v: &serde_json::Value| v["latency_us"]["lookup"]["count"].as_u64().unwrap_or(0);
+    let before = lookups(&stats_after_a_dir_sync(&m, &m.mnt.clone()));
+    let got = listed(&d);
+    let after = lookups(&stats_after_a_dir_sync(&m, &m.mnt.clone()));
+    let want: Vec<_> = listed(&m.lower.join("d"))
+        .into_iter()
+        .map(|(n, dir, sym, len, _, _)| (n, dir, sym, len))
+        .collect();
+    let got_no_ino: Vec<_> = got
+        .iter()
+        .map(|(n, dir, sym, len, _, _)| (n.clone(), *dir, *sym, *len))
+        .collect();
+    assert_eq!(got_no_ino, want, "the listing and stats through the mount");
+    for (n, _, _, _, entry_ino, stat_ino) in &got {
+        assert_eq!(
+            entry_ino, stat_ino,
+            "{n}: the entry's inode number and its stat's"
+        );
+    }
+    // "d" itself may be looked up; its 602 entries must not be, one by one.
+    assert!(
+        after - before <= 10,
+        "{} LOOKUP requests to list and stat 602 entries",
+        after - before
+    );
+    m.umount();
+}
+
+/// Every entry READDIRPLUS gives is a lookup the kernel counts and returns with FORGET, and
+/// one that did not fit in a reply is not counted: once the kernel forgets every inode
+/// (drop_caches), the daemon holds none but the root's.
+#[test]
+fn the_inodes_a_listing_gave_the_kernel_are_all_forgotten_with_it() {
+    let Some((mut m, d)) = mounted_over_a_listed_dir(600) else {
+        return;
+    };
+    // More entries than one reply holds: several replies end with one that did not fit.
+    assert_eq!(listed(&d).len(), 602);
+    let open = |m: &Mount| stat_json(&m.mnt)["node_fds_open"].as_u64().unwrap();
+    let t0 = Instant::now();
+    loop {
+        fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+        // The kernel's FORGETs are sent as it evicts; the stats are written twice a second.
+        let v = stats_after_a_dir_sync(&m, &m.mnt.clone());
+        if v["node_fds_open"].as_u64().unwrap() <= 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the daemon still holds {} inode descriptors after the kernel forgot every inode",
+            open(&m)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    m.umount();
+}

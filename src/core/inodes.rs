@@ -110,10 +110,14 @@ impl Core {
         let Some(t) = self.table.try_read() else {
             return;
         };
+        // The least recently used first; whether an object still has a name costs a system
+        // call, so it is asked of those chosen only, not of every inode the kernel holds (a
+        // `du` of a large tree holds tens of thousands). One with no name left is kept, and
+        // the pass closes that many fewer.
         let mut idle: Vec<(u64, u64)> = t
             .by_ino
             .values()
-            .filter(|i| i.ino != 1 && Arc::strong_count(i) == 1 && i.node.evictable())
+            .filter(|i| i.ino != 1 && Arc::strong_count(i) == 1 && i.node.closable())
             .map(|i| (i.node.last_use(), i.ino))
             .collect();
         let excess = open.saturating_sub(self.node_fds_max * 3 / 4);
@@ -124,7 +128,9 @@ impl Core {
         let mut closed = 0;
         for (_, ino) in idle {
             if let Some(i) = t.by_ino.get(&ino) {
-                closed += i.node.evict() as u64;
+                if !i.node.unlinked() {
+                    closed += i.node.evict() as u64;
+                }
             }
         }
         self.stats

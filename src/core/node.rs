@@ -95,11 +95,19 @@ impl Node {
     /// Has a cached descriptor that may be closed: the node's own if it can be reopened by
     /// handle, the I/O one always; never those of an object with no name left (unlinked
     /// while a program has it open): they are what keeps it, and a handle cannot reopen it.
-    pub fn evictable(&self) -> bool {
+    /// Both are asked, the cheap one first (`Core::bound_node_fds`).
+    ///
+    /// The cheap half: has a cached descriptor that could be closed, were the object still
+    /// named (no system call).
+    pub fn closable(&self) -> bool {
+        self.data.lock().is_some() || (!self.handle.is_empty() && self.fd.lock().is_some())
+    }
+
+    /// The costly half: the object has no name left (an fstat).
+    pub fn unlinked(&self) -> bool {
         let fd = self.fd.lock().clone();
         let data = self.data.lock().as_ref().map(|(f, _)| f.clone());
-        let closable = data.is_some() || (!self.handle.is_empty() && fd.is_some());
-        closable && !unlinked(fd.as_deref().or(data.as_deref()))
+        unlinked(fd.as_deref().or(data.as_deref()))
     }
 
     pub fn last_use(&self) -> u64 {

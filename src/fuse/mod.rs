@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use fuser::{
     AccessFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
     Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use std::collections::HashMap;
@@ -234,7 +234,10 @@ impl Adapter {
         // cache makes unsynced writes ~10x faster (they stay in the kernel), but fsync then
         // costs extra WRITE round trips and logs whole pages; see bench/README.md for the
         // measurements behind the default.
-        let mut caps = InitFlags::FUSE_PARALLEL_DIROPS;
+        // READDIRPLUS where the kernel finds it pays (`readdirplus`).
+        let mut caps = InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO;
         if self.writeback_cache {
             caps |= InitFlags::FUSE_WRITEBACK_CACHE;
         }

@@ -380,6 +380,78 @@ impl Filesystem for Adapter {
         }
     }
 
+    /// READDIR and LOOKUP in one (FUSE_DO_READDIRPLUS, asked for in `negotiate`): each entry
+    /// comes with its node and attributes, so a program that lists a directory and then
+    /// stats what it found (`ls -l`, `du`, `find -ls`, `rsync`, `git status`) costs no LOOKUP
+    /// round trip per entry. The kernel counts every entry with a node id as one lookup
+    /// (`forget` returns it), except "." and "..": those are given the directory's own node
+    /// and no lookup is taken for them. Under FUSE_READDIRPLUS_AUTO the kernel asks for this
+    /// only where it pays: the first batch of a listing, and the next ones once the program
+    /// looked up or statted what the last gave it; a plain `ls` gets plain READDIRs.
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let _t = self.time(Op::Readdir);
+        let dir = ino.0;
+        let mut added = false;
+        let mut failed = None;
+        let r = self.core.readdir(dir, offset, |name, _lino, _t, next| {
+            if name == b"." || name == b".." {
+                // SAFETY: a plain C struct of integers, for which zero is a valid value.
+                let mut st: Stat = unsafe { std::mem::zeroed() };
+                st.st_ino = dir;
+                st.st_mode = libc::S_IFDIR;
+                let full = reply.add(
+                    ino,
+                    next,
+                    OsStr::from_bytes(name),
+                    &Duration::ZERO,
+                    &attr(&st),
+                    Generation(0),
+                );
+                added |= !full;
+                return full;
+            }
+            match self.core.lookup(dir, OsStr::from_bytes(name)) {
+                Ok((_, st)) => {
+                    let full = reply.add(
+                        INodeNo(st.st_ino),
+                        next,
+                        OsStr::from_bytes(name),
+                        &self.ttl,
+                        &attr(&st),
+                        Generation(0),
+                    );
+                    if full {
+                        // Not sent: the kernel will not count it, so neither may we.
+                        self.core.forget(st.st_ino, 1);
+                    }
+                    added |= !full;
+                    full
+                }
+                // Removed since the lower listed it: as a listing after the removal.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
+                Err(e) => {
+                    // Ends the batch here; the error is the reply only if nothing came
+                    // before it (the next READDIRPLUS resumes at this entry and meets it
+                    // first).
+                    failed = Some(e);
+                    true
+                }
+            }
+        });
+        match (r, failed) {
+            (Err(e), _) => reply.error(err(e)),
+            (Ok(()), Some(e)) if !added => reply.error(err(e)),
+            _ => reply.ok(),
+        }
+    }
+
     fn releasedir(
         &self,
         _req: &Request,
