@@ -149,9 +149,11 @@ impl Core {
         if self.hidden(&p, name) {
             return Err(errno(libc::ENOENT));
         }
-        let (fd, st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
+        let (fd, mut st) = self.lower.lookup(self.nfd(&p)?.as_raw_fd(), name)?;
         let i = self.intern(fd, &st);
-        let st = self.stat_of(&i)?;
+        // The status the lookup just took is the object's (the descriptor it came from is
+        // the inode's, or one of the same object): no second fstat.
+        st.st_ino = i.ino;
         Ok((i, st))
     }
 

@@ -507,8 +507,22 @@ impl RealLower {
         offset: u64,
         mut each: impl FnMut(&[u8], u64, u8, u64) -> bool,
     ) -> io::Result<()> {
-        let fd = self.reopen(node, libc::O_RDONLY | libc::O_DIRECTORY)?;
-        let mut dir = rustix::fs::Dir::read_from(&fd).map_err(io::Error::from)?;
+        // One open per call: "." of the node itself (no magic link to resolve through /proc,
+        // no name that could lead elsewhere), read by a `Dir` that owns it (`read_from` would
+        // open it a second time).
+        // SAFETY: node is a live descriptor owned by the caller for the call's duration.
+        let node = unsafe { std::os::fd::BorrowedFd::borrow_raw(node) };
+        let fd = rustix::fs::openat(
+            node,
+            c".",
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::NOFOLLOW
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(io::Error::from)?;
+        let mut dir = rustix::fs::Dir::new(fd).map_err(io::Error::from)?;
         if offset != 0 {
             let off =
                 i64::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
