@@ -122,7 +122,7 @@ impl Core {
             }
             Err(e) => return Err(e),
         };
-        self.bound_node_fds();
+        self.bound_node_fds(i);
         Ok(fd)
     }
 
@@ -147,7 +147,7 @@ impl Core {
         // for every writer of the file.
         if fl >= 0 && fl & (libc::O_SYNC | libc::O_DSYNC) == 0 {
             h.ino.node.fill_data(fd, fl & libc::O_ACCMODE);
-            self.bound_node_fds();
+            self.bound_node_fds(&h.ino);
         }
     }
 

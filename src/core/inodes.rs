@@ -79,7 +79,7 @@ impl Core {
         t.by_ino.insert(ino, inode.clone());
         t.by_dev_ino.insert(key, ino);
         drop(t);
-        self.bound_node_fds();
+        self.bound_node_fds(&inode);
         inode
     }
 
@@ -89,53 +89,78 @@ impl Core {
             return Ok(f);
         }
         let f = i.node.fill(self.lower.open_handle(&i.node.handle)?);
-        self.bound_node_fds();
+        self.bound_node_fds(i);
         Ok(f)
     }
 
-    /// Keep cached inode descriptors at or below `node_fds_max`: close the least recently
-    /// used ones of inodes no request and no open file is using (the table holds the only
-    /// reference), down to three quarters of the bound.
+    /// Keep cached inode descriptors at or below `node_fds_max`, once `filled` cached one:
+    /// close those of inodes no request and no open file is using (the table holds the only
+    /// reference), the least recently used first, down to three quarters of the bound.
+    ///
+    /// The least recently used are found by a clock (`fd_clock`): every inode that caches a
+    /// descriptor joins the queue's end with its use tick; a pass takes from the front, and
+    /// one used since it joined (or in use now) goes back to the end with its new tick (a
+    /// second chance). A pass costs what it closes and what it passes over, not a walk of
+    /// every inode the kernel holds: a `du` of 200,000 files spent a third of the daemon's
+    /// time in such walks, and the walks grew with the tree. Whether an object still has a
+    /// name costs a system call, so it is asked last: one with no name left (unlinked while
+    /// a program holds it open) keeps its descriptors, which are what keeps it.
     ///
     /// Called from `nfd`, which may run while an inode's `st` is held (fsync reading dirty
     /// bytes back, a fallback's real sync). `table` comes before `st` in the lock order
     /// (write-back walks the table and locks each inode), so the table is only tried here:
     /// when it is busy, eviction waits for the next reopen and the bound is passed briefly.
-    pub(super) fn bound_node_fds(&self) {
+    pub(super) fn bound_node_fds(&self, filled: &Inode) {
         use super::node::NODE_FDS_OPEN;
+        let max = self.node_fds_max;
+        if filled.ino != 1 && filled.ino != 0 {
+            let mut q = self.fd_clock.lock();
+            q.push_back((filled.ino, filled.node.last_use()));
+            // Below the bound nothing is taken from the queue: entries of inodes forgotten
+            // or evicted since are dropped every so often, so that it stays about as long as
+            // the number of descriptors cached.
+            if q.len() > 2 * max + 1024 {
+                if let Some(t) = self.table.try_read() {
+                    q.retain(|(ino, _)| t.by_ino.get(ino).is_some_and(|i| i.node.closable()));
+                }
+            }
+        }
         let open = NODE_FDS_OPEN.load(Ordering::Relaxed);
-        if open <= self.node_fds_max || !self.reopen_ok {
+        if open <= max || !self.reopen_ok {
             return;
         }
         let Some(t) = self.table.try_read() else {
             return;
         };
-        // The least recently used first; whether an object still has a name costs a system
-        // call, so it is asked of those chosen only, not of every inode the kernel holds (a
-        // `du` of a large tree holds tens of thousands). One with no name left is kept, and
-        // the pass closes that many fewer.
-        let mut idle: Vec<(u64, u64)> = t
-            .by_ino
-            .values()
-            .filter(|i| i.ino != 1 && Arc::strong_count(i) == 1 && i.node.closable())
-            .map(|i| (i.node.last_use(), i.ino))
-            .collect();
-        let excess = open.saturating_sub(self.node_fds_max * 3 / 4);
-        if idle.len() > excess {
-            idle.select_nth_unstable(excess);
-            idle.truncate(excess);
-        }
+        let Some(mut q) = self.fd_clock.try_lock() else {
+            return;
+        };
+        let excess = open.saturating_sub(max * 3 / 4);
         let mut closed = 0;
-        for (_, ino) in idle {
-            if let Some(i) = t.by_ino.get(&ino) {
-                if !i.node.unlinked() {
-                    closed += i.node.evict() as u64;
-                }
+        // Each entry is looked at once per pass at most.
+        for _ in 0..q.len() {
+            if closed >= excess {
+                break;
             }
+            let Some((ino, seen)) = q.pop_front() else {
+                break;
+            };
+            let Some(i) = t.by_ino.get(&ino) else {
+                continue; // forgotten
+            };
+            if !i.node.closable() {
+                continue; // nothing cached now: it joins again when it caches one
+            }
+            let used = i.node.last_use();
+            if used != seen || Arc::strong_count(i) > 1 || i.node.unlinked() {
+                q.push_back((ino, used));
+                continue;
+            }
+            closed += i.node.evict();
         }
         self.stats
             .node_fds_evicted
-            .fetch_add(closed, Ordering::Relaxed);
+            .fetch_add(closed as u64, Ordering::Relaxed);
     }
 
     pub fn stat_of(&self, i: &Inode) -> io::Result<Stat> {

@@ -204,6 +204,9 @@ pub struct Core {
     /// reading them back is expensive (network, FUSE), not on local ones.
     pub(crate) keep_copies: AtomicBool,
     pub node_fds_max: usize,
+    /// Inodes that cached a descriptor, oldest first, each with its use tick when queued:
+    /// the clock `bound_node_fds` turns to choose what to close.
+    fd_clock: Mutex<std::collections::VecDeque<(u64, u64)>>,
     pub stats: Stats,
     /// Request latency per kind, recorded by the FUSE adapter.
     pub latency: Latency,
@@ -312,6 +315,7 @@ impl Core {
             reopen_ok,
             handles_persistent,
             node_fds_max,
+            fd_clock: Mutex::new(std::collections::VecDeque::new()),
             stats: Stats::default(),
             latency: Latency::default(),
             flusher_wake: (Mutex::new(false), Condvar::new()),
