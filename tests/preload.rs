@@ -5091,3 +5091,57 @@ fn an_attached_process_that_found_no_slot_is_a_writer_the_daemon_cannot_see() {
     drop(s);
     let _ = fs::remove_file(&pm);
 }
+
+/// The daemon holds a descriptor for each open event it is answering (the kernel opens the
+/// object for it), for each live attached process, for each object it writes back. Like the
+/// mount, it raises its soft descriptor limit to the hard one when it starts. A daemon started
+/// with the common default of 1,024 (a shell, a service manager) could otherwise run out
+/// under load, and the kernel would then fail its programs' opens with EPERM.
+#[test]
+fn the_daemon_raises_its_descriptor_limit_when_it_starts() {
+    if !common::can_mount() {
+        return;
+    }
+    common::preload_built();
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("nofile");
+    let child = Command::new("sh")
+        .args([
+            "-c",
+            r#"ulimit -Sn 256 && exec "$0" serve "$1" --pm "$2" --log-level warn"#,
+        ])
+        .arg(common::bin())
+        .arg(&root)
+        .arg(&pm)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut s = Serve {
+        child: Some(child),
+        dir: root.clone(),
+        pm,
+    };
+    let sock = pmstack::front::paths(&root).0;
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "serve did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = s.child.as_ref().unwrap().id();
+    let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let v: Vec<&str> = line.split_whitespace().collect();
+    let (soft, hard) = (v[3], v[4]);
+    assert!(
+        soft == hard && soft != "256",
+        "the daemon kept a soft descriptor limit of {soft} (hard {hard})"
+    );
+    s.stop();
+}

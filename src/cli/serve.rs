@@ -1,7 +1,9 @@
 //! `pmstack serve`: the daemon behind `pmstack run` for one lower directory.
 
 use super::args::ServeArgs;
-use super::host::{answer_metrics, check_lower, open_region, pmstack_mount_containing};
+use super::host::{
+    answer_metrics, check_lower, open_region, pmstack_mount_containing, raise_fd_limit,
+};
 use super::out::{say, warn_user};
 use anyhow::{anyhow, bail, Context, Result};
 use pmstack::lower::creds;
@@ -21,6 +23,10 @@ pub(super) fn serve_cmd(a: ServeArgs) -> Result<()> {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
+    // A descriptor per open event being answered, per live attached process, per object
+    // written back: as the mount, the hard limit (else a busy daemon runs out, and the
+    // kernel fails its programs' opens with EPERM).
+    raise_fd_limit();
     let root = check_lower(&a.dir)?;
     if let Some(m) = pmstack_mount_containing(&root) {
         bail!(
