@@ -5122,15 +5122,7 @@ fn the_daemon_raises_its_descriptor_limit_when_it_starts() {
         dir: root.clone(),
         pm,
     };
-    let sock = pmstack::front::paths(&root).0;
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "serve did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::wait_for_serve(&root);
     let pid = s.child.as_ref().unwrap().id();
     let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
     let line = limits

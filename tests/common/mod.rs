@@ -437,6 +437,12 @@ pub fn start_serve(dir: &Path, pm: &Path, extra: &[&str]) -> std::process::Child
         .stdin(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    wait_for_serve(dir);
+    child
+}
+
+/// Wait until a `serve` of `dir` answers on its socket (at most 30 s).
+pub fn wait_for_serve(dir: &Path) {
     let sock = pmstack::front::paths(dir).0;
     let t0 = Instant::now();
     while std::os::unix::net::UnixStream::connect(&sock).is_err() {
@@ -446,7 +452,6 @@ pub fn start_serve(dir: &Path, pm: &Path, extra: &[&str]) -> std::process::Child
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    child
 }
 
 /// The stats a `serve` of `dir` writes (null until it wrote them).
