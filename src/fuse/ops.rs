@@ -446,9 +446,11 @@ impl Filesystem for Adapter {
             }
         });
         match (r, failed) {
-            (Err(e), _) => reply.error(err(e)),
-            (Ok(()), Some(e)) if !added => reply.error(err(e)),
-            _ => reply.ok(),
+            // What was added goes out (each a lookup the kernel now counts); an error met
+            // after it is met again by the next READDIRPLUS, which resumes there.
+            _ if added => reply.ok(),
+            (Err(e), _) | (Ok(()), Some(e)) => reply.error(err(e)),
+            (Ok(()), None) => reply.ok(),
         }
     }
 
