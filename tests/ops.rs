@@ -912,9 +912,9 @@ fn listing_a_directory_and_stating_its_entries_costs_no_lookup_per_entry() {
         return;
     };
     let lookups = |v: &serde_json::Value| v["latency_us"]["lookup"]["count"].as_u64().unwrap_or(0);
-    let before = lookups(&stats_after_a_dir_sync(&m, &m.mnt.clone()));
+    let before = lookups(&stats_after_a_dir_sync(&m, &m.mnt));
     let got = listed(&d);
-    let after = lookups(&stats_after_a_dir_sync(&m, &m.mnt.clone()));
+    let after = lookups(&stats_after_a_dir_sync(&m, &m.mnt));
     let want: Vec<_> = listed(&m.lower.join("d"))
         .into_iter()
         .map(|(n, dir, sym, len, _, _)| (n, dir, sym, len))
@@ -954,7 +954,7 @@ fn the_inodes_a_listing_gave_the_kernel_are_all_forgotten_with_it() {
     loop {
         fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
         // The kernel's FORGETs are sent as it evicts; the stats are written twice a second.
-        let v = stats_after_a_dir_sync(&m, &m.mnt.clone());
+        let v = stats_after_a_dir_sync(&m, &m.mnt);
         if v["node_fds_open"].as_u64().unwrap() <= 1 {
             break;
         }

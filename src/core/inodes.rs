@@ -112,29 +112,39 @@ impl Core {
     /// when it is busy, eviction waits for the next reopen and the bound is passed briefly.
     pub(super) fn bound_node_fds(&self, filled: &Inode) {
         use super::node::NODE_FDS_OPEN;
+        if !self.reopen_ok {
+            return; // nothing may be closed: no clock to turn
+        }
         let max = self.node_fds_max;
-        if filled.ino != 1 && filled.ino != 0 {
-            let mut q = self.fd_clock.lock();
+        if filled.ino != 1 {
+            let mut g = self.fd_clock.lock();
+            let (q, compact_at) = &mut *g;
             q.push_back((filled.ino, filled.node.last_use()));
             // Below the bound nothing is taken from the queue: entries of inodes forgotten
-            // or evicted since are dropped every so often, so that it stays about as long as
-            // the number of descriptors cached.
-            if q.len() > 2 * max + 1024 {
+            // or evicted since, and repeats, are dropped every so often, so that it stays
+            // about as long as the number of descriptors cached. The next compaction waits
+            // for the queue to double, so that it costs O(1) per entry however many stay.
+            if q.len() > (*compact_at).max(2 * max + 1024) {
                 if let Some(t) = self.table.try_read() {
-                    q.retain(|(ino, _)| t.by_ino.get(ino).is_some_and(|i| i.node.closable()));
+                    let mut seen = std::collections::HashSet::new();
+                    q.retain(|(ino, _)| {
+                        t.by_ino.get(ino).is_some_and(|i| i.node.closable()) && seen.insert(*ino)
+                    });
+                    *compact_at = 2 * q.len();
                 }
             }
         }
         let open = NODE_FDS_OPEN.load(Ordering::Relaxed);
-        if open <= max || !self.reopen_ok {
+        if open <= max {
             return;
         }
         let Some(t) = self.table.try_read() else {
             return;
         };
-        let Some(mut q) = self.fd_clock.try_lock() else {
+        let Some(mut g) = self.fd_clock.try_lock() else {
             return;
         };
+        let q = &mut g.0;
         let excess = open.saturating_sub(max * 3 / 4);
         let mut closed = 0;
         // Each entry is looked at once per pass at most.

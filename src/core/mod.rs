@@ -205,8 +205,9 @@ pub struct Core {
     pub(crate) keep_copies: AtomicBool,
     pub node_fds_max: usize,
     /// Inodes that cached a descriptor, oldest first, each with its use tick when queued:
-    /// the clock `bound_node_fds` turns to choose what to close.
-    fd_clock: Mutex<std::collections::VecDeque<(u64, u64)>>,
+    /// the clock `bound_node_fds` turns to choose what to close (where descriptors can be
+    /// reopened, `reopen_ok`). With the length at which it is next compacted.
+    fd_clock: Mutex<(std::collections::VecDeque<(u64, u64)>, usize)>,
     pub stats: Stats,
     /// Request latency per kind, recorded by the FUSE adapter.
     pub latency: Latency,
@@ -315,7 +316,7 @@ impl Core {
             reopen_ok,
             handles_persistent,
             node_fds_max,
-            fd_clock: Mutex::new(std::collections::VecDeque::new()),
+            fd_clock: Mutex::new((std::collections::VecDeque::new(), 0)),
             stats: Stats::default(),
             latency: Latency::default(),
             flusher_wake: (Mutex::new(false), Condvar::new()),

@@ -398,52 +398,43 @@ impl Filesystem for Adapter {
     ) {
         let _t = self.time(Op::Readdir);
         let dir = ino.0;
+        // "." and "..": the directory's own node, which the kernel neither links nor counts.
+        // SAFETY: a plain C struct of integers, for which zero is a valid value.
+        let mut dot: Stat = unsafe { std::mem::zeroed() };
+        dot.st_ino = dir;
+        dot.st_mode = libc::S_IFDIR;
         let mut added = false;
         let mut failed = None;
         let r = self.core.readdir(dir, offset, |name, _lino, _t, next| {
-            if name == b"." || name == b".." {
-                // SAFETY: a plain C struct of integers, for which zero is a valid value.
-                let mut st: Stat = unsafe { std::mem::zeroed() };
-                st.st_ino = dir;
-                st.st_mode = libc::S_IFDIR;
-                let full = reply.add(
-                    ino,
-                    next,
-                    OsStr::from_bytes(name),
-                    &Duration::ZERO,
-                    &attr(&st),
-                    Generation(0),
-                );
-                added |= !full;
-                return full;
-            }
-            match self.core.lookup(dir, OsStr::from_bytes(name)) {
-                Ok((_, st)) => {
-                    let full = reply.add(
-                        INodeNo(st.st_ino),
-                        next,
-                        OsStr::from_bytes(name),
-                        &self.ttl,
-                        &attr(&st),
-                        Generation(0),
-                    );
-                    if full {
-                        // Not sent: the kernel will not count it, so neither may we.
-                        self.core.forget(st.st_ino, 1);
+            let is_dot = name == b"." || name == b"..";
+            let (st, ttl) = if is_dot {
+                (dot, Duration::ZERO)
+            } else {
+                match self.core.lookup(dir, OsStr::from_bytes(name)) {
+                    Ok((_, st)) => (st, self.ttl),
+                    // Removed since the lower listed it: as a listing after the removal.
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return false,
+                    Err(e) => {
+                        // Ends the batch here (below).
+                        failed = Some(e);
+                        return true;
                     }
-                    added |= !full;
-                    full
                 }
-                // Removed since the lower listed it: as a listing after the removal.
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
-                Err(e) => {
-                    // Ends the batch here; the error is the reply only if nothing came
-                    // before it (the next READDIRPLUS resumes at this entry and meets it
-                    // first).
-                    failed = Some(e);
-                    true
-                }
+            };
+            let full = reply.add(
+                INodeNo(st.st_ino),
+                next,
+                OsStr::from_bytes(name),
+                &ttl,
+                &attr(&st),
+                Generation(0),
+            );
+            if full && !is_dot {
+                // Not sent: the kernel will not count it, so neither may we.
+                self.core.forget(st.st_ino, 1);
             }
+            added |= !full;
+            full
         });
         match (r, failed) {
             // What was added goes out (each a lookup the kernel now counts); an error met
