@@ -263,17 +263,28 @@ impl Core {
         })
     }
 
-    /// fsync/fdatasync. In sync mode: log every dirty range, commit, never touch the disk.
-    /// In strict mode everything is durable already: ENOSYS tells the kernel to stop asking
-    /// (it then treats every later fsync as done without a round trip).
+    /// fsync/fdatasync, as `policy::sync::file_sync` rules: every change of a file goes
+    /// through the mount, so a sync logs its dirty ranges and commits, never touching the
+    /// disk; where PM is full or the bytes are unreadable, it is the lower's own fsync
+    /// (`fall_back_file`). In strict mode everything is durable already: ENOSYS tells the
+    /// kernel to stop asking (it then treats every later fsync as done without a round trip).
     pub fn fsync(&self, ino: u64, fh: Option<u64>, datasync: bool) -> io::Result<()> {
+        use crate::policy::sync::{file_sync, sync_file, FileFacts, FileSync};
         self.settled(|owed| {
-            if self.opts.mode == Mode::Strict && self.log.is_some() {
+            let log = self.logging();
+            let how = file_sync(FileFacts {
+                logging: log.is_some(),
+                durable_on_return: self.opts.mode == Mode::Strict,
+                all_changes_seen: true,
+                ..FileFacts::default()
+            });
+            if how == FileSync::Durable {
                 self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
                 return Err(errno(libc::ENOSYS));
             }
             let i = self.inode(ino)?;
-            let Some(log) = self.logging() else {
+            let Some(log) = log else {
+                // No log (passthrough): the lower's own fsync, with nothing to expire.
                 let h = match fh.and_then(|f| self.handle(f).ok()) {
                     Some(h) => h,
                     None => self.by_inode(&i, false)?,
@@ -306,19 +317,21 @@ impl Core {
                 let o = p.on_sync(lazy, Instant::now(), self.adaptive_decay());
                 self.record(o);
             }
-            if st.dirty.is_empty() {
-                self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            if self.log_dirty(log, &i, &mut st, fh) {
+            let absorbed = sync_file(
+                &mut *st,
+                how,
+                |st| Ok(st.dirty.is_empty() || self.log_dirty(log, &i, st, fh)),
+                // Never chosen here (every change is seen): a sync the log cannot take.
+                |_| Ok(false),
+                |st| self.fall_back_file(owed, log, &i, st),
+            )?;
+            if absorbed {
                 self.stats.absorbed_fsync.fetch_add(1, Ordering::Relaxed);
                 if self.pm_low(log) {
                     self.wake_flusher();
                 }
-                return Ok(());
             }
-            // PM full or unreadable handle: the lower file system's own fsync, slower, never wrong.
-            self.fall_back_file(owed, log, &i, &mut st)
+            Ok(())
         })
     }
 

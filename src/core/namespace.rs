@@ -30,25 +30,31 @@ impl Core {
         };
         let _g = self.gate.read();
         let order = self.ns_order.lock();
-        let out = lower_op()?;
-        let lsn = log.next_lsn();
-        drop(order);
-        let Some((op, child)) = rec(&out) else {
-            return Ok(out);
-        };
-        let objs: Vec<&Inode> = bind.iter().map(|i| &***i).chain(child.as_deref()).collect();
-        match self.append_ns(log, &objs, Record::Ns(op), lsn) {
-            Ok(()) => Ok(out),
-            Err(_) => {
-                // PM full: make the operation durable in the lower file system (syncfs: the
-                // directories involved, and every namespace operation ordered before it), then
-                // expire the namespace records up to it. Reconciliation at recovery would
-                // otherwise restore the names those older records describe, undoing this
-                // acknowledged operation (e.g. moving a renamed file back).
-                self.ns_write_back(log, owed, lsn)?;
-                Ok(out)
-            }
-        }
+        let lsn = &std::cell::Cell::new(0);
+        let (out, _) = crate::policy::sync::create(
+            // Every change of the lower's names goes through the mount and is logged.
+            true,
+            lower_op,
+            move |out, _| {
+                // Its place in the namespace order, taken under the order lock.
+                lsn.set(log.next_lsn());
+                drop(order);
+                let Some((op, child)) = rec(out) else {
+                    return Ok(false);
+                };
+                let objs: Vec<&Inode> =
+                    bind.iter().map(|i| &***i).chain(child.as_deref()).collect();
+                self.append_ns(log, &objs, Record::Ns(op), lsn.get())
+                    .map(|()| true)
+            },
+            // PM full: make the operation durable in the lower file system (syncfs: the
+            // directories involved, and every namespace operation ordered before it), then
+            // expire the namespace records up to it. Reconciliation at recovery would
+            // otherwise restore the names those older records describe, undoing this
+            // acknowledged operation (e.g. moving a renamed file back).
+            || self.ns_write_back(log, owed, lsn.get()),
+        )?;
+        Ok(out)
     }
 
     /// Run a rename, link or removal whose record `op` is known before the lower does it:
@@ -494,23 +500,36 @@ impl Core {
             })
     }
 
+    /// fsync/fdatasync of a directory, as `policy::sync::dir_sync` rules: every change of
+    /// its names and attributes is logged when it returns, so there is nothing to do with a
+    /// log; without one (passthrough), the lower's own fsync.
     pub fn fsyncdir(&self, ino: u64, datasync: bool) -> io::Result<()> {
-        if self.logging().is_some() {
-            // Namespace operations are durable when they return: nothing left to do.
-            self.stats
-                .absorbed_dir_fsync
-                .fetch_add(1, Ordering::Relaxed);
-            if self.opts.mode == Mode::Strict {
-                return Err(errno(libc::ENOSYS)); // and the kernel may stop asking
+        use crate::policy::sync::{dir_sync, DirFacts, DirSync};
+        let how = dir_sync(DirFacts {
+            logging: self.logging().is_some(),
+            names_logged: true,
+            attrs_logged: true,
+        });
+        match how {
+            DirSync::Durable => {
+                self.stats
+                    .absorbed_dir_fsync
+                    .fetch_add(1, Ordering::Relaxed);
+                if self.opts.mode == Mode::Strict {
+                    return Err(errno(libc::ENOSYS)); // and the kernel may stop asking
+                }
+                Ok(())
             }
-            return Ok(());
+            DirSync::WriteBack => self.write_back(),
+            DirSync::Lower => {
+                let i = self.inode(ino)?;
+                let fd = self.lower.reopen(
+                    self.nfd(&i)?.as_raw_fd(),
+                    libc::O_RDONLY | libc::O_DIRECTORY,
+                )?;
+                real::fsync(fd.as_raw_fd(), datasync)
+            }
         }
-        let i = self.inode(ino)?;
-        let fd = self.lower.reopen(
-            self.nfd(&i)?.as_raw_fd(),
-            libc::O_RDONLY | libc::O_DIRECTORY,
-        )?;
-        real::fsync(fd.as_raw_fd(), datasync)
     }
 
     pub fn statfs(&self, ino: u64) -> io::Result<libc::statvfs> {

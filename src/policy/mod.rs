@@ -14,11 +14,16 @@
 //! sees them too, and their outcome after (`change_namespace`, `log_outcome`); write-back
 //! takes its horizon before it makes the lower durable (`write_back`), and a real sync of one
 //! object makes its names durable before it expires its entries where the lower's fsync may
-//! leave them behind (`expire_synced`). What each front end
-//! binds, and what it does to its own state after a write-back, still lives in it; see
-//! `docs/contract.md` for the contract they implement.
+//! leave them behind (`expire_synced`). A sync of a file or a directory is absorbed, or is
+//! the lower's own, by one rule (`sync::file_sync`, `sync::dir_sync`), and so are a creation
+//! and a namespace record after changes the log lacks (`sync::create`,
+//! `sync::settle_unlogged`; `sync::names_logged` tells them). What each front end binds,
+//! how it tells the facts these rules take from its own state, and what it does to that
+//! state after a write-back, lives in it; see `docs/contract.md` for the contract they
+//! implement.
 
 pub mod dirty;
+pub mod sync;
 
 use std::io;
 

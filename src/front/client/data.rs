@@ -164,8 +164,9 @@ impl Client {
         }
     }
 
-    /// fsync/fdatasync of a tracked descriptor.
+    /// fsync/fdatasync of a tracked descriptor, as `policy::sync::file_sync` rules.
     pub fn fsync(&self, t: &Tracked, fd: i32) -> io::Result<()> {
+        use crate::policy::sync::{file_sync, sync_file, FileFacts};
         let slot = self.table.slot(t.ino.slot);
         // A first sync that may be absorbed as a baseline: the file's name made durable
         // first, where it may not be (`name_durable`; before the slot lock, since the
@@ -183,19 +184,40 @@ impl Client {
         self.note_sync(&slot, t, fd);
         let mut p = t.ino.p.lock();
         let cp = self.log.checkpoint_lsn();
-        if !self.serving() || slot.others_lazy(self.pid, cp) {
-            return self.real_sync(&slot, fd, &mut p);
+        let f = slot.flags();
+        let how = file_sync(FileFacts {
+            logging: self.serving(),
+            durable_on_return: false,
+            all_changes_seen: self.absorbable(f),
+            others_unlogged: slot.others_lazy(self.pid, cp),
+            baseline_ready: named && self.baseline_loggable(f),
+        });
+        let absorbed = sync_file(
+            &mut *p,
+            how,
+            |p| self.log_dirty(&slot, t, fd, p, cp),
+            |p| Ok(self.log_baseline(&slot, t, fd, p)),
+            |p| self.real_sync(&slot, fd, p),
+        )?;
+        if absorbed {
+            self.count(P_ABSORBED_FSYNC, 1);
         }
-        if !self.absorbable(slot.flags()) {
-            if named
-                && self.baseline_loggable(slot.flags())
-                && self.log_baseline(&slot, t, fd, &mut p)
-            {
-                self.count(P_ABSORBED_FSYNC, 1);
-                return Ok(());
-            }
-            return self.real_sync(&slot, fd, &mut p);
-        }
+        Ok(())
+    }
+
+    /// Log this process's dirty bytes of the object, from their copies or read back through
+    /// a descriptor that reads the page cache, and forget them; Ok(false) where the log has
+    /// no room or they cannot be read (the caller's sync is then the lower's own). Dirty
+    /// marks older than the checkpoint `cp` need nothing: the write-back that passed them
+    /// made the bytes durable. Caller holds the slot lock.
+    fn log_dirty(
+        &self,
+        slot: &Slot<'_>,
+        t: &Tracked,
+        fd: i32,
+        p: &mut Private,
+        cp: u64,
+    ) -> io::Result<bool> {
         if !p.dirty.is_empty() && p.mark >= cp {
             if slot.changes() != p.copies_at {
                 // Another process changed the object since these copies were taken: the
@@ -216,10 +238,10 @@ impl Client {
                         let rfd = if !*fd_unreadable.get_or_insert_with(|| unreadable(fd)) {
                             fd
                         } else {
-                            match self.reader(fd, &mut p) {
+                            match self.reader(fd, p) {
                                 Some(r) => r,
                                 // Not readable by this process: the lower's own sync.
-                                None => return self.real_sync(&slot, fd, &mut p),
+                                None => return Ok(false),
                             }
                         };
                         let mut buf = vec![0u8; (e - s) as usize];
@@ -228,8 +250,8 @@ impl Client {
                         buf
                     }
                 };
-                if !buf.is_empty() && self.log_data(&slot, &t.ino, s, &buf).is_err() {
-                    return self.real_sync(&slot, fd, &mut p);
+                if !buf.is_empty() && self.log_data(slot, &t.ino, s, &buf).is_err() {
+                    return Ok(false);
                 }
             }
             if !read_back {
@@ -240,8 +262,7 @@ impl Client {
         }
         p.dirty.clear();
         slot.clear_lazy(Some(self.pid));
-        self.count(P_ABSORBED_FSYNC, 1);
-        Ok(())
+        Ok(true)
     }
 
     /// Whether the object's name needs nothing more before a sync of it is absorbed: known

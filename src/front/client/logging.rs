@@ -460,7 +460,7 @@ impl Client {
     /// `before_unseen_write`'s work, the caller holding the slot lock. A real sync that fails
     /// leaves the entries live: nothing better is left to do here.
     pub(super) fn expire_before_unseen(&self, slot: &Slot<'_>, t: &Tracked, fd: i32) {
-        if self.live(slot) {
+        if crate::policy::must_write_back_first(self.live(slot), false) {
             let mut p = t.ino.p.lock();
             let _ = self.real_sync(slot, fd, &mut p);
         }

@@ -30,6 +30,7 @@ use super::client::{claim, object_gen, Client, NotLogged};
 use super::sys;
 use super::table::*;
 use crate::engine::{Record, NAMESPACE_FID, ROOT_FID};
+use crate::policy::sync::Created;
 
 /// What `intended` logged of a rename, link or removal before the call.
 enum Intent {
@@ -351,14 +352,14 @@ impl Client {
         Ok(out)
     }
 
-    /// Whether `c`, the change time of the directory of `slot` read now, is the one recorded
-    /// after its last logged change: every change since it was last made durable was logged.
-    /// Never where the lower's change times are coarse (`H_COARSE_CTIME`): there an unlogged
-    /// change in the same clock tick as the last logged one would go unseen.
+    /// Whether every change of the directory of `slot` since it was last made durable was
+    /// logged (`policy::sync::names_logged`), `c` its change time read now.
     fn logged_up_to(&self, slot: &Slot<'_>, c: u64) -> bool {
-        c != 0
-            && self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) == 0
-            && slot.w(S_DIR_CTIME).load(Ordering::Acquire) == c
+        crate::policy::sync::names_logged(
+            slot.w(S_DIR_CTIME).load(Ordering::Acquire),
+            c,
+            self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) != 0,
+        )
     }
 
     /// An attribute call (mode, owner, times) changed the directory `before` (its stat read
@@ -650,18 +651,16 @@ impl Client {
         if !dirs.iter().all(|d| self.held(d)) {
             return self.lost_slot(dirs, op);
         }
-        let clean = dirs.iter().all(|d| self.clean(d));
-        let out = op()?;
-        // Not clean: log only tells whether anything changed, and appends nothing.
-        let logged = match log(&out, clean) {
-            Ok(true) if !clean => Err(NotLogged),
-            r => r,
-        };
-        match logged {
-            Ok(false) => return Ok(out),
-            Ok(true) => self.count(P_NS_OPS, 1),
-            // An unlogged change came first, or the log is full: syncfs makes both durable.
-            Err(NotLogged) => self.write_back_namespace(&raw(dirs))?,
+        // Not clean: log only tells whether anything changed, and appends nothing; an
+        // unlogged change came first, or the log is full: the write-back makes both durable.
+        let (out, how) =
+            crate::policy::sync::create(dirs.iter().all(|d| self.clean(d)), op, log, || {
+                self.write_back_namespace(&raw(dirs))
+            })?;
+        match how {
+            Created::Unchanged => return Ok(out),
+            Created::Logged => self.count(P_NS_OPS, 1),
+            Created::WrittenBack => {}
         }
         for d in dirs {
             self.set_clean(d);
@@ -697,12 +696,12 @@ impl Client {
             return self.lost_slot(dirs, op);
         }
         let fds = raw(dirs);
-        if taken_over || !dirs.iter().all(|d| self.clean(d)) {
-            // The log may lack an operation the lower has: an unlogged change of these
-            // directories, or one of a process that died holding the lock (between its intent
-            // and its call, its Done). It is made durable and every older record expired
-            // first, so the record of this one is the whole story.
-            self.write_back_namespace(&fds)?;
+        // The log may lack an operation the lower has: an unlogged change of these
+        // directories, or one of a process that died holding the lock (between its intent
+        // and its call, its Done). It is made durable and every older record expired first,
+        // so the record of this one is the whole story.
+        let names_logged = !taken_over && dirs.iter().all(|d| self.clean(d));
+        if crate::policy::sync::settle_unlogged(names_logged, || self.write_back_namespace(&fds))? {
             for d in dirs {
                 self.set_clean(d);
             }

@@ -12,6 +12,7 @@ use crate::engine::{NodeKind, NsOp, Record};
 use crate::front::client::{claim, object_gen, Client, NotLogged};
 use crate::front::sys;
 use crate::front::table::*;
+use crate::policy::sync::{dir_sync, DirFacts, DirSync};
 
 impl Client {
     /// unlink, or rmdir (`dir`).
@@ -447,9 +448,11 @@ impl Client {
         }
     }
 
-    /// Make the directory `fd` durable as its fsync must: nothing to do (Ok(true)) if every
-    /// change of it since it was last made durable was logged; otherwise everything is
-    /// written back (Ok(false)). None: not ours (`fsync_dir`).
+    /// Make the directory `fd` durable as its fsync must (`policy::sync::dir_sync`): nothing
+    /// to do (Ok(true)) if every change of it since it was last made durable was logged; its
+    /// own fsync where only an attribute change was not; otherwise everything is written
+    /// back (Ok(false) for both). None: not ours, or no daemon serving (`fsync_dir`: the
+    /// caller's sync is the lower's own).
     fn dir_durable(
         &self,
         fd: i32,
@@ -468,36 +471,42 @@ impl Client {
         self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
         let _ns = self.table.ns_lock();
-        if !slot.holds(st.st_dev, st.st_ino, gen) {
-            // The daemon freed its slot since (it was idle): what it knew of the directory
-            // went with it.
-            return Some(self.write_back_namespace(&[fd]).map(|()| false));
-        }
+        // The daemon may have freed its slot since (it was idle): what it knew of the
+        // directory went with it.
+        let held = slot.holds(st.st_dev, st.st_ino, gen);
         let c0 = ctime(fd);
-        if self.logged_up_to(&slot, c0) {
-            if slot.flags() & F_FALLBACK != 0 {
-                // Its names are all in the log, but an attribute change is not
-                // (`dir_attrs_changed`): the directory's own fsync makes it durable.
+        let how = dir_sync(DirFacts {
+            logging: true,
+            names_logged: held && self.logged_up_to(&slot, c0),
+            // Attribute calls on directories are not logged: one since the directory was
+            // last made durable leaves `F_FALLBACK` (`dir_attrs_changed`).
+            attrs_logged: slot.flags() & F_FALLBACK == 0,
+        });
+        Some(match how {
+            DirSync::Durable => Ok(true),
+            DirSync::Lower => {
                 slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel);
                 let r = sys::fsync(fd, false);
                 if r.is_err() {
                     slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
                 }
                 self.count(P_FALLBACKS, 1);
-                return Some(r.map(|()| false));
+                r.map(|()| false)
             }
-            return Some(Ok(true));
-        }
-        // The write-back syncs the directory itself: an attribute change made before it is
-        // durable with it.
-        let attrs = slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel) & F_FALLBACK;
-        let r = self.write_back_namespace(&[fd]);
-        if r.is_ok() {
-            slot.w(S_DIR_CTIME).store(c0, Ordering::Release);
-        } else {
-            slot.w(S_FLAGS).fetch_or(attrs, Ordering::AcqRel);
-        }
-        Some(r.map(|()| false))
+            DirSync::WriteBack if !held => self.write_back_namespace(&[fd]).map(|()| false),
+            DirSync::WriteBack => {
+                // The write-back syncs the directory itself: an attribute change made before
+                // it is durable with it.
+                let attrs = slot.w(S_FLAGS).fetch_and(!F_FALLBACK, Ordering::AcqRel) & F_FALLBACK;
+                let r = self.write_back_namespace(&[fd]);
+                if r.is_ok() {
+                    slot.w(S_DIR_CTIME).store(c0, Ordering::Release);
+                } else {
+                    slot.w(S_FLAGS).fetch_or(attrs, Ordering::AcqRel);
+                }
+                r.map(|()| false)
+            }
+        })
     }
 }
 
