@@ -4,7 +4,8 @@
 //! these functions to decide and to log.
 //!
 //! What lives here so far: how file bytes become log entries, the write rule (which writes
-//! must be logged, and that they are logged before the lower file system sees them), and its
+//! may be logged at all, `may_log_write`; which must be, and that they are logged before the
+//! lower file system sees them), and its
 //! counterpart for changes that are not logged (live entries are written back first). The
 //! write rule holds for attribute changes as well (`change_attribute`): one that is logged
 //! (every one on the mount; under `pmstack run`, one of an object with live entries or one
@@ -42,6 +43,17 @@ use crate::engine::{AreaGuard, AttrOp, Log, LogError, Record};
 /// Every other write goes to the lower only and is remembered as dirty for the next sync.
 pub fn must_log_first(durable_on_return: bool, touches_live: bool) -> bool {
     durable_on_return || touches_live
+}
+
+/// Whether a write may be logged at all. Every writer of the object must be seen: replay of
+/// a logged write would roll back an unseen writer's later bytes on the same pages. And a
+/// write that is durable on return (an O_SYNC or O_DSYNC descriptor) stands in for the
+/// lower's own sync, which would have made the file's name durable too (ext4 and XFS commit
+/// it with the file): its name must be durable already, or made so first. Through the mount
+/// both always hold; under `pmstack run` a write that may not be logged is the lower's own
+/// (synced for real where it is durable on return).
+pub fn may_log_write(writers_seen: bool, durable_on_return: bool, name_durable: bool) -> bool {
+    writers_seen && (!durable_on_return || name_durable)
 }
 
 /// Whether the live entries of an object (or the live namespace records) must be made durable
@@ -305,6 +317,23 @@ mod tests {
             }
             assert_eq!(got, data, "off {off} len {len}");
         }
+    }
+
+    /// A write is logged only where every writer is seen, and one durable on return only
+    /// where its name is durable too.
+    #[test]
+    fn a_write_durable_on_return_is_logged_only_with_its_name_durable() {
+        assert!(
+            may_log_write(true, false, false),
+            "a plain write needs no name"
+        );
+        assert!(may_log_write(true, true, true));
+        assert!(
+            !may_log_write(true, true, false),
+            "O_SYNC with a name not durable"
+        );
+        assert!(!may_log_write(false, false, true), "an unseen writer");
+        assert!(!may_log_write(false, true, true));
     }
 
     /// Only a change that leaves bytes half zeroed or moved in place needs a record.

@@ -17,18 +17,17 @@ impl Client {
     ) -> io::Result<usize> {
         let sync = t.sync || sync_flag;
         let slot = self.table.slot(t.ino.slot);
-        // An O_SYNC write absorbed stands in for the lower's own sync, which would have made
-        // the file's name durable too (`name_settled`; before the slot lock, since the
-        // namespace lock comes first). Where it is not known to be, the write is the lower's
-        // own, synced.
-        let named = !sync || self.name_settled(&slot, fd, None);
+        // An O_SYNC write absorbed needs the file's name durable (`policy::may_log_write`;
+        // `name_settled` before the slot lock, since the namespace lock comes first). Where
+        // it is not known to be, the write is the lower's own, synced.
+        let named = sync && self.name_settled(&slot, fd, None);
         let _g = slot.lock();
         if sync {
             self.note_sync(&slot, t, fd);
         }
         let mut p = t.ino.p.lock();
         let serving = self.serving();
-        let loggable = named && self.loggable(slot.flags());
+        let loggable = crate::policy::may_log_write(self.loggable(slot.flags()), sync, named);
         if serving && loggable && crate::policy::must_log_first(sync, self.live(&slot)) {
             // Logged (and committed) before the lower file system sees the bytes: see
             // `policy::must_log_first`. Where they land is known before the write.
