@@ -247,59 +247,41 @@ mod tests {
         assert_eq!(file_sync(strict), FileSync::Durable);
     }
 
+    /// `sync_file` of `how` with logs that take the sync as told: whether it was absorbed,
+    /// and how many times the lower's own sync ran.
+    fn carried_out(how: FileSync, dirty_taken: bool, whole_taken: bool) -> (bool, u32) {
+        let mut lower = 0;
+        let absorbed = sync_file(
+            &mut lower,
+            how,
+            |_| Ok(dirty_taken),
+            |_| Ok(whole_taken),
+            |n| {
+                *n += 1;
+                Ok(())
+            },
+        )
+        .unwrap();
+        (absorbed, lower)
+    }
+
     /// A log that cannot take the sync falls back to the lower's own, never an error.
     #[test]
     fn a_sync_the_log_cannot_take_is_the_lowers_own() {
         for how in [FileSync::LogDirty, FileSync::LogWhole] {
-            let mut lower = 0;
-            let r = sync_file(
-                &mut lower,
-                how,
-                |_| Ok(false),
-                |_| Ok(false),
-                |n| {
-                    *n += 1;
-                    Ok(())
-                },
-            );
-            assert!(!r.unwrap());
-            assert_eq!(lower, 1, "{how:?}");
+            assert_eq!(carried_out(how, false, false), (false, 1), "{how:?}");
         }
-        let mut lower = 0;
-        let r = sync_file(
-            &mut lower,
-            FileSync::LogDirty,
-            |_| Ok(true),
-            |_| Ok(false),
-            |n| {
-                *n += 1;
-                Ok(())
-            },
+        assert_eq!(carried_out(FileSync::LogDirty, true, false), (true, 0));
+        assert_eq!(
+            carried_out(FileSync::Durable, false, false),
+            (true, 0),
+            "nothing to do"
         );
-        assert!(r.unwrap());
-        assert_eq!(lower, 0);
-        let r = sync_file(
-            &mut lower,
-            FileSync::Durable,
-            |_| Ok(false),
-            |_| Ok(false),
-            |n| {
-                *n += 1;
-                Ok(())
-            },
+        assert_eq!(
+            carried_out(FileSync::Lower, true, true),
+            (false, 1),
+            "the lower's own"
         );
-        assert!(r.unwrap() && lower == 0, "nothing to do");
-        let r = sync_file(
-            &mut lower,
-            FileSync::Lower,
-            |_| Ok(true),
-            |_| Ok(true),
-            |n| {
-                *n += 1;
-                Ok(())
-            },
-        );
-        assert!(!r.unwrap() && lower == 1, "the lower's own");
     }
 
     #[test]
