@@ -116,7 +116,9 @@ impl Core {
             return; // nothing may be closed: no clock to turn
         }
         let max = self.node_fds_max;
-        if filled.ino != 1 {
+        // Not the root (kept open), nor an object found outside the table (`object_at`:
+        // number 0), which no pass of the clock can find.
+        if filled.ino != 1 && filled.ino != 0 {
             let mut g = self.fd_clock.lock();
             let (q, compact_at) = &mut *g;
             q.push_back((filled.ino, filled.node.last_use()));
