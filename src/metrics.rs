@@ -135,7 +135,7 @@ pub const METRICS: &[Metric] = &[
     m("baseline_name_write_backs", Counter, Count, Serve, "of the first syncs about to be logged whole, those whose directory had a change that was not logged (a file made outside pmstack run or before the daemon started): the namespace was written back first so that the file's name is durable"),
     m("syncs_from_copies", Counter, Count, Serve, "absorbed syncs whose unsynced bytes all came from copies kept when they were written, none read back from the lower (a FUSE or network lower, whose reads after writes are slow)"),
     m("areas_leased", Gauge, Count, Serve, "append areas of the PM log leased to processes now"),
-    m("lsn", Gauge, Lsn, Serve, "the log's next sequence number"),
+    m("lsn", Gauge, Lsn, Both, "the log's next sequence number"),
     m("recovery.namespace_ops", Gauge, Count, Both, "recovery at start: namespace records evaluated"),
     m("recovery.recreated", Gauge, Count, Both, "recovery at start: objects created again (the lower had lost them)"),
     m("recovery.namespace_skipped", Gauge, Count, Both, "recovery at start: namespace records the lower already held"),
@@ -149,7 +149,7 @@ pub const METRICS: &[Metric] = &[
     m("latency_us.mean_us", Gauge, Micros, Mount, "mean time to serve a FUSE request of a kind"),
     m("latency_us.p50_us_le", Gauge, Micros, Mount, "median time to serve a FUSE request of a kind (bucket bound)"),
     m("latency_us.p99_us_le", Gauge, Micros, Mount, "99th percentile time to serve a FUSE request of a kind (bucket bound)"),
-    m("checkpoint_lsn", Gauge, Lsn, Serve, "entries below this sequence number are written back"),
+    m("checkpoint_lsn", Gauge, Lsn, Both, "entries below this sequence number are written back (equal to `lsn`: nothing live)"),
 ];
 
 /// The definition of the number reported as `name`.
@@ -279,6 +279,8 @@ pub fn mount_stats(
         m.insert("gc_runs".into(), s.gc_runs.load(Relaxed).into());
         m.insert("gc_pages_freed".into(), s.pages_freed.load(Relaxed).into());
         m.insert("pm_bytes_used".into(), l.bytes_used().into());
+        m.insert("lsn".into(), l.lsn_now().into());
+        m.insert("checkpoint_lsn".into(), l.checkpoint_lsn().into());
         m.insert(
             "pm_bytes_free".into(),
             ((l.pages_free() * crate::engine::format::PAGE) as u64).into(),

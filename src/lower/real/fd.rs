@@ -156,6 +156,12 @@ pub(super) fn rmdir_taken(dir: RawFd, name: &std::ffi::OsStr) -> Option<io::Resu
     RMDIR_HOOK.with(|h| h.borrow_mut().as_mut().map(|f| f(dir, name)))
 }
 
+/// Whether any thread ever installed a `watch_syncs` watch (the crash simulator): syncs it
+/// must see are then made on the watching thread only (`RealLower::fsync_handles`).
+pub fn syncs_watched() -> bool {
+    WATCHING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// For the crash simulator (`crate::sim`), which decides itself what a power cut keeps of a
 /// lower: from now on, each fsync or fdatasync this thread makes through `fsync` calls `f`
 /// with the descriptor once it succeeded (still open, so the simulator can read what was made
