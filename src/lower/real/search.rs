@@ -7,7 +7,6 @@ use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{fstat, fsync, is_fs_trash, split_identity, RealLower};
