@@ -2966,6 +2966,65 @@ fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
 }
 
 #[test]
+fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    // A tree made before the daemon started: every directory has changes the log lacks.
+    for sub in ["p/q1", "p/q2", "p/q3"] {
+        fs::create_dir_all(root.join(sub)).unwrap();
+        fs::write(root.join(sub).join("x"), b"x").unwrap();
+    }
+    let pm = shm_region("nstree");
+    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    // (write-backs, of them directory-only, logged operations)
+    let keys = ["ns_write_backs", "ns_dir_write_backs", "ns_ops"];
+    let expect = |want: (u64, u64, u64), what: &str| expect_counts(&s, pid, keys, want, what);
+    let mut f = Py::spawn(Command::new("env"), &root);
+    let rm = |p: &mut Py, path: &str| p.exec(&format!("os.unlink(os.path.join(d, '{path}'))"));
+    let rmdir = |p: &mut Py, path: &str| p.exec(&format!("os.rmdir(os.path.join(d, '{path}'))"));
+    // q1's first change writes q1 and those above it back (no record is live), then is
+    // logged; so is the removal of q1 in p, after p's own write-back.
+    rm(&mut a, "p/q1/x");
+    expect((1, 1, 1), "first change in q1");
+    rmdir(&mut a, "p/q1");
+    expect((2, 2, 2), "first change in p");
+    // q2's first change: the walk up from q2 meets p, which a live record names (the removal
+    // of q1) but whose every change since was logged: syncing it makes durable only what that
+    // record did. Directories only, as above.
+    rm(&mut a, "p/q2/x");
+    expect(
+        (3, 3, 3),
+        "first change in q2, p clean and named by a live record",
+    );
+    rmdir(&mut a, "p/q2");
+    expect((3, 3, 4), "a change in a clean p");
+    // p changes outside the log: the walk up from q3 meets p, named by a live record and no
+    // longer clean, so the whole lower's write-back, which expires every record so far.
+    f.exec("os.mkdir(os.path.join(d, 'p/o'))");
+    rm(&mut a, "p/q3/x");
+    expect((4, 3, 5), "first change in q3, p changed outside the log");
+    // After a crash the tree is as the programs left it.
+    drop(a);
+    drop(f);
+    let mut s = s;
+    s.kill9();
+    let mut s2 = Serve::start(&root, &pm, &[]);
+    s2.stop();
+    let _ = fs::remove_file(&pm);
+    for gone in ["p/q1", "p/q2", "p/q3/x"] {
+        assert!(!root.join(gone).exists(), "{gone} came back");
+    }
+    for there in ["p/q3", "p/o"] {
+        assert!(root.join(there).is_dir(), "{there} lost");
+    }
+}
+
+#[test]
 fn a_mount_and_serve_of_one_lower_directory_refuse_each_other() {
     if !common::can_mount() {
         return;

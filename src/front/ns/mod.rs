@@ -335,6 +335,14 @@ impl Client {
         self.logged_up_to(&self.table.slot(d.slot), ctime(d.fd.as_raw_fd()))
     }
 
+    /// `clean` of the directory `st` (its stat read now), found by its inode: false where it
+    /// has no slot.
+    fn stat_clean(&self, st: &libc::stat) -> bool {
+        self.table
+            .find(st.st_dev, st.st_ino)
+            .is_some_and(|i| self.logged_up_to(&self.table.slot(i), ctime_ns(st)))
+    }
+
     /// Whether the slot of `d` still holds it. The daemon frees the slots of idle
     /// directories under the namespace lock (`Daemon::free_idle_slots`), so once that lock
     /// is held the answer stays; where it is no, the operation logs nothing against the slot
@@ -456,12 +464,24 @@ impl Client {
         Ok(())
     }
 
-    /// fsync the directory `fd` and each directory above it up to the root. `live`: some
-    /// namespace record is live; then EBUSY, before anything is synced, if one names any of
-    /// these directories (`named_live`).
+    /// fsync the directory `fd` (one of an operation's) and each directory above it up to
+    /// the root. `live`: some namespace record is live; then EBUSY, before anything is
+    /// synced, if one names `fd`'s directory, or one above it that has changes the log lacks
+    /// (`named_live`, `stat_clean`).
+    ///
+    /// A directory above whose every change since it was last durable was logged is synced
+    /// while records naming it are live: the fsync makes durable only what those records
+    /// did, which the lower may make durable on its own at any time (a journal commit), and
+    /// the operation that asked for the write-back changes only its own directories. Not the
+    /// operation's own directories: a write-back there may come before a change the log
+    /// will not hold (one run on the lower alone while the daemon does not serve), over
+    /// which a live record naming the directory would be replayed; those records are
+    /// expired (syncfs, then a namespace write-back record). Without this, removing a tree
+    /// made outside the log wrote the whole lower back once per directory: from the second
+    /// on, the walk met the parent, named by the record of the removal of the one before.
     fn sync_up_to_root(&self, fd: i32, live: bool) -> io::Result<()> {
-        let above = self.each_dir_up_to_root(fd, |_, st| {
-            if live && self.named_live(st) {
+        let above = self.each_dir_up_to_root(fd, |at, st| {
+            if live && self.named_live(st) && (at == fd || !self.stat_clean(st)) {
                 return Err(io::Error::from_raw_os_error(libc::EBUSY));
             }
             Ok(())
