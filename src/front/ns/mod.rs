@@ -465,30 +465,48 @@ impl Client {
     }
 
     /// fsync the directory `fd` (one of an operation's) and each directory above it up to
-    /// the root. `live`: some namespace record is live; then EBUSY, before anything is
-    /// synced, if one names `fd`'s directory, or one above it that has changes the log lacks
-    /// (`named_live`, `stat_clean`).
+    /// the root that has changes the log lacks, so that its entries, the path to `fd`
+    /// among them, are durable or logged. `live`: some namespace record is live; then EBUSY,
+    /// before anything is synced, if one names `fd`'s directory, or one above it that is to
+    /// be synced (`named_live`).
     ///
-    /// A directory above whose every change since it was last durable was logged is synced
-    /// while records naming it are live: the fsync makes durable only what those records
-    /// did, which the lower may make durable on its own at any time (a journal commit), and
-    /// the operation that asked for the write-back changes only its own directories. Not the
-    /// operation's own directories: a write-back there may come before a change the log
+    /// A directory above whose every change since it was last durable was logged
+    /// (`stat_clean`) is not synced: what the operation's records will name in it is durable
+    /// or in the log already, and its live records are replayed as after a journal commit of
+    /// the lower's own. One that is synced is clean from then on (its change time read
+    /// before the fsync is recorded), so the next walk through it syncs it no more. Not so
+    /// the operation's own directories: a write-back there may come before a change the log
     /// will not hold (one run on the lower alone while the daemon does not serve), over
     /// which a live record naming the directory would be replayed; those records are
     /// expired (syncfs, then a namespace write-back record). Without this, removing a tree
-    /// made outside the log wrote the whole lower back once per directory: from the second
-    /// on, the walk met the parent, named by the record of the removal of the one before.
+    /// made outside the log synced every directory from each one's up to the root, and
+    /// wrote the whole lower back once per directory: from the second on, the walk met the
+    /// parent, named by the record of the removal of the one before.
     fn sync_up_to_root(&self, fd: i32, live: bool) -> io::Result<()> {
+        // Per directory visited (`fd` first, then each of `above`): its slot and change time
+        // where it is to be synced, None where it is clean.
+        let mut sync: Vec<Option<(Option<usize>, u64)>> = Vec::new();
         let above = self.each_dir_up_to_root(fd, |at, st| {
-            if live && self.named_live(st) && (at == fd || !self.stat_clean(st)) {
+            if at != fd && self.stat_clean(st) {
+                sync.push(None);
+                return Ok(());
+            }
+            if live && self.named_live(st) {
                 return Err(io::Error::from_raw_os_error(libc::EBUSY));
             }
+            sync.push(Some((self.table.find(st.st_dev, st.st_ino), ctime_ns(st))));
             Ok(())
         })?;
         sys::fsync(fd, false)?;
-        for up in &above {
+        for (up, s) in above.iter().zip(sync.iter().skip(1)) {
+            let Some((slot, c)) = *s else { continue };
             sys::fsync(up.as_raw_fd(), false)?;
+            if let Some(i) = slot {
+                self.table
+                    .slot(i)
+                    .w(S_DIR_CTIME)
+                    .store(c, Ordering::Release);
+            }
         }
         Ok(())
     }
