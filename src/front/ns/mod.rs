@@ -335,14 +335,6 @@ impl Client {
         self.logged_up_to(&self.table.slot(d.slot), ctime(d.fd.as_raw_fd()))
     }
 
-    /// `clean` of the directory `st` (its stat read now), found by its inode: false where it
-    /// has no slot.
-    fn stat_clean(&self, st: &libc::stat) -> bool {
-        self.table
-            .find(st.st_dev, st.st_ino)
-            .is_some_and(|i| self.logged_up_to(&self.table.slot(i), ctime_ns(st)))
-    }
-
     /// Whether the slot of `d` still holds it. The daemon frees the slots of idle
     /// directories under the namespace lock (`Daemon::free_idle_slots`), so once that lock
     /// is held the answer stays; where it is no, the operation logs nothing against the slot
@@ -471,7 +463,7 @@ impl Client {
     /// be synced (`named_live`).
     ///
     /// A directory above whose every change since it was last durable was logged
-    /// (`stat_clean`) is not synced: what the operation's records will name in it is durable
+    /// (`logged_up_to`) is not synced: what the operation's records will name in it is durable
     /// or in the log already, and its live records are replayed as after a journal commit of
     /// the lower's own. One that is synced is clean from then on (its change time read
     /// before the fsync is recorded), so the next walk through it syncs it no more. Not so
@@ -487,14 +479,15 @@ impl Client {
         // where it is to be synced, None where it is clean.
         let mut sync: Vec<Option<(Option<usize>, u64)>> = Vec::new();
         let above = self.each_dir_up_to_root(fd, |at, st| {
-            if at != fd && self.stat_clean(st) {
+            let (slot, c) = (self.table.find(st.st_dev, st.st_ino), ctime_ns(st));
+            if at != fd && slot.is_some_and(|i| self.logged_up_to(&self.table.slot(i), c)) {
                 sync.push(None);
                 return Ok(());
             }
             if live && self.named_live(st) {
                 return Err(io::Error::from_raw_os_error(libc::EBUSY));
             }
-            sync.push(Some((self.table.find(st.st_dev, st.st_ino), ctime_ns(st))));
+            sync.push(Some((slot, c)));
             Ok(())
         })?;
         sys::fsync(fd, false)?;
