@@ -2895,6 +2895,30 @@ fn served_with_a_dir(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf,
 /// directories from it up to the root where no live namespace record names any of them
 /// (none can be replayed over what that makes durable), even while records naming other
 /// directories are live; where one names any of them, it is the whole lower's write-back.
+/// What the namespace write-back tests count of the attached program: (write-backs, of them
+/// directory-only, logged operations).
+const NS_WRITE_BACKS: [&str; 3] = ["ns_write_backs", "ns_dir_write_backs", "ns_ops"];
+
+/// `root` served with a region in /dev/shm named after `tag` (write-back only when asked),
+/// a Python attached to it and one outside `pmstack run`.
+fn ns_write_backs_served(root: &Path, tag: &str) -> (PathBuf, Serve, Py, Py) {
+    let pm = shm_region(tag);
+    let s = Serve::start(root, &pm, &["--flush-interval-ms", "3600000"]);
+    let a = Py::spawn(s.run(), root);
+    let f = Py::spawn(Command::new("env"), root);
+    (pm, s, a, f)
+}
+
+/// The programs gone, the daemon killed -9, its log recovered by a new one, stopped; the
+/// region removed.
+fn killed_and_recovered(mut s: Serve, programs: [Py; 2], root: &Path, pm: &Path) {
+    drop(programs);
+    s.kill9();
+    let mut s2 = Serve::start(root, pm, &[]);
+    s2.stop();
+    let _ = fs::remove_file(pm);
+}
+
 #[test]
 fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
     if !common::can_mount() || !have("python3") {
@@ -2905,14 +2929,9 @@ fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
     for sub in ["a", "b"] {
         fs::create_dir(root.join(sub)).unwrap();
     }
-    let pm = shm_region("nsnamed");
-    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
-    let mut a = Py::spawn(s.run(), &root);
+    let (pm, s, mut a, mut f) = ns_write_backs_served(&root, "nsnamed");
     let pid = a.pid();
-    // (write-backs, of them directory-only, logged operations)
-    let keys = ["ns_write_backs", "ns_dir_write_backs", "ns_ops"];
-    let expect = |want: (u64, u64, u64), what: &str| expect_counts(&s, pid, keys, want, what);
-    let mut f = Py::spawn(Command::new("env"), &root);
+    let expect = |want, what: &str| expect_counts(&s, pid, NS_WRITE_BACKS, want, what);
     let create = |p: &mut Py, path: &str| {
         p.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
     };
@@ -2951,13 +2970,7 @@ fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
         "first change in n/, a record naming the root live",
     );
     // After a crash every name is there.
-    drop(a);
-    drop(f);
-    let mut s = s;
-    s.kill9();
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
-    let _ = fs::remove_file(&pm);
+    killed_and_recovered(s, [a, f], &root, &pm);
     for p in [
         "a/f1", "a/f2", "a/y", "a/f4", "b/f3", "g1", "g2", "n/z", "n/h",
     ] {
@@ -2977,14 +2990,9 @@ fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
         fs::create_dir_all(root.join(sub)).unwrap();
         fs::write(root.join(sub).join("x"), b"x").unwrap();
     }
-    let pm = shm_region("nstree");
-    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
-    let mut a = Py::spawn(s.run(), &root);
+    let (pm, s, mut a, mut f) = ns_write_backs_served(&root, "nstree");
     let pid = a.pid();
-    // (write-backs, of them directory-only, logged operations)
-    let keys = ["ns_write_backs", "ns_dir_write_backs", "ns_ops"];
-    let expect = |want: (u64, u64, u64), what: &str| expect_counts(&s, pid, keys, want, what);
-    let mut f = Py::spawn(Command::new("env"), &root);
+    let expect = |want, what: &str| expect_counts(&s, pid, NS_WRITE_BACKS, want, what);
     let rm = |p: &mut Py, path: &str| p.exec(&format!("os.unlink(os.path.join(d, '{path}'))"));
     let rmdir = |p: &mut Py, path: &str| p.exec(&format!("os.rmdir(os.path.join(d, '{path}'))"));
     // q1's first change writes q1 and those above it back (no record is live), then is
@@ -3009,13 +3017,7 @@ fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
     rm(&mut a, "p/q3/x");
     expect((4, 3, 5), "first change in q3, p changed outside the log");
     // After a crash the tree is as the programs left it.
-    drop(a);
-    drop(f);
-    let mut s = s;
-    s.kill9();
-    let mut s2 = Serve::start(&root, &pm, &[]);
-    s2.stop();
-    let _ = fs::remove_file(&pm);
+    killed_and_recovered(s, [a, f], &root, &pm);
     for gone in ["p/q1", "p/q2", "p/q3/x"] {
         assert!(!root.join(gone).exists(), "{gone} came back");
     }
