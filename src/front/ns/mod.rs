@@ -401,10 +401,16 @@ impl Client {
     }
 
     fn set_clean(&self, d: &Dir) {
+        self.record_clean(d.slot, ctime(d.fd.as_raw_fd()));
+    }
+
+    /// Record the directory of slot `i` as clean at change time `c` (read after its last
+    /// logged change, or before the fsync that made it durable).
+    fn record_clean(&self, i: usize, c: u64) {
         self.table
-            .slot(d.slot)
+            .slot(i)
             .w(S_DIR_CTIME)
-            .store(ctime(d.fd.as_raw_fd()), Ordering::Release);
+            .store(c, Ordering::Release);
     }
 
     /// Make every namespace change so far durable in the lower file system (syncfs through
@@ -495,10 +501,7 @@ impl Client {
             let Some((slot, c)) = *s else { continue };
             sys::fsync(up.as_raw_fd(), false)?;
             if let Some(i) = slot {
-                self.table
-                    .slot(i)
-                    .w(S_DIR_CTIME)
-                    .store(c, Ordering::Release);
+                self.record_clean(i, c);
             }
         }
         Ok(())
@@ -697,10 +700,7 @@ impl Client {
             self.set_clean(d);
         }
         if let Some((slot, c)) = born.take() {
-            self.table
-                .slot(slot)
-                .w(S_DIR_CTIME)
-                .store(c, Ordering::Release);
+            self.record_clean(slot, c);
         }
         Ok(out)
     }
