@@ -71,18 +71,9 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
     if p.is_null() {
         return None;
     }
-    // Finding where the stack and the heap lie costs more (a read of /proc/self/maps and one
-    // of /proc/self/stat: tens of microseconds) than reading a few paths through the kernel:
-    // a program that names few paths (most run for a moment, to make one file) never pays
-    // it; one that names many pays it once.
-    if let Some(end) = (PATHS_READ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        >= IN_PLACE_AFTER)
-        .then(|| on_my_stack(p as usize).or_else(|| in_main_heap(p as usize)))
-        .flatten()
-    {
-        // Mapped for certain up to `end` (see `on_my_stack`, `in_main_heap`): read in place,
-        // as the kernel would, without the cost of process_vm_readv (2.4 µs here, a sixth of
-        // a logged unlink's cost).
+    if let Some(end) = mapped_from(p as usize) {
+        // Mapped for certain up to `end`: read in place, as the kernel would, without the
+        // cost of process_vm_readv (2.4 µs here, a sixth of a logged unlink's cost).
         let n = (end - p as usize).min(PATH_MAX);
         let mut out: Vec<u8> = Vec::with_capacity(256);
         for i in 0..n {
@@ -155,9 +146,52 @@ fn on_my_stack(p: usize) -> Option<usize> {
     (low <= sp && sp < p && p < top).then_some(top)
 }
 
-/// Paths read so far (`user_cstr`); after `IN_PLACE_AFTER` of them, read in place where
-/// that is safe.
-static PATHS_READ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Where the program's memory at `p` is mapped for certain while the calling thread's call
+/// runs: the end of that memory (see `on_my_stack`, `in_main_heap`), or None where it is not
+/// known. Paths (`user_cstr`) and the bytes of writes the log copies before the kernel sees
+/// them (`sys::set_mapped_from`) are read in place there instead of through
+/// process_vm_readv. Finding where the stack and the heap lie costs more (a read of
+/// /proc/self/maps and one of /proc/self/stat: tens of microseconds) than a few reads
+/// through the kernel: a program that reads few (most run for a moment, to make one file)
+/// never pays it; one that reads many pays it once.
+pub(crate) fn mapped_from(p: usize) -> Option<usize> {
+    use std::sync::atomic::Ordering::Relaxed;
+    // Counted only until the threshold: past it, threads writing at once share no store.
+    if READS.load(Relaxed) < IN_PLACE_AFTER {
+        READS.fetch_add(1, Relaxed);
+        return None;
+    }
+    if RESHAPED.load(Relaxed) {
+        return None;
+    }
+    on_my_stack(p).or_else(|| in_main_heap(p))
+}
+
+/// The program took read access away from some memory (`anywhere`: mprotect without
+/// PROT_READ, which may be a page of a stack or of the heap), or unmapped or replaced memory
+/// at `addr` (munmap, mremap, mmap with MAP_FIXED): where that is below the break, in the
+/// program's image or its break heap, `mapped_from` can no longer vouch for the heap, and
+/// from then on it vouches for nothing (every read goes through the kernel, which answers
+/// EFAULT where the program's memory is not readable, as natively). Programs do neither
+/// there in the ordinary course (the C library's malloc only moves the break); one that
+/// does pays process_vm_readv for its reads, as before `mapped_from`.
+pub(crate) fn memory_reshaped(addr: usize, anywhere: bool) {
+    if RESHAPED.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    // SAFETY: sbrk(0) only reads the C library's current break (see `in_main_heap`).
+    let brk = unsafe { libc::sbrk(0) } as usize;
+    if anywhere || brk == usize::MAX || addr < brk {
+        RESHAPED.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Set by `memory_reshaped`: nothing is read in place any more.
+static RESHAPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Reads of program memory so far (`mapped_from`); after `IN_PLACE_AFTER` of them, read in
+/// place where that is safe.
+static READS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 const IN_PLACE_AFTER: usize = 16;
 
 /// The start of the program's break heap (`start_brk`, field 47 of /proc/self/stat; read

@@ -189,6 +189,7 @@ pub(crate) fn root_dev() -> Option<u64> {
 
 extern "C" fn init() {
     root();
+    sys::set_mapped_from(crate::abi::mapped_from);
     crate::exec::resolve();
     // SAFETY: registering a plain function.
     unsafe {

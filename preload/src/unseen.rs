@@ -26,6 +26,9 @@ pub unsafe extern "C" fn mmap(
         // Stores through the mapping are invisible: syncs of this object stay real.
         flag_fd(fd, F_MMAP);
     }
+    if flags & libc::MAP_FIXED != 0 {
+        memory_reshaped(addr as usize, false);
+    }
     // mmap returns an address, not -1: the raw result, the program's arguments unchanged.
     // SAFETY: as `kernel!` (the kernel checks the program's arguments).
     let r = unsafe {
@@ -77,6 +80,9 @@ fn with_maps(f: impl FnOnce(&Client)) {
 
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
+    if prot & libc::PROT_READ == 0 {
+        memory_reshaped(addr as usize, true);
+    }
     if prot & libc::PROT_WRITE != 0 {
         with_maps(|c| c.made_writable(addr as usize, len));
     }
@@ -94,6 +100,10 @@ pub unsafe extern "C" fn mremap(
     flags: c_int,
     new_addr: *mut c_void,
 ) -> *mut c_void {
+    memory_reshaped(old as usize, false);
+    if flags & libc::MREMAP_FIXED != 0 {
+        memory_reshaped(new_addr as usize, false);
+    }
     // SAFETY: as `kernel!` (the kernel checks the program's arguments).
     let r = unsafe {
         syscall6(
@@ -116,6 +126,7 @@ pub unsafe extern "C" fn mremap(
 
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    memory_reshaped(addr as usize, false);
     let r = kernel!(libc::SYS_munmap, addr, len) as c_int;
     if r == 0 {
         with_maps(|c| c.unmapped(addr as usize, len));

@@ -62,3 +62,37 @@ for flags, name in [(os.O_SYNC, "osync"), (0, "plain")]:
     with open(path, "rb") as f:
         data = f.read()
     print(name, "size", len(data), "bytes", sorted(set(data)), flush=True)
+
+# Memory the library may read in place, without the kernel (the break heap, below the
+# break): writes from it, logged before the kernel sees them, must put its bytes in the
+# file; then a page below the break the program made unreadable (mprotect) must give
+# EFAULT as natively, not kill the program. Last: the break moves under the C library's
+# malloc, which copes with that.
+libc.malloc.restype = ctypes.c_void_p
+libc.sbrk.restype = ctypes.c_void_p
+libc.sbrk.argtypes = [ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+heap = libc.malloc(64)
+ctypes.memset(heap, ord("h"), 64)
+fd = os.open("f-heap", os.O_CREAT | os.O_WRONLY | os.O_SYNC, 0o644)
+n = 0
+for i in range(40):
+    ctypes.memset(heap, ord("a") + i % 26, 64)
+    n += libc.write(fd, ctypes.c_void_p(heap), 64)
+print("heap writes", n, flush=True)
+top = libc.sbrk(0)
+if libc.sbrk(3 * page) == top:
+    start = (top + page - 1) // page * page
+    ctypes.memset(start, ord("q"), page)
+    print("heap page", libc.write(fd, ctypes.c_void_p(start), 10), flush=True)
+    libc.mprotect(start, page, 0)  # PROT_NONE
+    ctypes.set_errno(0)
+    r = libc.write(fd, ctypes.c_void_p(start), 10)
+    print("heap unreadable", r, os.strerror(ctypes.get_errno()) if r < 0 else "", flush=True)
+    libc.mprotect(start, page, mmap.PROT_READ | mmap.PROT_WRITE)
+else:
+    print("heap page: the break did not move where asked", flush=True)
+os.close(fd)
+with open("f-heap", "rb") as f:
+    data = f.read()
+print("heap size", len(data), "bytes", sorted(set(data)), flush=True)
