@@ -169,13 +169,15 @@ pub(crate) fn mapped_from(p: usize) -> Option<usize> {
 
 /// The program took read access away from some memory (`anywhere`: mprotect without
 /// PROT_READ, which may be a page of a stack or of the heap), or unmapped or replaced memory
-/// at `addr` (munmap, mremap, mmap with MAP_FIXED): where that is below the break, in the
+/// at `addr` (munmap, mremap, mmap with MAP_FIXED). Pages read whole before are forgotten
+/// (`sys::forget_readable`), wherever that was. Where it is below the break, in the
 /// program's image or its break heap, `mapped_from` can no longer vouch for the heap, and
 /// from then on it vouches for nothing (every read goes through the kernel, which answers
 /// EFAULT where the program's memory is not readable, as natively). Programs do neither
 /// there in the ordinary course (the C library's malloc only moves the break); one that
 /// does pays process_vm_readv for its reads, as before `mapped_from`.
 pub(crate) fn memory_reshaped(addr: usize, anywhere: bool) {
+    pmstack::front::sys::forget_readable();
     if RESHAPED.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }

@@ -652,22 +652,98 @@ static MAPPED_FROM: std::sync::OnceLock<MappedFrom> = std::sync::OnceLock::new()
 
 /// Let `read_own_memory` copy buffers that `f` finds mapped directly, without a system call
 /// (the preload library: the calling thread's stack above its running frame, the break heap
-/// below the break). Set once; later calls change nothing.
+/// below the break), and buffers in pages it read whole through the kernel before
+/// (`SeenReadable`), until `forget_readable`. Set once; later calls change nothing.
 pub fn set_mapped_from(f: MappedFrom) {
     let _ = MAPPED_FROM.set(f);
 }
 
-/// Whether every buffer of `remote` lies in memory `MAPPED_FROM` knows to be mapped.
-fn all_mapped(remote: &[libc::iovec]) -> bool {
+/// Pages of this process's memory that process_vm_readv read whole for the library, as
+/// page-aligned ranges (at most `SEEN_MAX`, the oldest replaced). A program's buffer is
+/// typically one it writes from again and again (a block buffer, a log buffer, shared
+/// memory), and memory a program owns stays mapped and readable until the program itself
+/// unmaps it or takes read access away: calls the library sees (munmap, mremap, mprotect,
+/// mmap with MAP_FIXED), which forget every range (`forget_readable`). What the C library
+/// unmaps by itself (a large block freed, an arena trimmed) is memory the program no longer
+/// owns: a write from it is a use after free, which may then fault in the library instead
+/// of getting EFAULT.
+struct SeenReadable {
+    ranges: Vec<(usize, usize)>,
+    /// Where the next range goes once `ranges` is full.
+    next: usize,
+    /// Moved by every `forget_readable`: a read that began before one is not remembered.
+    gen: u64,
+}
+
+const SEEN_MAX: usize = 32;
+
+static SEEN: parking_lot::Mutex<SeenReadable> = parking_lot::Mutex::new(SeenReadable {
+    ranges: Vec::new(),
+    next: 0,
+    gen: 0,
+});
+
+/// The program changed the layout of its memory (see `SeenReadable`): nothing read before is
+/// vouched for any more.
+pub fn forget_readable() {
+    let mut s = SEEN.lock();
+    s.ranges.clear();
+    s.next = 0;
+    s.gen += 1;
+}
+
+/// The pages of `remote` were just read whole, by a read that began at generation `gen`.
+fn remember_readable(remote: &[libc::iovec], gen: u64) {
+    let mut s = SEEN.lock();
+    if s.gen != gen {
+        return;
+    }
+    for v in remote.iter().filter(|v| v.iov_len > 0) {
+        let p = v.iov_base as usize;
+        let Some(e) = p.checked_add(v.iov_len) else {
+            continue;
+        };
+        let (start, end) = (p & !(PAGE - 1), e.saturating_add(PAGE - 1) & !(PAGE - 1));
+        if s.ranges.iter().any(|&(a, b)| a <= start && end <= b) {
+            continue;
+        }
+        if s.ranges.len() < SEEN_MAX {
+            s.ranges.push((start, end));
+        } else {
+            let i = s.next;
+            s.ranges[i] = (start, end);
+            s.next = (i + 1) % SEEN_MAX;
+        }
+    }
+}
+
+const PAGE: usize = 4096;
+
+/// Whether every buffer of `remote` lies in memory known to be mapped: by `MAPPED_FROM`, or
+/// in pages read whole before (`SeenReadable`). None: the library is not loaded into a
+/// program (nothing is known); Some(gen) otherwise, with the generation to remember what a
+/// read through the kernel finds at.
+fn all_mapped(remote: &[libc::iovec]) -> (bool, Option<u64>) {
     let Some(f) = MAPPED_FROM.get() else {
-        return false;
+        return (false, None);
     };
-    remote.iter().all(|v| {
+    let in_place = |v: &libc::iovec| {
         let p = v.iov_base as usize;
         v.iov_len == 0
             || p.checked_add(v.iov_len)
                 .is_some_and(|e| f(p).is_some_and(|end| e <= end))
-    })
+    };
+    if remote.iter().all(in_place) {
+        return (true, None);
+    }
+    let s = SEEN.lock();
+    let seen = remote.iter().all(|v| {
+        let p = v.iov_base as usize;
+        v.iov_len == 0
+            || p.checked_add(v.iov_len)
+                .is_some_and(|e| in_place(v) || s.ranges.iter().any(|&(a, b)| a <= p && e <= b))
+    });
+    (seen, Some(s.gen))
 }
 
 /// Fill `out` from the buffers `remote` names in this process's own memory, through the
@@ -680,7 +756,8 @@ fn read_own_memory(out: &mut [u8], remote: &[libc::iovec]) -> io::Result<usize> 
     if out.is_empty() {
         return Ok(0);
     }
-    if all_mapped(remote) {
+    let (mapped, gen) = all_mapped(remote);
+    if mapped {
         let mut at = 0;
         for v in remote {
             // SAFETY: `all_mapped`: each buffer lies wholly in memory that stays mapped and
@@ -710,7 +787,12 @@ fn read_own_memory(out: &mut [u8], remote: &[libc::iovec]) -> io::Result<usize> 
     };
     match check(r) {
         Ok(0) => Err(io::Error::from_raw_os_error(libc::EFAULT)),
-        Ok(n) => Ok(n as usize),
+        Ok(n) => {
+            if let Some(g) = gen.filter(|_| n as usize == out.len()) {
+                remember_readable(remote, g);
+            }
+            Ok(n as usize)
+        }
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
             // A sandbox (seccomp) that forbids the call: copy as the C library's own writev
             // would read, trusting the program (the kernel's write that follows checks the

@@ -96,3 +96,27 @@ os.close(fd)
 with open("f-heap", "rb") as f:
     data = f.read()
 print("heap size", len(data), "bytes", sorted(set(data)), flush=True)
+
+# A mapping the program writes from again and again (read through the kernel once, then
+# from memory: the library remembers pages it read whole), then unmaps, then names again:
+# EFAULT as natively; the same after taking read access away from a second one.
+fd = os.open("f-mapped", os.O_CREAT | os.O_WRONLY | os.O_SYNC, 0o644)
+for how in ["munmap", "mprotect"]:
+    m = libc.mmap(None, page, mmap.PROT_READ | mmap.PROT_WRITE,
+                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    n = 0
+    for i in range(20):
+        ctypes.memset(m, ord("A") + i, 100)
+        n += libc.write(fd, ctypes.c_void_p(m), 100)
+    print(how, "writes", n, flush=True)
+    if how == "munmap":
+        libc.munmap(m, page)
+    else:
+        libc.mprotect(m, page, 0)  # PROT_NONE
+    ctypes.set_errno(0)
+    r = libc.write(fd, ctypes.c_void_p(m), 100)
+    print(how, "then", r, os.strerror(ctypes.get_errno()) if r < 0 else "", flush=True)
+os.close(fd)
+with open("f-mapped", "rb") as f:
+    data = f.read()
+print("mapped size", len(data), "bytes", sorted(set(data)), flush=True)
