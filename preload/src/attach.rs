@@ -112,6 +112,7 @@ extern "C" fn after_fork_child() {
     ATTACHING.store(false, Ordering::SeqCst);
     CLOSING.store(0, Ordering::SeqCst);
     crate::tree::after_fork_child();
+    sys::seen_after_fork_child();
     FORKS.fetch_add(1, Ordering::SeqCst);
 }
 

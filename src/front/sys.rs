@@ -683,10 +683,26 @@ static SEEN: parking_lot::Mutex<SeenReadable> = parking_lot::Mutex::new(SeenRead
     gen: 0,
 });
 
+/// Set in a child forked while another thread of the parent held `SEEN` (it stays locked
+/// there): the child never uses it.
+static SEEN_STUCK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `SEEN`, locked, unless it is stuck (`seen_after_fork_child`).
+fn seen() -> Option<parking_lot::MutexGuard<'static, SeenReadable>> {
+    (!SEEN_STUCK.load(std::sync::atomic::Ordering::Relaxed)).then(|| SEEN.lock())
+}
+
+/// In a child just forked (one thread): `SEEN` is stuck if a thread of the parent held it.
+pub fn seen_after_fork_child() {
+    if SEEN.try_lock().is_none() {
+        SEEN_STUCK.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// The program changed the layout of its memory (see `SeenReadable`): nothing read before is
 /// vouched for any more.
 pub fn forget_readable() {
-    let mut s = SEEN.lock();
+    let Some(mut s) = seen() else { return };
     s.ranges.clear();
     s.next = 0;
     s.gen += 1;
@@ -694,7 +710,7 @@ pub fn forget_readable() {
 
 /// The pages of `remote` were just read whole, by a read that began at generation `gen`.
 fn remember_readable(remote: &[libc::iovec], gen: u64) {
-    let mut s = SEEN.lock();
+    let Some(mut s) = seen() else { return };
     if s.gen != gen {
         return;
     }
@@ -736,7 +752,9 @@ fn all_mapped(remote: &[libc::iovec]) -> (bool, Option<u64>) {
     if remote.iter().all(in_place) {
         return (true, None);
     }
-    let s = SEEN.lock();
+    let Some(s) = seen() else {
+        return (false, None);
+    };
     let seen = remote.iter().all(|v| {
         let p = v.iov_base as usize;
         v.iov_len == 0
