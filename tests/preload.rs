@@ -3390,7 +3390,8 @@ fn a_library_descriptor_the_program_closed_and_reused_is_not_taken_for_its_own()
 
 /// Paths in the program's stack or break heap are read in place by the library (no
 /// process_vm_readv): in the main thread and in a thread on a stack the program mapped
-/// itself, from malloc; a path with no NUL within PATH_MAX is left to the kernel
+/// itself, from malloc; so are paths in pages it read whole before, until the program
+/// unmaps them (then EFAULT); a path with no NUL within PATH_MAX is left to the kernel
 /// (ENAMETOOLONG), and so are pointers it answers EFAULT for (never mapped, or running into
 /// an unmapped page). Every call answers as natively, and the ones on names under the root
 /// were logged (not run natively for an unreadable path).
@@ -3422,22 +3423,23 @@ fn namespace_calls_with_paths_in_the_stack_or_heap_answer_as_natively_and_are_lo
         lines
     };
     let native = run(Command::new(&exe), &plain, &|_| {});
-    assert_eq!(native.len(), 24, "{native:?}");
+    assert_eq!(native.len(), 27, "{native:?}");
     assert!(
         native.contains(&"unlink-bad -1 14".to_string()),
         "{native:?}"
     );
     assert!(native.contains(&"unlink-unterminated-at-unmapped -1 14".to_string()));
+    assert!(native.contains(&"unlink-mapped-unmapped -1 14".to_string()));
     let mut s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
     let mut cmd = s.run();
     cmd.arg(&exe);
     let ours = run(cmd, &root, &|pid| {
         // create, rename, link, unlink, mkdir, rmdir in each of the two threads, and a create
-        // and an unlink by a heap path and by an mmap'd one: logged, but the first, which
+        // and an unlink by a heap path and two by an mmap'd one: logged, but the first, which
         // writes back what the root saw before (one namespace write-back).
         s.wait_stats("the calls were logged", |v| {
             proc_stats(v, pid as u64).is_some_and(|p| {
-                p["ns_ops"].as_u64() == Some(15) && p["ns_write_backs"].as_u64() == Some(1)
+                p["ns_ops"].as_u64() == Some(17) && p["ns_write_backs"].as_u64() == Some(1)
             })
         });
     });

@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_int, c_long, c_void, CStr};
 
 use libc::{size_t, ssize_t};
-use pmstack::front::sys::{syscall6, ProgramBytes};
+use pmstack::front::sys::{self, syscall6, ProgramBytes};
 
 pub(crate) fn set_errno(e: i32) {
     // SAFETY: errno is thread-local.
@@ -88,6 +88,18 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
         }
         return None;
     }
+    // In pages read whole before (`sys::seen_end`): read in place up to their end; a path
+    // that goes on past it is read through the kernel, from its start.
+    if let Some(end) = sys::seen_end(p as usize) {
+        let n = (end - p as usize).min(PATH_MAX);
+        // SAFETY: p .. p + n lies in pages this process read whole and has not unmapped or
+        // protected since (`sys::SeenReadable`).
+        let b = unsafe { std::slice::from_raw_parts(p as *const u8, n) };
+        if let Some(z) = b.iter().position(|&c| c == 0) {
+            return Some(b[..z].to_vec());
+        }
+    }
+    let gen = sys::seen_gen();
     let mut out: Vec<u8> = Vec::with_capacity(256);
     let mut buf = [0u8; 4096];
     let mut addr = p as usize;
@@ -108,6 +120,9 @@ pub(crate) fn user_cstr(p: *const c_char) -> Option<Vec<u8>> {
         let got = unsafe { libc::process_vm_readv(me, &local, 1, &remote, 1, 0) };
         if got <= 0 {
             return None;
+        }
+        if let Some(g) = gen.filter(|_| got as usize == n) {
+            sys::remember_read(addr, n, g);
         }
         let got = &buf[..got as usize];
         if let Some(z) = got.iter().position(|&b| b == 0) {

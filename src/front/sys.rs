@@ -715,21 +715,53 @@ fn remember_readable(remote: &[libc::iovec], gen: u64) {
         return;
     }
     for v in remote.iter().filter(|v| v.iov_len > 0) {
-        let p = v.iov_base as usize;
-        let Some(e) = p.checked_add(v.iov_len) else {
-            continue;
+        s.insert(v.iov_base as usize, v.iov_len);
+    }
+}
+
+impl SeenReadable {
+    /// The pages of `p .. p + len` (not empty) are readable: added to a range they touch, or
+    /// as a range of their own.
+    fn insert(&mut self, p: usize, len: usize) {
+        let Some(e) = p.checked_add(len) else {
+            return;
         };
         let (start, end) = (p & !(PAGE - 1), e.saturating_add(PAGE - 1) & !(PAGE - 1));
-        if s.ranges.iter().any(|&(a, b)| a <= start && end <= b) {
-            continue;
-        }
-        if s.ranges.len() < SEEN_MAX {
-            s.ranges.push((start, end));
+        if let Some(r) = self.ranges.iter_mut().find(|r| r.0 <= end && start <= r.1) {
+            *r = (r.0.min(start), r.1.max(end));
+        } else if self.ranges.len() < SEEN_MAX {
+            self.ranges.push((start, end));
         } else {
-            let i = s.next;
-            s.ranges[i] = (start, end);
-            s.next = (i + 1) % SEEN_MAX;
+            let i = self.next;
+            self.ranges[i] = (start, end);
+            self.next = (i + 1) % SEEN_MAX;
         }
+    }
+}
+
+/// The end of the pages read whole before that `p` lies in (`SeenReadable`): memory from `p`
+/// up to there may be read directly. None where it is not known, or outside the library.
+pub fn seen_end(p: usize) -> Option<usize> {
+    MAPPED_FROM.get()?;
+    let s = seen()?;
+    s.ranges
+        .iter()
+        .find(|&&(a, b)| a <= p && p < b)
+        .map(|&(_, b)| b)
+}
+
+/// The generation to pass `remember_read` for a read through the kernel that begins now;
+/// None where nothing is remembered (outside the library).
+pub fn seen_gen() -> Option<u64> {
+    MAPPED_FROM.get()?;
+    seen().map(|s| s.gen)
+}
+
+/// The kernel read `p .. p + len` (not empty) of this process's memory whole, in a read that
+/// began at generation `gen` (`seen_gen`): its pages are remembered as readable.
+pub fn remember_read(p: usize, len: usize, gen: u64) {
+    if let Some(mut s) = seen().filter(|s| s.gen == gen && len > 0) {
+        s.insert(p, len);
     }
 }
 
@@ -834,6 +866,31 @@ mod tests {
 
     fn errno(r: io::Result<Vec<u8>>) -> Option<i32> {
         r.err().and_then(|e| e.raw_os_error())
+    }
+
+    #[test]
+    fn pages_read_whole_join_the_ranges_they_touch() {
+        let mut s = SeenReadable {
+            ranges: Vec::new(),
+            next: 0,
+            gen: 0,
+        };
+        s.insert(0x1000 + 10, 20);
+        assert_eq!(s.ranges, vec![(0x1000, 0x2000)]);
+        // The next page: the same range, grown.
+        s.insert(0x2000, 4096);
+        assert_eq!(s.ranges, vec![(0x1000, 0x3000)]);
+        // Across a page boundary: both pages.
+        s.insert(0x10ff0, 0x20);
+        assert_eq!(s.ranges, vec![(0x1000, 0x3000), (0x10000, 0x12000)]);
+        // Full: the oldest is replaced, one at a time.
+        for i in 0..SEEN_MAX {
+            s.insert(0x100_0000 * (i + 1), 1);
+        }
+        assert_eq!(s.ranges.len(), SEEN_MAX);
+        assert!(!s.ranges.contains(&(0x1000, 0x3000)));
+        assert!(!s.ranges.contains(&(0x10000, 0x12000)));
+        assert!(s.ranges.contains(&(0x100_0000, 0x100_1000)));
     }
 
     #[test]

@@ -53,8 +53,9 @@ static void *in_own_stack(void *arg) {
     return NULL;
 }
 
-/* Paths elsewhere: in the break heap (read in place too), in an mmap'd page (copied), and
- * pointers the kernel answers EFAULT for. */
+/* Paths elsewhere: in the break heap (read in place too), in an mmap'd page (copied, then
+ * read in place once the library read its page whole, until it is unmapped), and pointers
+ * the kernel answers EFAULT for. */
 static void elsewhere(void) {
     char *h = malloc(256);
     snprintf(h, 256, "%s/heap-f", dir);
@@ -76,7 +77,15 @@ static void elsewhere(void) {
     if (fd >= 0)
         close(fd);
     say("unlink-mapped", unlink(two));
+    /* Again: the library remembers the page it read whole, and reads it in place now. */
+    fd = open(two, O_CREAT | O_WRONLY | O_EXCL, 0644);
+    say("create-mapped-again", fd < 0 ? -1 : 0);
+    if (fd >= 0)
+        close(fd);
+    say("unlink-mapped-again", unlink(two));
     munmap(two, page);
+    /* Unmapped since: EFAULT, as natively (the library forgot the page at the munmap). */
+    say("unlink-mapped-unmapped", unlink(two));
 }
 
 int main(int argc, char **argv) {
