@@ -248,6 +248,17 @@ pub unsafe extern "C" fn syscall(
                     a3 as c_int
                 )) as c_long;
             }
+            libc::SYS_pkey_mprotect => {
+                return forward!(crate::unseen::pkey_mprotect(
+                    a1 as *mut c_void,
+                    a2 as size_t,
+                    a3 as c_int,
+                    a4 as c_int
+                )) as c_long;
+            }
+            // Not followed for its read-only shared mappings (`unseen::mremap`), but the
+            // pages it moves are no longer known readable where they were.
+            libc::SYS_mremap => crate::abi::memory_reshaped(a1 as usize, false),
             libc::SYS_munmap => {
                 return forward!(crate::unseen::munmap(a1 as *mut c_void, a2 as size_t)) as c_long;
             }

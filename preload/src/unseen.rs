@@ -89,6 +89,20 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
     kernel!(libc::SYS_mprotect, addr, len, prot) as c_int
 }
 
+/// pkey_mprotect: the memory may take a protection key whose access the thread can then
+/// take away without a system call (pkey_set writes a register): the library stops reading
+/// program memory in place (`memory_reshaped`, as for mprotect without PROT_READ).
+#[no_mangle]
+pub unsafe extern "C" fn pkey_mprotect(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    pkey: c_int,
+) -> c_int {
+    memory_reshaped(addr as usize, true);
+    kernel!(libc::SYS_pkey_mprotect, addr, len, prot, pkey) as c_int
+}
+
 /// mremap: a read-only shared mapping the library remembers moves with it (`mprotect` must
 /// still find it). Declared with the optional fifth argument (MREMAP_FIXED's new address), as
 /// the C library's variadic function receives it in a register.
