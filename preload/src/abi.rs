@@ -192,7 +192,7 @@ pub(crate) fn mapped_from(p: usize) -> Option<usize> {
 /// there in the ordinary course (the C library's malloc only moves the break); one that
 /// does pays process_vm_readv for its reads, as before `mapped_from`.
 pub(crate) fn memory_reshaped(addr: usize, anywhere: bool) {
-    pmstack::front::sys::forget_readable();
+    sys::forget_readable();
     if RESHAPED.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }

@@ -708,14 +708,15 @@ pub fn forget_readable() {
     s.gen += 1;
 }
 
-/// The pages of `remote` were just read whole, by a read that began at generation `gen`.
-fn remember_readable(remote: &[libc::iovec], gen: u64) {
-    let Some(mut s) = seen() else { return };
-    if s.gen != gen {
+/// The pages of `spans` (address, length) were just read whole, by a read that began at
+/// generation `gen` (`seen_gen`): remembered as readable, unless a `forget_readable` came in
+/// between.
+fn remember(spans: impl Iterator<Item = (usize, usize)>, gen: u64) {
+    let Some(mut s) = seen().filter(|s| s.gen == gen) else {
         return;
-    }
-    for v in remote.iter().filter(|v| v.iov_len > 0) {
-        s.insert(v.iov_base as usize, v.iov_len);
+    };
+    for (p, len) in spans.filter(|&(_, len)| len > 0) {
+        s.insert(p, len);
     }
 }
 
@@ -737,17 +738,21 @@ impl SeenReadable {
             self.next = (i + 1) % SEEN_MAX;
         }
     }
+
+    /// The end of the range `p` lies in.
+    fn end_of(&self, p: usize) -> Option<usize> {
+        self.ranges
+            .iter()
+            .find(|&&(a, b)| a <= p && p < b)
+            .map(|&(_, b)| b)
+    }
 }
 
 /// The end of the pages read whole before that `p` lies in (`SeenReadable`): memory from `p`
 /// up to there may be read directly. None where it is not known, or outside the library.
 pub fn seen_end(p: usize) -> Option<usize> {
     MAPPED_FROM.get()?;
-    let s = seen()?;
-    s.ranges
-        .iter()
-        .find(|&&(a, b)| a <= p && p < b)
-        .map(|&(_, b)| b)
+    seen()?.end_of(p)
 }
 
 /// The generation to pass `remember_read` for a read through the kernel that begins now;
@@ -757,43 +762,42 @@ pub fn seen_gen() -> Option<u64> {
     seen().map(|s| s.gen)
 }
 
-/// The kernel read `p .. p + len` (not empty) of this process's memory whole, in a read that
-/// began at generation `gen` (`seen_gen`): its pages are remembered as readable.
+/// The kernel read `p .. p + len` of this process's memory whole, in a read that began at
+/// generation `gen` (`seen_gen`): its pages are remembered as readable.
 pub fn remember_read(p: usize, len: usize, gen: u64) {
-    if let Some(mut s) = seen().filter(|s| s.gen == gen && len > 0) {
-        s.insert(p, len);
-    }
+    remember(std::iter::once((p, len)), gen);
 }
 
 const PAGE: usize = 4096;
 
 /// Whether every buffer of `remote` lies in memory known to be mapped: by `MAPPED_FROM`, or
-/// in pages read whole before (`SeenReadable`). None: the library is not loaded into a
-/// program (nothing is known); Some(gen) otherwise, with the generation to remember what a
-/// read through the kernel finds at.
+/// in pages read whole before (`SeenReadable`, locked only for a buffer `MAPPED_FROM` does
+/// not vouch for). Where not, the generation to remember what a read through the kernel
+/// finds at (None outside the library, where nothing is remembered).
 fn all_mapped(remote: &[libc::iovec]) -> (bool, Option<u64>) {
     let Some(f) = MAPPED_FROM.get() else {
         return (false, None);
     };
-    let in_place = |v: &libc::iovec| {
+    let mut s = None;
+    for v in remote.iter().filter(|v| v.iov_len > 0) {
         let p = v.iov_base as usize;
-        v.iov_len == 0
-            || p.checked_add(v.iov_len)
-                .is_some_and(|e| f(p).is_some_and(|end| e <= end))
-    };
-    if remote.iter().all(in_place) {
-        return (true, None);
+        let Some(e) = p.checked_add(v.iov_len) else {
+            return (false, None);
+        };
+        if f(p).is_some_and(|end| e <= end) {
+            continue;
+        }
+        if s.is_none() {
+            s = seen();
+        }
+        let Some(g) = &s else {
+            return (false, None);
+        };
+        if g.end_of(p).is_none_or(|end| e > end) {
+            return (false, Some(g.gen));
+        }
     }
-    let Some(s) = seen() else {
-        return (false, None);
-    };
-    let seen = remote.iter().all(|v| {
-        let p = v.iov_base as usize;
-        v.iov_len == 0
-            || p.checked_add(v.iov_len)
-                .is_some_and(|e| in_place(v) || s.ranges.iter().any(|&(a, b)| a <= p && e <= b))
-    });
-    (seen, Some(s.gen))
+    (true, None)
 }
 
 /// Fill `out` from the buffers `remote` names in this process's own memory, through the
@@ -839,7 +843,7 @@ fn read_own_memory(out: &mut [u8], remote: &[libc::iovec]) -> io::Result<usize> 
         Ok(0) => Err(io::Error::from_raw_os_error(libc::EFAULT)),
         Ok(n) => {
             if let Some(g) = gen.filter(|_| n as usize == out.len()) {
-                remember_readable(remote, g);
+                remember(remote.iter().map(|v| (v.iov_base as usize, v.iov_len)), g);
             }
             Ok(n as usize)
         }
