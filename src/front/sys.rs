@@ -389,6 +389,39 @@ pub fn syncfs(fd: i32) -> io::Result<()> {
     check(unsafe { syscall6(libc::SYS_syncfs, fd as i64, 0, 0, 0, 0, 0) }).map(|_| ())
 }
 
+thread_local! {
+    /// The buffer `ProgramBytes::copy_reused` lends out, while no copy holds it.
+    static REUSED: std::cell::Cell<Option<Vec<u8>>> = const { std::cell::Cell::new(None) };
+}
+
+/// A buffer longer than this goes back to the allocator, not to the thread: a program with
+/// many threads keeps at most this much per thread that logged a write.
+const REUSED_MAX: usize = 128 << 10;
+
+/// Program bytes copied by `ProgramBytes::copy_reused`: its buffer goes back to the thread
+/// when dropped.
+pub struct Copied {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+impl std::ops::Deref for Copied {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl Drop for Copied {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        if buf.capacity() <= REUSED_MAX {
+            // After the thread's locals are gone (a write while it exits), freed instead.
+            let _ = REUSED.try_with(|r| r.set(Some(buf)));
+        }
+    }
+}
+
 /// Bytes a program passed to a write call, as an address and a length that nothing in the
 /// library dereferences unchecked. A program may pass memory it never mapped: natively the
 /// kernel answers EFAULT, and so must the library, never a SIGSEGV inside it. Only the kernel
@@ -432,6 +465,25 @@ impl ProgramBytes {
         let n = self.copy_into(&mut out)?;
         out.truncate(n);
         Ok(out)
+    }
+
+    /// `copy`, into a buffer the thread reuses (`Copied`): a logged write no longer
+    /// allocates, zeroes and frees a buffer of its size each time (about 3% of a 4 KiB
+    /// write+fsync absorbed, in malloc, memset and free).
+    pub fn copy_reused(&self) -> io::Result<Copied> {
+        // A call that finds the buffer taken (a write from a signal handler that interrupted
+        // one) makes its own.
+        let mut buf = REUSED
+            .try_with(|r| r.take())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if buf.len() < self.len {
+            // Zeroed once, as far as the longest copy yet; only the bytes copied are read.
+            buf.resize(self.len, 0);
+        }
+        let n = self.copy_into(&mut buf[..self.len])?;
+        Ok(Copied { buf, len: n })
     }
 
     /// `copy` into `out` (`self.len` bytes): how many could be read.
@@ -870,6 +922,34 @@ mod tests {
 
     fn errno(r: io::Result<Vec<u8>>) -> Option<i32> {
         r.err().and_then(|e| e.raw_os_error())
+    }
+
+    #[test]
+    fn reused_copies_hold_exactly_the_bytes_of_each_buffer() {
+        // Longer, shorter, then longer again than the buffer lent before: each copy is its
+        // own bytes and length, never the tail of an earlier copy.
+        let a: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let b = vec![7u8; 100];
+        let c: Vec<u8> = (0..20_000u32).map(|i| (i % 13) as u8).collect();
+        for src in [&a, &b, &c, &b, &a] {
+            let got = ProgramBytes::of(src).copy_reused().unwrap();
+            assert_eq!(&*got, &src[..]);
+        }
+        // Two copies alive at once (a signal handler's write inside another): each keeps
+        // its own bytes.
+        let outer = ProgramBytes::of(&a).copy_reused().unwrap();
+        let inner = ProgramBytes::of(&b).copy_reused().unwrap();
+        assert_eq!((&*outer, &*inner), (&a[..], &b[..]));
+        drop(inner);
+        assert_eq!(&*outer, &a[..]);
+        drop(outer);
+        // An unreadable buffer fails as `copy` does, and lends nothing out for good.
+        let bad = ProgramBytes::new(8 as *const u8, 16);
+        assert_eq!(
+            bad.copy_reused().err().and_then(|e| e.raw_os_error()),
+            Some(libc::EFAULT)
+        );
+        assert_eq!(&*ProgramBytes::of(&c).copy_reused().unwrap(), &c[..]);
     }
 
     #[test]

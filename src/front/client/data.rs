@@ -47,7 +47,7 @@ impl Client {
                 aligned = src.copy_aligned()?;
                 &aligned
             } else {
-                vec = src.copy()?;
+                vec = src.copy_reused()?;
                 &vec
             };
             self.changed(&slot, &mut p);
