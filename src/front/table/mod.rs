@@ -358,7 +358,25 @@ impl Table {
             )?;
         }
         let words = handles_at(nslots) + nslots * HANDLE_WORDS;
-        f.set_len((words * 8) as u64)?;
+        // Every page allocated now, as the PM region's are (`MappedRegion::create`): a table
+        // on a tmpfs that fills up later would otherwise kill with SIGBUS the attached program
+        // (or the daemon) whose store first touches a page of it. Slots are hashed over all
+        // the pages, so that store may come at any new object. Where there is no room, the
+        // daemon does not start, and says so.
+        match rustix::fs::fallocate(
+            &f,
+            rustix::fs::FallocateFlags::empty(),
+            0,
+            (words * 8) as u64,
+        ) {
+            Ok(()) => {}
+            // A file system without fallocate: a sparse file.
+            Err(rustix::io::Errno::OPNOTSUPP) => f.set_len((words * 8) as u64)?,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io::Error::from(e));
+            }
+        }
         let t = Self::map(f, words)?;
         t.w(H_VERSION).store(VERSION, Ordering::Relaxed);
         t.w(H_NSLOTS).store(nslots as u64, Ordering::Relaxed);
@@ -709,6 +727,49 @@ fn slot_hash(dev: u64, ino: u64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A table is allocated whole when made: where its file system has no room for it, the
+    /// daemon is told at once and nothing is left behind, instead of a SIGBUS later in
+    /// whichever program first stores to a page the file system could not give.
+    #[test]
+    fn a_table_without_room_is_refused_when_made() {
+        if !rustix::process::geteuid().is_root() {
+            assert!(
+                !std::env::var("CI").is_ok_and(|v| v == "true"),
+                "CI: this test mounts a tmpfs and needs root"
+            );
+            eprintln!("SKIPPED: this test mounts a tmpfs and needs root");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(d.path())
+            .status()
+            .unwrap();
+        assert!(ok.success(), "mount -t tmpfs");
+        let r = std::panic::catch_unwind(|| {
+            let p = d.path().join("t");
+            // 65,536 slots: about 18 MiB.
+            let e = Table::create(&p, 65536, None)
+                .err()
+                .expect("no room: refused");
+            assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+            assert_eq!(
+                std::fs::read_dir(d.path()).unwrap().count(),
+                0,
+                "left behind"
+            );
+            // One that fits is made, and takes its stores.
+            let t = Table::create(&p, 1024, None).unwrap();
+            let i = t.find_or_insert(1, 5).unwrap();
+            assert_eq!(t.find(1, 5), Some(i));
+        });
+        let _ = std::process::Command::new("umount").arg(d.path()).status();
+        if let Err(e) = r {
+            std::panic::resume_unwind(e);
+        }
+    }
 
     #[test]
     fn slots_are_found_again_and_a_dead_owners_lock_is_taken_over() {
