@@ -201,6 +201,22 @@ impl MappedRegion {
         &self.path
     }
 
+    /// Set up the page tables of `off..off+len` at once (`MADV_POPULATE_READ` or `_WRITE`).
+    /// Errors (an old kernel without it, no memory for page tables now) are ignored: the
+    /// pages then fault in as they are used.
+    fn populate(&self, off: usize, len: usize, advice: libc::c_int) {
+        self.check(off, len);
+        let start = off & !4095;
+        // SAFETY: a hint on our own mapping, in range (checked); it changes no byte.
+        unsafe {
+            libc::madvise(
+                self.ptr.add(start) as *mut libc::c_void,
+                off + len - start,
+                advice,
+            )
+        };
+    }
+
     fn check(&self, off: usize, len: usize) {
         assert!(
             off.checked_add(len).is_some_and(|e| e <= self.len),
@@ -280,31 +296,12 @@ impl Pmem for MappedRegion {
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), buf.as_mut_ptr(), buf.len()) }
     }
     fn will_read(&self, off: usize, len: usize) {
-        self.check(off, len);
-        let start = off & !4095;
-        // SAFETY: a hint on our own mapping (in range, checked); errors (an old kernel
-        // without MADV_POPULATE_READ) are ignored: the pages then fault in as they are read.
-        unsafe {
-            libc::madvise(
-                self.ptr.add(start) as *mut libc::c_void,
-                off + len - start,
-                libc::MADV_POPULATE_READ,
-            )
-        };
+        self.populate(off, len, libc::MADV_POPULATE_READ);
     }
     fn will_write(&self, off: usize, len: usize) {
-        self.check(off, len);
-        let start = off & !4095;
-        // SAFETY: as in `will_read`; MADV_POPULATE_WRITE writes nothing (it faults the pages
-        // in writable, allocating a page of a sparse file as the first store would). Errors
-        // (an old kernel, no memory for page tables now) are ignored: the stores fault then.
-        unsafe {
-            libc::madvise(
-                self.ptr.add(start) as *mut libc::c_void,
-                off + len - start,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
+        // MADV_POPULATE_WRITE writes nothing: it faults the pages in writable (allocating a
+        // page of a sparse file, as the first store would).
+        self.populate(off, len, libc::MADV_POPULATE_WRITE);
     }
     unsafe fn mapped(&self, off: usize, len: usize) -> Option<&[u8]> {
         self.check(off, len);
