@@ -24,6 +24,18 @@ pub enum MapError {
     NoSpace { path: PathBuf, want: u64, free: u64 },
 }
 
+/// Give the file `f` its first `len` bytes with every page allocated (fallocate), so that a
+/// store through a mapping of it never meets a file system without room (a tmpfs that
+/// filled up kills the storing process with SIGBUS). A file system without fallocate gets a
+/// sparse file of that length.
+pub fn allocate_whole(f: &File, len: u64) -> std::io::Result<()> {
+    match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, len) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::OPNOTSUPP) => f.set_len(len),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// What to do about an I/O error on the region's path.
 fn io_hint(path: &Path, e: &std::io::Error) -> &'static str {
     match e.kind() {
@@ -98,18 +110,16 @@ impl MappedRegion {
                     }
                 }
             }
-            match rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, size) {
+            match allocate_whole(&f, size) {
                 Ok(()) => {}
-                // File systems without fallocate: a sparse file, as before.
-                Err(rustix::io::Errno::OPNOTSUPP) => f.set_len(size).map_err(io).map_err(gone)?,
-                Err(rustix::io::Errno::NOSPC) => {
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
                     return Err(gone(MapError::NoSpace {
                         path: path.to_owned(),
                         want: size,
                         free: have,
                     }))
                 }
-                Err(e) => return Err(gone(io(e.into()))),
+                Err(e) => return Err(gone(io(e))),
             }
             if md.len() > size {
                 f.set_len(size).map_err(io)?;

@@ -363,19 +363,9 @@ impl Table {
         // (or the daemon) whose store first touches a page of it. Slots are hashed over all
         // the pages, so that store may come at any new object. Where there is no room, the
         // daemon does not start, and says so.
-        match rustix::fs::fallocate(
-            &f,
-            rustix::fs::FallocateFlags::empty(),
-            0,
-            (words * 8) as u64,
-        ) {
-            Ok(()) => {}
-            // A file system without fallocate: a sparse file.
-            Err(rustix::io::Errno::OPNOTSUPP) => f.set_len((words * 8) as u64)?,
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(io::Error::from(e));
-            }
+        if let Err(e) = crate::pmem::mapped::allocate_whole(&f, (words * 8) as u64) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
         }
         let t = Self::map(f, words)?;
         t.w(H_VERSION).store(VERSION, Ordering::Relaxed);
