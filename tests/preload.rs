@@ -1392,8 +1392,18 @@ impl Py {
     }
 
     fn exec(&mut self, code: &str) {
+        self.send(code);
+        self.done(code);
+    }
+
+    /// Start running `code`, without waiting for it (`done`).
+    fn send(&mut self, code: &str) {
         let line = serde_json::to_string(code).unwrap();
         writeln!(self.c.stdin.as_mut().unwrap(), "{line}").unwrap();
+    }
+
+    /// Wait until the `code` sent last has run.
+    fn done(&mut self, code: &str) {
         let mut r = String::new();
         self.out.read_line(&mut r).unwrap();
         assert_eq!(r.trim(), "ok", "python failed on: {code}");
@@ -3024,6 +3034,65 @@ fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
     for there in ["p/q3", "p/o"] {
         assert!(root.join(there).is_dir(), "{there} lost");
     }
+}
+
+/// A removal finds its victim before it takes the namespace lock where the lock is busy or
+/// the lower slow (`ns::pinned_early`). If another program puts another object at the name
+/// in between, the removal's record must name the object it removed, not the one found
+/// first: recovery removes a name only for the object the log took from it. The test holds
+/// the removal between the two (`PMSTACK_TEST_EARLY_GATE`), renames another file over the
+/// name from outside `pmstack run`, then, after the removal, puts the name back as a power
+/// cut would leave it (durable: the rename, which the removal wrote back first; not
+/// durable: the removal) and kills the daemon. Recovery must remove it again.
+#[test]
+fn a_removal_whose_name_changed_while_it_waited_for_the_lock_names_what_it_removed() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let g = tempfile::tempdir_in("/var/tmp").unwrap();
+    let gate = g.path().join("gate");
+    fs::create_dir(root.join("k")).unwrap();
+    let (pm, s, mut a, mut f) = ns_write_backs_served(&root, "nsearly");
+    let mut b = Py::spawn(
+        {
+            let mut c = s.run();
+            c.env("PMSTACK_TEST_EARLY_GATE", &gate);
+            c
+        },
+        &root,
+    );
+    a.exec("open(os.path.join(d, 'x'), 'w').write('old')");
+    a.exec("open(os.path.join(d, 'y'), 'w').write('new')");
+    // The object y names keeps a second name, so that the power cut below can give x back.
+    f.exec("os.link(os.path.join(d, 'y'), os.path.join(d, 'k/keep'))");
+    let rm = "os.unlink(os.path.join(d, 'x'))";
+    b.send(rm);
+    let t0 = Instant::now();
+    while !g.path().join("gate.pinned").exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the removal never found x"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Found the object 'old'; now x names the object 'new'.
+    f.exec("os.rename(os.path.join(d, 'y'), os.path.join(d, 'x'))");
+    fs::write(g.path().join("gate.go"), b"").unwrap();
+    b.done(rm);
+    assert!(!root.join("x").exists() && !root.join("y").exists());
+    // The power cut: the lower keeps x (the rename was made durable before the removal's
+    // record), not its removal.
+    f.exec("os.link(os.path.join(d, 'k/keep'), os.path.join(d, 'x'))");
+    drop(b);
+    killed_and_recovered(s, [a, f], &root, &pm);
+    assert!(
+        !root.join("x").exists(),
+        "x came back: the removal's record named another object"
+    );
+    assert!(!root.join("y").exists(), "y came back");
+    assert_eq!(fs::read_to_string(root.join("k/keep")).unwrap(), "new");
 }
 
 #[test]

@@ -151,18 +151,24 @@ pub fn fstat(fd: i32) -> io::Result<libc::stat> {
 /// lower: `docs/distributed.md`). Its size and times may be stale there. A local file system
 /// answers as `fstat` does.
 pub fn fstat_cached(fd: i32) -> io::Result<libc::stat> {
+    statat_cached(fd, c"".as_ptr(), libc::AT_EMPTY_PATH)
+}
+
+/// `fstat_cached` of what `path` names (relative to `dirfd`; `flags`: AT_EMPTY_PATH,
+/// AT_SYMLINK_NOFOLLOW): a lookup of the name that a FUSE or network client answers from
+/// the entry and attributes it holds, while they are valid.
+pub fn statat_cached(dirfd: i32, path: *const libc::c_char, flags: i32) -> io::Result<libc::stat> {
     // SAFETY: zeroed statx is a valid out-buffer.
     let mut x: libc::statx = unsafe { std::mem::zeroed() };
-    let empty = b"\0";
-    // SAFETY: valid C string and out-pointer. STATX_BASIC_STATS: with the change time, so
-    // that a local file system with multigrain timestamps gives the next change a
-    // fine-grained one, as after `fstat`.
+    // SAFETY: the caller passes a NUL-terminated path; valid out-pointer.
+    // STATX_BASIC_STATS: with the change time, so that a local file system with multigrain
+    // timestamps gives the next change a fine-grained one, as after `fstat`.
     check(unsafe {
         syscall6(
             libc::SYS_statx,
-            fd as i64,
-            empty.as_ptr() as i64,
-            (libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC) as i64,
+            dirfd as i64,
+            path as i64,
+            (flags | libc::AT_STATX_DONT_SYNC) as i64,
             libc::STATX_BASIC_STATS as i64,
             &mut x as *mut _ as i64,
             0,

@@ -203,6 +203,10 @@ pub struct Client {
     /// A test hook (`PMSTACK_TEST_PAUSE_NS_MS`): sleep this long holding the namespace lock
     /// before a logged creation runs, so that tests can exec from another thread meanwhile.
     pub(in crate::front) pause_ns: Option<Duration>,
+    /// A test hook (`PMSTACK_TEST_EARLY_GATE=PATH`): a removal or rename finds its objects
+    /// before the namespace lock always (`ns::pinned_early`), then makes `PATH.pinned` and
+    /// waits until `PATH.go` exists, so that a test can change the name in between.
+    pub(in crate::front) early_gate: Option<std::path::PathBuf>,
 }
 
 /// What the daemon tells an attaching process.
@@ -347,6 +351,7 @@ impl Client {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map(Duration::from_millis),
+            early_gate: std::env::var_os("PMSTACK_TEST_EARLY_GATE").map(Into::into),
         })
     }
 

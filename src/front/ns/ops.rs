@@ -19,11 +19,12 @@ impl Client {
     pub fn unlink(&self, t: &Target, dir: bool) -> io::Result<()> {
         let c = t.cname();
         let mut pin = Vec::new(); // closed after the lock (`object_pinned`)
+        let early = self.pinned_early(t, &mut pin);
         let removed = std::cell::Cell::new(None);
         let r = self.intended(
             &[&t.dir],
             || {
-                let v = self.object_pinned(t, &mut pin);
+                let v = self.still_named(t, early, &mut pin);
                 removed.set(v.as_ref().map(|v| (v.st.st_dev, v.st.st_ino)));
                 v
             },
@@ -68,13 +69,24 @@ impl Client {
     pub fn rename(&self, from: &Target, to: &Target, flags: u32) -> io::Result<()> {
         let (cf, ct) = (from.cname(), to.cname());
         let mut pin = Vec::new(); // the replaced object's, closed after the lock
+                                  // Found before the lock where that pays (`pinned_early`); the source pinned too, so
+                                  // that its number at its name under the lock is still the same object.
+        let early = (
+            self.pinned_early(from, &mut pin),
+            self.pinned_early(to, &mut pin),
+        );
 
         // Directories the rename moves: (slot, stat before, whether it ends at `to`, not at
         // `from` (exchanged)).
         let moved = std::cell::RefCell::new(Vec::new());
         self.intended(
             &[&from.dir, &to.dir],
-            || (self.object_at(from), self.object_pinned(to, &mut pin)),
+            || {
+                (
+                    self.still_named(from, early.0, &mut pin),
+                    self.still_named(to, early.1, &mut pin),
+                )
+            },
             || {
                 at_call(
                     libc::SYS_renameat2,

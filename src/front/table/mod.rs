@@ -542,6 +542,11 @@ impl Table {
         self.w(H_SLOTS_USED).fetch_sub(1, Ordering::AcqRel);
     }
 
+    /// Whether some operation holds the namespace lock now (a hint: it may be let go at once).
+    pub fn ns_lock_busy(&self) -> bool {
+        self.w(H_NS_LOCK).load(Ordering::Relaxed) != 0
+    }
+
     /// Take the namespace lock (a dead owner's is taken over).
     pub fn ns_lock(&self) -> PidLock<'_> {
         PidLock::acquire(self.w(H_NS_LOCK)).0
