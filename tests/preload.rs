@@ -4899,6 +4899,98 @@ fn an_exec_while_another_thread_holds_the_namespace_lock_leaves_it_free() {
     let _ = p.wait();
 }
 
+/// The fsync of a directory whose every change was logged costs nothing, and is told without
+/// the namespace lock: it completes while another program's namespace operation holds that
+/// lock (a test hook keeps a mkdir there for 30 s), and the lock is still that program's
+/// afterwards. A directory changed outside `pmstack run` is not taken for one whose changes
+/// were all logged: its fsync writes back.
+#[test]
+fn a_logged_directorys_fsync_does_not_wait_for_the_namespace_lock() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let (_d, root, _pm, s) = quiet_serve();
+    let mut b = Py::spawn(s.run(), &root);
+    let bpid = b.pid();
+    // `y` is born through the log: every change of it is logged from its creation on.
+    b.exec("os.mkdir(os.path.join(d, 'y'))");
+    let fsync_y = "fd = os.open(os.path.join(d, 'y'), os.O_RDONLY)\nos.fsync(fd)\nos.close(fd)";
+    b.exec(fsync_y);
+    // The counts once the stats show that fsync (counted after the mkdir's).
+    let t0 = Instant::now();
+    let p = loop {
+        let p = proc_stats(&s.stats(), bpid).unwrap_or_default();
+        if p["absorbed_dir_fsync"].as_u64() == Some(1) {
+            break p;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the fsync of y, made through the log, was not absorbed: {p}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (wb0, ops0) = (
+        p["ns_write_backs"].as_u64().unwrap_or(0),
+        p["ns_ops"].as_u64().unwrap_or(0),
+    );
+
+    let mut a = s
+        .run()
+        .args(["python3", "-c", "import os, sys; os.mkdir(sys.argv[1])"])
+        .arg(root.join("held"))
+        .env("PMSTACK_TEST_PAUSE_NS_MS", "30000")
+        .spawn()
+        .unwrap();
+    let t = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
+    let lock_owner = || {
+        t.w(pmstack::front::table::H_NS_LOCK)
+            .load(std::sync::atomic::Ordering::Acquire)
+            & 0x3fff_ffff
+    };
+    let apid = a.id() as u64;
+    let t0 = Instant::now();
+    while lock_owner() != apid {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the mkdir never took the lock"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    b.exec(fsync_y);
+    assert_eq!(
+        lock_owner(),
+        apid,
+        "the fsync of y waited for the namespace lock another program held"
+    );
+    expect_ns_counts(
+        &s,
+        bpid,
+        (wb0, 2, ops0),
+        "the fsync of y beside a held lock",
+    );
+    let _ = a.kill();
+    let _ = a.wait();
+
+    // A change the log lacks (a program outside `pmstack run`): y's fsync is real.
+    fs::create_dir(root.join("y").join("outside")).unwrap();
+    b.exec(fsync_y);
+    let mut p = proc_stats(&s.stats(), bpid).unwrap_or_default();
+    let t0 = Instant::now();
+    while p["ns_write_backs"].as_u64().unwrap_or(0) <= wb0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the fsync of y after a change outside wrote nothing back: {p}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        p = proc_stats(&s.stats(), bpid).unwrap_or_default();
+    }
+    assert_eq!(
+        p["absorbed_dir_fsync"].as_u64(),
+        Some(2),
+        "the fsync of y after a change outside was taken for one with nothing to do"
+    );
+}
+
 /// A change of working directory is seen by the next relative path, whichever way it was
 /// made: chdir, fchdir, syscall(SYS_chdir), syscall(SYS_fchdir), or the C library's own
 /// internal calls (nftw with FTW_CHDIR), which the library cannot interpose. A file

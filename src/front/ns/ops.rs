@@ -460,6 +460,29 @@ impl Client {
         }
     }
 
+    /// `dir_durable`'s answer where it is "nothing to do", told without the namespace lock:
+    /// the directory's change time in `st` (read before this) is the one recorded after its
+    /// last logged change (`logged_up_to`), and no attribute change was left to its own fsync
+    /// (`F_FALLBACK`). A logged change records its change time only after its record is
+    /// committed, so every change the directory shows at that time is in the log; an
+    /// operation still in flight there (its call made, its record not yet committed, or
+    /// its call not yet made) has not returned, and the sync need not cover it. (The
+    /// namespace lock keeps such operations out, which matters only where the answer is
+    /// not this one: a write-back must not run beside them.) An attribute change sets
+    /// `F_FALLBACK` before it moves the recorded change time, so the flag is read after
+    /// the time. The slot is checked to hold the directory before and after: the daemon
+    /// may free an idle one (which clears what it recorded) and another object take it.
+    /// False: the caller takes the lock and decides there. Without this, each fsync of a
+    /// directory (a mail delivery's, SQLite's after it made its journal) waited for every
+    /// other thread's and process's namespace operation in flight.
+    fn durable_unlocked(&self, slot: &Slot<'_>, st: &libc::stat, gen: u64) -> bool {
+        let holds = || slot.holds(st.st_dev, st.st_ino, gen);
+        holds()
+            && self.logged_up_to(slot, super::ctime_ns(st))
+            && slot.flags() & F_FALLBACK == 0
+            && holds()
+    }
+
     /// Make the directory `fd` durable as its fsync must (`policy::sync::dir_sync`): nothing
     /// to do (Ok(true)) if every change of it since it was last made durable was logged; its
     /// own fsync where only an attribute change was not; otherwise everything is written
@@ -482,6 +505,9 @@ impl Client {
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
+        if self.durable_unlocked(&slot, &st, gen) {
+            return Some(Ok(true));
+        }
         let _ns = self.table.ns_lock();
         // The daemon may have freed its slot since (it was idle): what it knew of the
         // directory went with it.
