@@ -57,6 +57,49 @@ while want:
     time.sleep(0.05)
 for fd in files + [ov]:
     os.fsync(fd)
+
+
+def own_real_syncs():
+    """This process's real syncs as the daemon's stats give them once rewritten twice (every
+    500 ms) after now; None if it does not list this process."""
+    path = os.environ["PMSTACK_TEST_STATS"]
+    t0, seen, m0 = time.time(), 0, os.stat(path).st_mtime_ns
+    while seen < 2:
+        if time.time() - t0 > 60:
+            sys.exit("the daemon's stats were not rewritten in 60 s")
+        time.sleep(0.02)
+        m = os.stat(path).st_mtime_ns
+        if m != m0:
+            seen, m0 = seen + 1, m
+    import json
+    for _ in range(100):
+        try:
+            with open(path) as f:
+                v = json.load(f)
+            break
+        except ValueError:
+            time.sleep(0.01)
+    for p in v.get("attached", []):
+        if p.get("pid") == os.getpid():
+            return p.get("real_syncs", 0)
+    return None
+
+
+# Marks vetted counts the marks the daemon took from its ring, and a mark whose entry it read
+# before its writer stored it is vetted only by its sweep every second: a file may still sync
+# for real after the wait above. Ready once a whole round of syncs was absorbed, as the
+# process's own count of real syncs says.
+if want:
+    prev = own_real_syncs()
+    for _ in range(60):
+        for fd in files + [ov]:
+            os.fsync(fd)
+        now = own_real_syncs()
+        if now is not None and now == prev:
+            break
+        prev = now
+    else:
+        sys.exit(f"syncs still real after 60 rounds: {prev}")
 say("ready")
 sys.stdin.readline()
 
