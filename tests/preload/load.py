@@ -85,10 +85,9 @@ def own_real_syncs():
     return None
 
 
-# Marks vetted counts the marks the daemon took from its ring, and a mark whose entry it read
-# before its writer stored it is vetted only by its sweep every second: a file may still sync
-# for real after the wait above. Ready once a whole round of syncs was absorbed, as the
-# process's own count of real syncs says.
+# The crash round needs every sync after "ready" absorbed. Once in CI a program's syncs were
+# still real after the wait above (12 of them; why was not found): ready once a whole round
+# of syncs was absorbed, as the process's own count of real syncs says.
 if want:
     prev = own_real_syncs()
     for _ in range(60):
