@@ -4821,6 +4821,14 @@ fn a_silent_or_stalled_peer_of_the_daemon_holds_up_no_attach() {
     }
 }
 
+/// The pid of the process holding the namespace lock of table `t` (0: free): the lock word
+/// without its waiters bit.
+fn ns_lock_owner(t: &pmstack::front::table::Table) -> u64 {
+    t.w(pmstack::front::table::H_NS_LOCK)
+        .load(std::sync::atomic::Ordering::Acquire)
+        & 0x3fff_ffff
+}
+
 /// A lock word of the shared table holds its owner's pid, which an exec keeps: a thread that
 /// execs while another thread of its process holds the namespace lock must not leave that
 /// lock held by the new program (every attached process would wait for it as long as that
@@ -4862,12 +4870,7 @@ fn an_exec_while_another_thread_holds_the_namespace_lock_leaves_it_free() {
     let t = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
     let pid = p.id() as u64;
     let t0 = Instant::now();
-    while t
-        .w(pmstack::front::table::H_NS_LOCK)
-        .load(std::sync::atomic::Ordering::Acquire)
-        & 0x3fff_ffff
-        != pid
-    {
+    while ns_lock_owner(&t) != pid {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "the mkdir never took the lock"
@@ -4917,18 +4920,10 @@ fn a_logged_directorys_fsync_does_not_wait_for_the_namespace_lock() {
     let fsync_y = "fd = os.open(os.path.join(d, 'y'), os.O_RDONLY)\nos.fsync(fd)\nos.close(fd)";
     b.exec(fsync_y);
     // The counts once the stats show that fsync (counted after the mkdir's).
-    let t0 = Instant::now();
-    let p = loop {
-        let p = proc_stats(&s.stats(), bpid).unwrap_or_default();
-        if p["absorbed_dir_fsync"].as_u64() == Some(1) {
-            break p;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the fsync of y, made through the log, was not absorbed: {p}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let v = s.wait_stats("the fsync of y, made through the log, absorbed", |v| {
+        proc_stats(v, bpid).is_some_and(|p| p["absorbed_dir_fsync"].as_u64() == Some(1))
+    });
+    let p = proc_stats(&v, bpid).unwrap_or_default();
     let (wb0, ops0) = (
         p["ns_write_backs"].as_u64().unwrap_or(0),
         p["ns_ops"].as_u64().unwrap_or(0),
@@ -4942,11 +4937,7 @@ fn a_logged_directorys_fsync_does_not_wait_for_the_namespace_lock() {
         .spawn()
         .unwrap();
     let t = pmstack::front::table::Table::open(&pmstack::front::paths(&root).1).unwrap();
-    let lock_owner = || {
-        t.w(pmstack::front::table::H_NS_LOCK)
-            .load(std::sync::atomic::Ordering::Acquire)
-            & 0x3fff_ffff
-    };
+    let lock_owner = || ns_lock_owner(&t);
     let apid = a.id() as u64;
     let t0 = Instant::now();
     while lock_owner() != apid {
@@ -4974,16 +4965,10 @@ fn a_logged_directorys_fsync_does_not_wait_for_the_namespace_lock() {
     // A change the log lacks (a program outside `pmstack run`): y's fsync is real.
     fs::create_dir(root.join("y").join("outside")).unwrap();
     b.exec(fsync_y);
-    let mut p = proc_stats(&s.stats(), bpid).unwrap_or_default();
-    let t0 = Instant::now();
-    while p["ns_write_backs"].as_u64().unwrap_or(0) <= wb0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the fsync of y after a change outside wrote nothing back: {p}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-        p = proc_stats(&s.stats(), bpid).unwrap_or_default();
-    }
+    let v = s.wait_stats("the fsync of y after a change outside writes back", |v| {
+        proc_stats(v, bpid).is_some_and(|p| p["ns_write_backs"].as_u64().unwrap_or(0) > wb0)
+    });
+    let p = proc_stats(&v, bpid).unwrap_or_default();
     assert_eq!(
         p["absorbed_dir_fsync"].as_u64(),
         Some(2),

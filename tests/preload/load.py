@@ -79,6 +79,8 @@ def own_real_syncs():
             break
         except ValueError:
             time.sleep(0.01)
+    else:
+        sys.exit("the daemon's stats never read whole")
     for p in v.get("attached", []):
         if p.get("pid") == os.getpid():
             return p.get("real_syncs", 0)
