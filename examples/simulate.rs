@@ -237,8 +237,8 @@ fn main() {
             cov.syncfs_ignored, cov.objects_synced, cov.refused_unserved, cov.refused_unserved_data, cov.paths_synced, cov.per_dir_commits, cov.names_apart, cov.multi_area_logs
         );
         println!(
-            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}, through an O_DIRECT one {}",
-            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs, cov.appends, cov.direct_writes
+            "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}, through an O_DIRECT one {}; histories whose whole-file-system write-backs settled directories {} (directories taken for clean so {})",
+            cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs, cov.appends, cov.direct_writes, cov.settling, cov.dirs_settled
         );
         println!("  contract violations: {}", failures.len());
     }

@@ -76,7 +76,17 @@ struct Serve {
 }
 
 impl Serve {
+    /// With `--no-settle`: what the tests count of namespace write-backs does not depend on
+    /// whether the lower is a journaled ext4 (where write-backs of the whole file system
+    /// settle directories: `start_settling`).
     fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Serve {
+        let mut args = extra.to_vec();
+        args.push("--no-settle");
+        Serve::start_settling(dir, pm, &args)
+    }
+
+    /// As the daemon starts by default (settling where the lower allows).
+    fn start_settling(dir: &Path, pm: &Path, extra: &[&str]) -> Serve {
         let dir = fs::canonicalize(dir).unwrap();
         let child = common::start_serve(&dir, pm, extra);
         Serve {
@@ -352,7 +362,9 @@ fn crash_round(base_dir: &Path, seed: u64) {
     let _ = fs::remove_file(&pm);
     // No write-back during the round: the lower is never made durable by pmstack after the
     // programs' first syncs, so rewinding it to the snapshot below is a possible power cut.
-    let mut s = Serve::start(
+    // Settling as by default: over the loop-mounted ext4, write-backs of the whole file
+    // system settle directories (`front::settle`).
+    let mut s = Serve::start_settling(
         &dir,
         &pm,
         &["--flush-interval-ms", "3600000", "--pm-size", "4G"],
@@ -3033,6 +3045,89 @@ fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
     }
     for there in ["p/q3", "p/o"] {
         assert!(root.join(there).is_dir(), "{there} lost");
+    }
+}
+
+/// Over a journaled ext4 (a loop image), a write-back of the whole file system settles every
+/// directory changed before it (`front::settle`): a tree made outside `pmstack run` costs one
+/// namespace write-back, not one sync per directory it empties; a directory fsync there is
+/// absorbed; a directory changed outside the log after that write-back is written back
+/// again at its next logged change. After a kill of the daemon and recovery the tree is as
+/// the programs left it.
+#[test]
+fn a_write_back_of_the_whole_lower_settles_the_directories_changed_before_it() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let base = tempfile::tempdir_in("/var/tmp").unwrap();
+    let Some(lfs) = LoopFs::of("ext4", 64 << 20, base.path()) else {
+        return;
+    };
+    let root = lfs.dir.join("r");
+    // A tree made before the daemon started: every directory has changes the log lacks.
+    for q in 0..5 {
+        let dir = root.join(format!("p/q{q}"));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("x"), b"x").unwrap();
+        fs::write(dir.join("y"), b"y").unwrap();
+    }
+    // Older than a write-back's mark by more than its margin (`settle::MARGIN_NS`, 100 ms)
+    // however slowly what follows runs.
+    std::thread::sleep(Duration::from_millis(300));
+    let pm = shm_region("settle");
+    let s = Serve::start_settling(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    assert_eq!(s.stats()["settles_dirs"], true, "a journaled ext4 settles");
+    let mut a = Py::spawn(s.run(), &root);
+    let mut f = Py::spawn(Command::new("env"), &root);
+    let pid = a.pid();
+    let keys = ["ns_write_backs", "ns_ops", "absorbed_dir_fsync"];
+    let expect = |want, what: &str| expect_counts(&s, pid, keys, want, what);
+    let create = |p: &mut Py, path: &str| {
+        p.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
+    };
+    let rm = |p: &mut Py, path: &str| p.exec(&format!("os.unlink(os.path.join(d, '{path}'))"));
+    // The root changed outside the log (p was made there): its first change writes back.
+    create(&mut a, "g");
+    expect((1, 0, 0), "the root's first change");
+    // A record naming the root is live, and the root changes outside the log again.
+    create(&mut a, "h");
+    expect((1, 1, 0), "a change in a clean root");
+    create(&mut f, "z");
+    // q0's first change: the walk up meets the root, named by a live record and not clean,
+    // so the whole lower is written back (it would be anyway with little dirty), which
+    // settles every directory changed before it.
+    rm(&mut a, "p/q0/x");
+    expect((2, 2, 0), "first change in q0");
+    // q1, q2 and p: changed only before that write-back. An fsync of q1 has nothing to do,
+    // nor have their first changes.
+    a.exec("fd = os.open(os.path.join(d, 'p/q1'), os.O_RDONLY); os.fsync(fd); os.close(fd)");
+    expect((2, 2, 1), "an fsync of a settled directory");
+    rm(&mut a, "p/q1/x");
+    rm(&mut a, "p/q1/y");
+    a.exec("os.rmdir(os.path.join(d, 'p/q1'))");
+    rm(&mut a, "p/q2/x");
+    expect((2, 6, 1), "first changes in settled directories");
+    // q3 changes outside the log after the write-back: not settled; its next logged change
+    // writes back.
+    create(&mut f, "p/q3/w");
+    rm(&mut a, "p/q3/x");
+    expect(
+        (3, 7, 1),
+        "a change in a directory changed outside the log since",
+    );
+    let settled = s.stats()["dirs_settled"].as_u64().unwrap();
+    assert!(
+        settled >= 3,
+        "directories taken for clean as settled: {settled}"
+    );
+    killed_and_recovered(s, [a, f], &root, &pm);
+    for gone in ["p/q0/x", "p/q1", "p/q2/x", "p/q3/x"] {
+        assert!(!root.join(gone).exists(), "{gone} came back");
+    }
+    for there in [
+        "g", "h", "z", "p/q0/y", "p/q2/y", "p/q3/w", "p/q3/y", "p/q4/x",
+    ] {
+        assert!(root.join(there).exists(), "{there} lost");
     }
 }
 

@@ -35,6 +35,12 @@ pub(super) struct ServeArgs {
     /// that every process writing DIR runs under `pmstack run`.
     #[arg(long)]
     pub(super) all_writers_attached: bool,
+    /// Take a directory with changes the log lacks (a tree made outside `pmstack run`, or
+    /// before the daemon started) for clean only by syncing it at its first logged change,
+    /// never because a write-back of the whole file system made its changes durable (which
+    /// pmstack does over a journaled ext4: see docs/preload.md, "Directories settled").
+    #[arg(long)]
+    pub(super) no_settle: bool,
     /// Start although another node's pmstack left DIR without a clean shutdown, giving up
     /// what its PM log holds that is not in DIR yet (see docs/distributed.md).
     #[arg(long)]

@@ -105,6 +105,7 @@ pub(super) fn serve_cmd(a: ServeArgs) -> Result<()> {
             flush_interval: Duration::from_millis(a.flush_interval_ms.max(1)),
             early_bytes: region_bytes / 4,
             slots: a.table_slots as usize,
+            settle: !a.no_settle,
             user: match user {
                 Some(u) => u,
                 None => creds::user_with_id(creds::euid())?,

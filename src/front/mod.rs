@@ -8,12 +8,14 @@
 //!   paths lie under the served directory (the decisions the preload library makes).
 //! - [`serve`]: the daemon: recovery, the attach socket, write-back, reclaiming the areas of
 //!   processes that died.
+//! - [`settle`]: directories whose every change a whole-file-system write-back made durable.
 //! - [`sys`]: raw system calls that never come back into the library.
 
 pub mod client;
 pub mod ns;
 pub mod open;
 pub mod serve;
+pub mod settle;
 pub mod sys;
 pub mod table;
 pub mod watch;

@@ -395,6 +395,40 @@ pub fn syncfs(fd: i32) -> io::Result<()> {
     check(unsafe { syscall6(libc::SYS_syncfs, fd as i64, 0, 0, 0, 0, 0) }).map(|_| ())
 }
 
+/// The machine's dirty page cache and the part of it being written back, in bytes
+/// (`Dirty` + `Writeback` of /proc/meminfo, read without coming back into the library):
+/// at most what a syncfs of any one file system has to force out. None where unreadable.
+pub fn dirty_bytes() -> Option<u64> {
+    let fd = openat(
+        libc::AT_FDCWD,
+        c"/proc/meminfo".as_ptr(),
+        libc::O_RDONLY | libc::O_CLOEXEC,
+        0,
+    )
+    .ok()?;
+    let mut buf = vec![0u8; 8192];
+    let n = pread(fd, &mut buf, 0);
+    close(fd);
+    meminfo_dirty(&buf[..n.ok()?])
+}
+
+/// `Dirty` + `Writeback` of a /proc/meminfo text, in bytes (both must be there).
+pub fn meminfo_dirty(text: &[u8]) -> Option<u64> {
+    let field = |name: &[u8]| -> Option<u64> {
+        let line = text
+            .split(|&b| b == b'\n')
+            .find(|l| l.starts_with(name) && l.get(name.len()) == Some(&b':'))?;
+        let digits: Vec<u8> = line[name.len() + 1..]
+            .iter()
+            .copied()
+            .skip_while(|b| *b == b' ')
+            .take_while(|b| b.is_ascii_digit())
+            .collect();
+        std::str::from_utf8(&digits).ok()?.parse::<u64>().ok()
+    };
+    Some((field(b"Dirty")? + field(b"Writeback")?) * 1024)
+}
+
 thread_local! {
     /// The buffer `ProgramBytes::copy_reused` lends out, while no copy holds it.
     static REUSED: std::cell::Cell<Option<Vec<u8>>> = const { std::cell::Cell::new(None) };
@@ -928,6 +962,14 @@ mod tests {
 
     fn errno(r: io::Result<Vec<u8>>) -> Option<i32> {
         r.err().and_then(|e| e.raw_os_error())
+    }
+
+    #[test]
+    fn dirty_bytes_are_read_off_meminfo() {
+        let text = b"MemTotal:       24000000 kB\nDirty:              1234 kB\nWriteback:            10 kB\nWritebackTmp:     999 kB\n";
+        assert_eq!(meminfo_dirty(text), Some(1244 * 1024));
+        assert_eq!(meminfo_dirty(b"Dirty: 5 kB\n"), None, "no Writeback line");
+        assert!(dirty_bytes().is_some(), "this machine's /proc/meminfo");
     }
 
     #[test]

@@ -112,6 +112,10 @@ pub struct Coverage {
     pub appends: u64,
     /// `pmstack run`: writes through an O_DIRECT descriptor (`Kinds::direct`).
     pub direct_writes: u64,
+    /// `pmstack run`: histories whose write-backs of the whole file system settled
+    /// directories (`front::settle`), and the times a directory was taken for clean so.
+    pub settling: u64,
+    pub dirs_settled: u64,
 }
 
 impl Coverage {
@@ -168,5 +172,7 @@ impl Coverage {
         self.write_only_syncs += o.write_only_syncs;
         self.appends += o.appends;
         self.direct_writes += o.direct_writes;
+        self.settling += o.settling;
+        self.dirs_settled += o.dirs_settled;
     }
 }

@@ -369,14 +369,37 @@ impl Client {
     /// change its entries. (A slot of an older object under the same inode number may say
     /// so too: the caller then does more than it must, never less.)
     fn named_live(&self, st: &libc::stat) -> bool {
-        self.table.find(st.st_dev, st.st_ino).is_some_and(|i| {
+        self.named_live_ino(st.st_dev, st.st_ino)
+    }
+
+    fn named_live_ino(&self, dev: u64, ino: u64) -> bool {
+        self.table.find(dev, ino).is_some_and(|i| {
             self.table.slot(i).w(S_DIR_NS_LSN).load(Ordering::Acquire) > self.ns_expired()
         })
     }
 
-    /// Whether every change of `d` since it was last made durable was logged.
+    /// Whether the directory (`dev`, `ino`), its change time `c` read now, is settled: every
+    /// change of it came before a write-back of the whole file system made the lower durable
+    /// (`front::settle`), and no live namespace record names it (none that could be replayed
+    /// over what that write-back made durable). Its next logged change needs nothing
+    /// written back, whatever its slot recorded (or with no slot at all).
+    fn settled(&self, dev: u64, ino: u64, c: u64) -> bool {
+        crate::front::settle::settled(self.table.settled_before(), c)
+            && !self.named_live_ino(dev, ino)
+    }
+
+    /// Whether every change of `d` since it was last made durable was logged, or made
+    /// durable by a write-back of the whole file system (`settled`).
     fn clean(&self, d: &Dir) -> bool {
-        self.logged_up_to(&self.table.slot(d.slot), ctime(d.fd.as_raw_fd()))
+        let c = ctime(d.fd.as_raw_fd());
+        if self.logged_up_to(&self.table.slot(d.slot), c) {
+            return true;
+        }
+        let settled = self.settled(self.root_dev, d.ino, c);
+        if settled {
+            self.table.count_settled();
+        }
+        settled
     }
 
     /// Whether the slot of `d` still holds it. The daemon frees the slots of idle
@@ -474,8 +497,16 @@ impl Client {
             self.count(P_NS_SYNCS, 1);
             return Ok(());
         }
+        // Where a write-back of the whole file system settles directories (`front::settle`)
+        // and has little to force out, it is the one made: one syncfs, and every directory
+        // changed before it (a tree made outside `pmstack run`) is clean from then on,
+        // where the syncs of the operation's directories would make only them so (one
+        // sync per directory that `rm -rf` of such a tree empties).
+        let mark = self.table.settle_mark();
+        let whole = mark.is_some()
+            && sys::dirty_bytes().is_some_and(|b| b <= crate::front::settle::SYNCFS_DIRTY_MAX);
         let live = self.ns_live();
-        if each_once(dirs, |d| self.sync_up_to_root(d, live)).is_ok() {
+        if !whole && each_once(dirs, |d| self.sync_up_to_root(d, live)).is_ok() {
             // No live namespace record names any of the directories synced here (none is
             // live at all, or none names these): none can be replayed over the unlogged
             // changes they make durable. (Unlogged changes elsewhere stay as unlogged as
@@ -502,6 +533,11 @@ impl Client {
         } else {
             // Not even the reserve has room: wait (bounded) for the daemon's write-back.
             self.wait_for_write_back(upto)?;
+        }
+        // Every namespace record so far is expired (the namespace lock is held: none is in
+        // flight), and the syncfs began after the mark was read.
+        if let Some(m) = mark {
+            self.table.note_settled(m);
         }
         Ok(())
     }
@@ -531,6 +567,11 @@ impl Client {
         let above = self.each_dir_up_to_root(fd, |at, st| {
             let (slot, c) = (self.table.find(st.st_dev, st.st_ino), ctime_ns(st));
             if at != fd && slot.is_some_and(|i| self.logged_up_to(&self.table.slot(i), c)) {
+                sync.push(None);
+                return Ok(());
+            }
+            if at != fd && self.settled(st.st_dev, st.st_ino, c) {
+                self.table.count_settled();
                 sync.push(None);
                 return Ok(());
             }

@@ -78,6 +78,9 @@ pub struct ServeOpts {
     pub recovery: serde_json::Value,
     /// Slots of the shared table: objects tracked at once (`DEFAULT_SLOTS`).
     pub slots: usize,
+    /// Let write-backs of the whole file system settle directories where the lower allows
+    /// (`front::settle`); off with `serve --no-settle`.
+    pub settle: bool,
 }
 
 #[derive(Default)]
@@ -270,6 +273,15 @@ impl Daemon {
         table
             .w(H_COARSE_CTIME)
             .store(!fine as u64, Ordering::Release);
+        // Whether a write-back of the whole file system settles every directory changed
+        // before it (`front::settle`).
+        table.settle_init(
+            opts.settle
+                && fine
+                && lower.syncfs_reliable()
+                && crate::front::settle::journaled_ext4(&opts.root),
+            crate::front::settle::MARGIN_NS,
+        );
         Ok(Daemon {
             log,
             lower,
@@ -694,6 +706,8 @@ impl Daemon {
             "objects_synced": s.objects_synced.load(Ordering::Relaxed),
             "syncfs_trusted": self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) == 0,
             "ctime_fine": self.table.w(H_COARSE_CTIME).load(Ordering::Relaxed) == 0,
+            "settles_dirs": self.table.w(H_SETTLES).load(Ordering::Relaxed) != 0,
+            "dirs_settled": self.table.w(H_DIRS_SETTLED).load(Ordering::Relaxed),
             "leases_reclaimed": s.leases_reclaimed.load(Ordering::Relaxed),
             "watching": self.group.is_some(),
             "watched_opens": s.watched_opens.load(Ordering::Relaxed),

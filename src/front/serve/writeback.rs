@@ -28,6 +28,7 @@ impl Daemon {
         // checkpoint is stored, on every path.
         self.table.w(H_CKPT_BUSY).store(1, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
+        let mark = std::cell::Cell::new(None);
         let synced = crate::policy::write_back(
             || {
                 // Bump the counter so every write noted before this point has a mark below
@@ -40,6 +41,9 @@ impl Daemon {
                 if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
                     self.sync_noted()
                 } else {
+                    // Read before the syncfs begins: every directory changed before it is
+                    // settled once the checkpoint is stored (`front::settle`).
+                    mark.set(self.table.settle_mark());
                     self.lower.syncfs()
                 }
             },
@@ -47,7 +51,14 @@ impl Daemon {
         );
         self.table.w(H_CKPT_BUSY).store(0, Ordering::SeqCst);
         let upto = match synced {
-            Ok(upto) => upto,
+            Ok(upto) => {
+                // Every namespace record below `upto` is expired; those above it are
+                // live, and a directory they name is not taken for settled.
+                if let Some(m) = mark.get() {
+                    self.table.note_settled(m);
+                }
+                upto
+            }
             Err(e) => {
                 self.stats.writeback_errors.fetch_add(1, Ordering::Relaxed);
                 if e.get_ref().is_some_and(|i| i.is::<InFlightStuck>()) {

@@ -67,8 +67,23 @@ pub const H_UNMARKS: usize = 14;
 /// (`Slot::note_for_sync`), and the daemon's write-back fsyncs each of them
 /// (`Slot::take_for_sync`) instead of trusting syncfs.
 pub const H_PER_OBJECT: usize = 15;
-/// Header words 16..48 are unused (the ring's before version 9).
-pub const H_UNUSED: usize = 16;
+/// Every change of a directory whose change time is below this (real-time nanoseconds) is
+/// durable in the lower, made so by a write-back of the whole file system (`settle`);
+/// 0: none yet.
+pub const H_SETTLED_BEFORE: usize = 16;
+/// The real-time clock less the monotonic one at the daemon's start (`settle::clock_offset`).
+pub const H_CLOCK_OFFSET: usize = 17;
+/// 1 where whole-file-system write-backs settle directories (`settle::journaled_ext4`);
+/// turned to 0 by whoever finds the clock set.
+pub const H_SETTLES: usize = 18;
+/// What is subtracted from the coarse real-time clock for a mark (`settle::MARGIN_NS`; the
+/// crash simulator sets 0, the least margin the reasoning allows).
+pub const H_SETTLE_MARGIN: usize = 19;
+/// How many times a directory was taken for clean because it was settled, not by the change
+/// time its slot recorded (a write-back it would otherwise have made).
+pub const H_DIRS_SETTLED: usize = 20;
+/// Header words 21..48 are unused (the ring's before version 9).
+pub const H_UNUSED: usize = 21;
 /// Counters of processes that detached or died, summed when their record was reused (word
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
@@ -209,7 +224,7 @@ pub const COUNTERS: [usize; 12] = [
     P_NAME_SYNCS,
     P_UNLOGGED_NS,
 ];
-const _: () = assert!(H_RETIRED >= H_UNUSED + 32 && H_RETIRED + PROC_WORDS <= PROCS_AT);
+const _: () = assert!(H_RETIRED > H_UNUSED && H_RETIRED + PROC_WORDS <= PROCS_AT);
 
 /// The ring of the latest `RING` marks (`Table::note_marked`), after the process records.
 /// The daemon vets what was marked since its last round from the ring, every `VET_EVERY`
