@@ -505,13 +505,21 @@ impl Client {
         let (idx, ()) = claim(&self.table, &st, gen, |_| ())?;
         self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
-        // Settled (`front::settle`): every change of it, its attributes' too, was made
-        // durable by a syncfs after it; an operation still in flight there that moved its
-        // change time since has not returned, and the sync need not cover it.
         if self.durable_unlocked(&slot, &st, gen) {
             return Some(Ok(true));
         }
-        if self.settled(st.st_dev, st.st_ino, super::ctime_ns(&st)) {
+        // Settled (`front::settle`): every change of it was made durable by a syncfs after
+        // it; an operation still in flight there that moved its change time since has not
+        // returned, and the sync need not cover it. (Where an attached process changed its
+        // attributes, `F_FALLBACK`, the lower's own fsync makes them durable, below: the
+        // kernel reads an attribute change's time before the journal handle that commits it
+        // starts, which the mark's margin covers only as long as that wait lasts.)
+        let holds = || slot.holds(st.st_dev, st.st_ino, gen);
+        if holds()
+            && slot.flags() & F_FALLBACK == 0
+            && holds()
+            && self.settled(st.st_dev, st.st_ino, super::ctime_ns(&st))
+        {
             self.table.count_settled();
             return Some(Ok(true));
         }
@@ -522,7 +530,8 @@ impl Client {
         let c0 = ctime(fd);
         let how = dir_sync(DirFacts {
             logging: true,
-            names_logged: held && self.logged_up_to(&slot, c0),
+            names_logged: held
+                && (self.logged_up_to(&slot, c0) || self.settled(st.st_dev, st.st_ino, c0)),
             // Attribute calls on directories are not logged: one since the directory was
             // last made durable leaves `F_FALLBACK` (`dir_attrs_changed`).
             attrs_logged: slot.flags() & F_FALLBACK == 0,
