@@ -498,15 +498,16 @@ impl Client {
             return Ok(());
         }
         // Where a write-back of the whole file system settles directories (`front::settle`)
-        // and has little to force out, it is the one made: one syncfs, and every directory
-        // changed before it (a tree made outside `pmstack run`) is clean from then on,
-        // where the syncs of the operation's directories would make only them so (one
+        // and has little to force out, or directory-only ones came one after the other
+        // since directories were last settled, it is the one made: one syncfs, and every
+        // directory changed before it (a tree made outside `pmstack run`) is clean from then
+        // on, where the syncs of the operation's directories would make only them so (one
         // sync per directory that `rm -rf` of such a tree empties).
         let mark = self.table.settle_mark();
-        let whole = mark.is_some()
-            && sys::dirty_bytes().is_some_and(|b| b <= crate::front::settle::SYNCFS_DIRTY_MAX);
+        let whole = self.table.write_back_whole(mark, sys::dirty_bytes);
         let live = self.ns_live();
         if !whole && each_once(dirs, |d| self.sync_up_to_root(d, live)).is_ok() {
+            self.table.note_dir_write_back();
             // No live namespace record names any of the directories synced here (none is
             // live at all, or none names these): none can be replayed over the unlogged
             // changes they make durable. (Unlogged changes elsewhere stay as unlogged as

@@ -82,8 +82,12 @@ pub const H_SETTLE_MARGIN: usize = 19;
 /// How many times a directory was taken for clean because it was settled, not by the change
 /// time its slot recorded (a write-back it would otherwise have made).
 pub const H_DIRS_SETTLED: usize = 20;
-/// Header words 21..48 are unused (the ring's before version 9).
-pub const H_UNUSED: usize = 21;
+/// Namespace write-backs that synced only directories since a write-back of the whole file
+/// system last settled directories (`settle`): at `settle::WHOLE_AFTER`, the next one is a
+/// syncfs, whatever it has to force out.
+pub const H_DIR_WRITE_BACKS_UNSETTLED: usize = 21;
+/// Header words 22..48 are unused (the ring's before version 9).
+pub const H_UNUSED: usize = 22;
 /// Counters of processes that detached or died, summed when their record was reused (word
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
