@@ -1441,6 +1441,73 @@ impl Drop for Py {
     }
 }
 
+/// A read open of a watched file by one thread of a process outside `pmstack run`, while
+/// another of its threads is in a write open of something else (a FIFO no one reads), is no
+/// writer: the daemon asks the opening thread alone what it opens (`FAN_REPORT_TID`). Before,
+/// any thread of the process in a write open made the read count as a write: the file was
+/// taken for foreign and its syncs were real (a multithreaded backup or indexer reading
+/// watched files; the crash round's snapshot beside another test's writes). A write open by
+/// that thread is still a writer.
+#[test]
+fn a_read_open_beside_another_threads_write_open_is_no_writer() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("tidopen");
+    // There before: watched from the attached process's open (after `expect_syncs`).
+    fs::write(root.join("w"), b"").unwrap();
+    let s = Serve::start(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let mut a = Py::spawn(s.run(), &root);
+    a.exec("expect_syncs()\nfd = os.open(os.path.join(d, 'w'), os.O_RDWR | os.O_CREAT, 0o644)\nwait_vetted(1)");
+    a.exec("os.pwrite(fd, b'w' * 4096, 0)\nos.fsync(fd)");
+    let fifo = d.path().join("fifo");
+    let mut f = Py::spawn(Command::new("env"), &root);
+    // A thread blocked in an open of the FIFO for writing (until a reader comes), seen so in
+    // /proc before the read open below (openat is 257 on x86_64).
+    f.exec(&format!(
+        r#"import threading, time
+fifo = {fifo:?}
+os.mkfifo(fifo)
+t = threading.Thread(target=lambda: os.close(os.open(fifo, os.O_WRONLY)), daemon=True)
+t.start()
+def other_in_open():
+    for tid in os.listdir('/proc/self/task'):
+        if int(tid) == threading.get_native_id():
+            continue
+        try:
+            line = open(f'/proc/self/task/{{tid}}/syscall').read().split()
+        except OSError:
+            continue
+        if line and line[0] == '257' and int(line[3], 16) & 3 == os.O_WRONLY:
+            return True
+    return False
+t0 = time.time()
+while not other_in_open():
+    assert time.time() - t0 < 10, 'the writer thread never blocked in its open'
+    time.sleep(0.01)
+data = open(os.path.join(d, 'w'), 'rb').read()
+assert len(data) == 4096"#
+    ));
+    let v = s.wait_stats("the read open seen", |v| {
+        v["watched_opens"].as_u64() >= Some(1)
+    });
+    assert_eq!(
+        v["foreign_writers"], 0,
+        "a read open taken for a write: {v}"
+    );
+    // The writer thread let go, and the same process opens the file for writing: a writer.
+    f.exec("r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)\nt.join()\nos.close(r)\nos.unlink(fifo)\ng = os.open(os.path.join(d, 'w'), os.O_WRONLY)\nos.close(g)");
+    s.wait_stats("the write open taken for a writer", |v| {
+        v["foreign_writers"].as_u64() >= Some(1)
+    });
+    drop(a);
+    drop(f);
+    drop(s);
+    let _ = fs::remove_file(&pm);
+}
+
 #[test]
 fn writers_outside_pmstack_run_are_watched_and_never_rolled_back() {
     if !common::can_mount() || !have("python3") {

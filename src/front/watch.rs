@@ -29,6 +29,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 /// may wait for a write-back while other opens are answered).
 pub struct Group {
     fd: OwnedFd,
+    /// Events name the opening thread (`FAN_REPORT_TID`, Linux 4.20), not only its process.
+    tid: bool,
 }
 
 /// Why `Group::next` read no events.
@@ -40,10 +42,31 @@ pub enum ReadError {
     Group(io::Error),
 }
 
-/// One open permission event: who opens, and a read-only descriptor of the object.
+/// One open permission event: who opens (the process, and where the kernel reports it the
+/// thread), and a read-only descriptor of the object.
 pub struct OpenEvent {
     pub pid: u64,
+    pub tid: Option<u64>,
     pub file: OwnedFd,
+}
+
+impl OpenEvent {
+    /// Whether this open is for writing (`open_is_write`; by the opening thread alone where
+    /// the event names it).
+    pub fn is_write(&self) -> bool {
+        match self.tid {
+            Some(tid) => thread_opens_for_write(self.pid, tid),
+            None => open_is_write(self.pid),
+        }
+    }
+}
+
+/// The process (thread group) of thread `tid`, from `/proc/TID/status`.
+fn tgid_of(tid: u64) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 impl Group {
@@ -51,24 +74,36 @@ impl Group {
         self.fd.as_raw_fd()
     }
 
-    /// A group for permission events (needs CAP_SYS_ADMIN).
+    /// A group for permission events (needs CAP_SYS_ADMIN). Its events name the opening
+    /// thread where the kernel can (`FAN_REPORT_TID`): what an open asks for is then read of
+    /// that thread alone, where otherwise any thread of the process in a write open makes
+    /// another thread's read open count as a write (a program reading a watched file while
+    /// another of its threads writes elsewhere made the file foreign, its syncs real).
     pub fn new() -> io::Result<Group> {
-        // SAFETY: plain system call.
-        let fd = unsafe {
-            libc::fanotify_init(
-                libc::FAN_CLASS_CONTENT
-                    | libc::FAN_CLOEXEC
-                    | libc::FAN_UNLIMITED_QUEUE
-                    | libc::FAN_UNLIMITED_MARKS,
-                (libc::O_RDONLY | libc::O_LARGEFILE | libc::O_CLOEXEC) as u32,
-            )
+        let init = |extra: libc::c_uint| {
+            // SAFETY: plain system call.
+            unsafe {
+                libc::fanotify_init(
+                    libc::FAN_CLASS_CONTENT
+                        | libc::FAN_CLOEXEC
+                        | libc::FAN_UNLIMITED_QUEUE
+                        | libc::FAN_UNLIMITED_MARKS
+                        | extra,
+                    (libc::O_RDONLY | libc::O_LARGEFILE | libc::O_CLOEXEC) as u32,
+                )
+            }
         };
+        let (mut fd, mut tid) = (init(libc::FAN_REPORT_TID), true);
+        if fd < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            (fd, tid) = (init(0), false);
+        }
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(Group {
             // SAFETY: a fresh descriptor we own.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            tid,
         })
     }
 
@@ -122,10 +157,16 @@ impl Group {
                 // SAFETY: the event's descriptor is ours to close.
                 let file = unsafe { OwnedFd::from_raw_fd(m.fd) };
                 if m.mask & libc::FAN_OPEN_PERM != 0 {
-                    out.push(OpenEvent {
-                        pid: m.pid as u64,
-                        file,
-                    });
+                    let who = m.pid as u64;
+                    // With FAN_REPORT_TID the event names the thread; a thread whose
+                    // process cannot be told is taken for a process of its own (no
+                    // attached process has it as its pid: its open counts as foreign).
+                    let (pid, tid) = if self.tid {
+                        (tgid_of(who).unwrap_or(who), Some(who))
+                    } else {
+                        (who, None)
+                    };
+                    out.push(OpenEvent { pid, tid, file });
                 }
             }
             off += m.event_len as usize;
@@ -240,6 +281,8 @@ pub fn release_copy(fd: RawFd) {
         let g = Group {
             // SAFETY: a fresh descriptor we own.
             fd: unsafe { OwnedFd::from_raw_fd(copy) },
+            // (Only to release the opens waiting: who opens is not looked at.)
+            tid: false,
         };
         g.release_all();
     }
@@ -257,6 +300,8 @@ fn take_fd(pid: u64, n: i32) -> Option<Group> {
         let fd = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0);
         (fd >= 0).then(|| Group {
             fd: OwnedFd::from_raw_fd(fd as RawFd),
+            // (Only to release the opens waiting: who opens is not looked at.)
+            tid: false,
         })
     }
 }
@@ -389,6 +434,15 @@ fn thread_open(pid: u64, line: &str) -> Option<bool> {
         return Some(writes(u64::from_ne_bytes(b)));
     }
     None
+}
+
+/// Whether thread `tid` of process `pid`, blocked in an open that raised a permission
+/// event, opens for writing; where its `/proc` line cannot tell, yes (safe, as below).
+fn thread_opens_for_write(pid: u64, tid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall"))
+        .ok()
+        .and_then(|line| thread_open(pid, &line))
+        .unwrap_or(true)
 }
 
 /// Whether process `pid`, blocked in an open that raised a permission event, opens for

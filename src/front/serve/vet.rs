@@ -42,7 +42,7 @@ impl Daemon {
                 for e in evs {
                     self.stats.watched_opens.fetch_add(1, Ordering::Relaxed);
                     let attached = self.is_attached(e.pid);
-                    if attached || !watch::open_is_write(e.pid) {
+                    if attached || !e.is_write() {
                         self.unwatch_idle(g, &e, attached);
                         g.allow(e);
                         continue;
@@ -86,7 +86,7 @@ impl Daemon {
                 holds
             })
         };
-        if !idle(&slot) || (attached && watch::open_is_write(e.pid)) {
+        if !idle(&slot) || (attached && e.is_write()) {
             return;
         }
         // Never wait for a slot lock here: its owner may be waiting for this answer.
