@@ -87,9 +87,12 @@ def own_real_syncs():
     return None
 
 
-# The crash round needs every sync after "ready" absorbed. Once in CI a program's syncs were
-# still real after the wait above (12 of them; why was not found): ready once a whole round
-# of syncs was absorbed, as the process's own count of real syncs says.
+# The crash round needs every sync after "ready" absorbed: ready once a whole round of syncs
+# was absorbed, as the process's own count of real syncs says. (Once in CI, and twice here
+# beside another test, a program's syncs were real after "ready": the test's snapshot read
+# its files while another thread of the test process was in a write open, and the daemon
+# took the read for a write, the file for foreign. Events name the opening thread since
+# 2026-12-03: `watch::OpenEvent::is_write`.)
 if want:
     prev = own_real_syncs()
     for _ in range(60):
