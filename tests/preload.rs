@@ -1416,6 +1416,21 @@ impl Py {
         self.done(code);
     }
 
+    /// Create an empty file at `path` under the root (`open(.., 'w')`).
+    fn create(&mut self, path: &str) {
+        self.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
+    }
+
+    /// Remove the file at `path` under the root.
+    fn unlink(&mut self, path: &str) {
+        self.exec(&format!("os.unlink(os.path.join(d, '{path}'))"));
+    }
+
+    /// Remove the directory at `path` under the root.
+    fn rmdir(&mut self, path: &str) {
+        self.exec(&format!("os.rmdir(os.path.join(d, '{path}'))"));
+    }
+
     /// Start running `code`, without waiting for it (`done`).
     fn send(&mut self, code: &str) {
         let line = serde_json::to_string(code).unwrap();
@@ -3029,39 +3044,36 @@ fn a_write_back_where_no_live_record_names_the_directories_syncs_only_them() {
     let (pm, s, mut a, mut f) = ns_write_backs_served(&root, "nsnamed");
     let pid = a.pid();
     let expect = |want, what: &str| expect_counts(&s, pid, NS_WRITE_BACKS, want, what);
-    let create = |p: &mut Py, path: &str| {
-        p.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
-    };
     // a/ was made outside the log: its first change writes back (and is durable by that, not
     // logged); no record is live. The next one is logged: a record naming a/ is live.
-    create(&mut a, "a/f1");
+    a.create("a/f1");
     expect((1, 1, 0), "first change in a/");
-    create(&mut a, "a/f2");
+    a.create("a/f2");
     expect((1, 1, 1), "a change in a clean a/");
     // b/ changes outside the log; the write-back before the change in b/ syncs b/ and the
     // root, which no live record names.
-    create(&mut f, "b/x");
-    create(&mut a, "b/f3");
+    f.create("b/x");
+    a.create("b/f3");
     expect((2, 2, 1), "first change in b/, a record naming a/ live");
     // a/ changes outside the log: a live record names it (its creation of f2 would be
     // replayed over what the write-back makes durable): the whole lower's write-back, which
     // expires every record so far.
-    create(&mut f, "a/y");
-    create(&mut a, "a/f4");
+    f.create("a/y");
+    a.create("a/f4");
     expect(
         (3, 2, 1),
         "change in a/ after one outside, a record naming a/ live",
     );
     // The root's first logged change (it changed outside the log when a/ and b/ were made),
     // then a logged one: a record naming the root is live.
-    create(&mut a, "g1");
-    create(&mut a, "g2");
+    a.create("g1");
+    a.create("g2");
     expect((4, 3, 2), "first changes in the root");
     // A directory made outside the log under the root: the walk up from it meets the root,
     // which a live record names, so the whole lower's write-back.
     f.exec("os.mkdir(os.path.join(d, 'n'))");
-    create(&mut f, "n/z");
-    create(&mut a, "n/h");
+    f.create("n/z");
+    a.create("n/h");
     expect(
         (5, 3, 2),
         "first change in n/, a record naming the root live",
@@ -3090,28 +3102,26 @@ fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
     let (pm, s, mut a, mut f) = ns_write_backs_served(&root, "nstree");
     let pid = a.pid();
     let expect = |want, what: &str| expect_counts(&s, pid, NS_WRITE_BACKS, want, what);
-    let rm = |p: &mut Py, path: &str| p.exec(&format!("os.unlink(os.path.join(d, '{path}'))"));
-    let rmdir = |p: &mut Py, path: &str| p.exec(&format!("os.rmdir(os.path.join(d, '{path}'))"));
     // q1's first change writes q1 and those above it back (no record is live), then is
     // logged; so is the removal of q1 in p, after p's own write-back.
-    rm(&mut a, "p/q1/x");
+    a.unlink("p/q1/x");
     expect((1, 1, 1), "first change in q1");
-    rmdir(&mut a, "p/q1");
+    a.rmdir("p/q1");
     expect((2, 2, 2), "first change in p");
     // q2's first change: the walk up from q2 meets p, which a live record names (the removal
     // of q1) but whose every change since was logged: syncing it makes durable only what that
     // record did. Directories only, as above.
-    rm(&mut a, "p/q2/x");
+    a.unlink("p/q2/x");
     expect(
         (3, 3, 3),
         "first change in q2, p clean and named by a live record",
     );
-    rmdir(&mut a, "p/q2");
+    a.rmdir("p/q2");
     expect((3, 3, 4), "a change in a clean p");
     // p changes outside the log: the walk up from q3 meets p, named by a live record and no
     // longer clean, so the whole lower's write-back, which expires every record so far.
     f.exec("os.mkdir(os.path.join(d, 'p/o'))");
-    rm(&mut a, "p/q3/x");
+    a.unlink("p/q3/x");
     expect((4, 3, 5), "first change in q3, p changed outside the log");
     // After a crash the tree is as the programs left it.
     killed_and_recovered(s, [a, f], &root, &pm);
@@ -3157,37 +3167,33 @@ fn a_write_back_of_the_whole_lower_settles_the_directories_changed_before_it() {
     let pid = a.pid();
     let keys = ["ns_write_backs", "ns_ops", "absorbed_dir_fsync"];
     let expect = |want, what: &str| expect_counts(&s, pid, keys, want, what);
-    let create = |p: &mut Py, path: &str| {
-        p.exec(&format!("open(os.path.join(d, '{path}'), 'w').close()"));
-    };
-    let rm = |p: &mut Py, path: &str| p.exec(&format!("os.unlink(os.path.join(d, '{path}'))"));
     // The root changed outside the log (p was made there): its first change writes back
     // (the whole lower where little is dirty, else the root alone).
-    create(&mut a, "g");
+    a.create("g");
     expect((1, 0, 0), "the root's first change");
     // A record naming the root is live, and the root changes outside the log again.
-    create(&mut a, "h");
+    a.create("h");
     expect((1, 1, 0), "a change in a clean root");
-    create(&mut f, "z");
+    f.create("z");
     // The root's next change: the root, named by a live record and not clean, cannot be
     // synced alone: the whole lower is written back, which settles every directory changed
     // before it (the tree, long before).
-    create(&mut a, "k");
+    a.create("k");
     expect((2, 1, 0), "a change in the root after one outside the log");
     // q0, q1, q2 and p: changed only before that write-back. An fsync of q1 has nothing to
     // do, nor have their first changes.
     a.exec("fd = os.open(os.path.join(d, 'p/q1'), os.O_RDONLY); os.fsync(fd); os.close(fd)");
     expect((2, 1, 1), "an fsync of a settled directory");
-    rm(&mut a, "p/q0/x");
-    rm(&mut a, "p/q1/x");
-    rm(&mut a, "p/q1/y");
-    a.exec("os.rmdir(os.path.join(d, 'p/q1'))");
-    rm(&mut a, "p/q2/x");
+    a.unlink("p/q0/x");
+    a.unlink("p/q1/x");
+    a.unlink("p/q1/y");
+    a.rmdir("p/q1");
+    a.unlink("p/q2/x");
     expect((2, 6, 1), "first changes in settled directories");
     // q3 changes outside the log after the write-back: not settled; its next logged change
     // writes back.
-    create(&mut f, "p/q3/w");
-    rm(&mut a, "p/q3/x");
+    f.create("p/q3/w");
+    a.unlink("p/q3/x");
     expect(
         (3, 7, 1),
         "a change in a directory changed outside the log since",

@@ -388,18 +388,22 @@ impl Client {
             && !self.named_live_ino(dev, ino)
     }
 
-    /// Whether every change of `d` since it was last made durable was logged, or made
-    /// durable by a write-back of the whole file system (`settled`).
-    fn clean(&self, d: &Dir) -> bool {
-        let c = ctime(d.fd.as_raw_fd());
-        if self.logged_up_to(&self.table.slot(d.slot), c) {
-            return true;
-        }
-        let settled = self.settled(self.root_dev, d.ino, c);
+    /// `settled`, counted where it is the answer that lets the caller skip a write-back
+    /// (`dirs_settled` in the stats).
+    fn settled_counted(&self, dev: u64, ino: u64, c: u64) -> bool {
+        let settled = self.settled(dev, ino, c);
         if settled {
             self.table.count_settled();
         }
         settled
+    }
+
+    /// Whether every change of `d` since it was last made durable was logged, or made
+    /// durable by a write-back of the whole file system (`settled`).
+    fn clean(&self, d: &Dir) -> bool {
+        let c = ctime(d.fd.as_raw_fd());
+        self.logged_up_to(&self.table.slot(d.slot), c)
+            || self.settled_counted(self.root_dev, d.ino, c)
     }
 
     /// Whether the slot of `d` still holds it. The daemon frees the slots of idle
@@ -571,8 +575,7 @@ impl Client {
                 sync.push(None);
                 return Ok(());
             }
-            if at != fd && self.settled(st.st_dev, st.st_ino, c) {
-                self.table.count_settled();
+            if at != fd && self.settled_counted(st.st_dev, st.st_ino, c) {
                 sync.push(None);
                 return Ok(());
             }

@@ -475,12 +475,26 @@ impl Client {
     /// False: the caller takes the lock and decides there. Without this, each fsync of a
     /// directory (a mail delivery's, SQLite's after it made its journal) waited for every
     /// other thread's and process's namespace operation in flight.
+    ///
+    /// The same answer where the directory is settled (`front::settle`) instead of logged:
+    /// every change of it was made durable by a syncfs after it; an operation still in
+    /// flight there that moved its change time since has not returned. (Where an attached
+    /// process changed its attributes, `F_FALLBACK`, the lower's own fsync makes them
+    /// durable: the kernel reads an attribute change's time before the journal handle that
+    /// commits it starts, which the mark's margin covers only as long as that wait lasts.)
     fn durable_unlocked(&self, slot: &Slot<'_>, st: &libc::stat, gen: u64) -> bool {
         let holds = || slot.holds(st.st_dev, st.st_ino, gen);
-        holds()
-            && self.logged_up_to(slot, super::ctime_ns(st))
-            && slot.flags() & F_FALLBACK == 0
-            && holds()
+        if !holds() {
+            return false;
+        }
+        let c = super::ctime_ns(st);
+        let logged = self.logged_up_to(slot, c);
+        let settled = !logged && self.settled(st.st_dev, st.st_ino, c);
+        let durable = (logged || settled) && slot.flags() & F_FALLBACK == 0 && holds();
+        if durable && settled {
+            self.table.count_settled();
+        }
+        durable
     }
 
     /// Make the directory `fd` durable as its fsync must (`policy::sync::dir_sync`): nothing
@@ -506,21 +520,6 @@ impl Client {
         self.syncs_in(idx, gen);
         let slot = self.table.slot(idx);
         if self.durable_unlocked(&slot, &st, gen) {
-            return Some(Ok(true));
-        }
-        // Settled (`front::settle`): every change of it was made durable by a syncfs after
-        // it; an operation still in flight there that moved its change time since has not
-        // returned, and the sync need not cover it. (Where an attached process changed its
-        // attributes, `F_FALLBACK`, the lower's own fsync makes them durable, below: the
-        // kernel reads an attribute change's time before the journal handle that commits it
-        // starts, which the mark's margin covers only as long as that wait lasts.)
-        let holds = || slot.holds(st.st_dev, st.st_ino, gen);
-        if holds()
-            && slot.flags() & F_FALLBACK == 0
-            && holds()
-            && self.settled(st.st_dev, st.st_ino, super::ctime_ns(&st))
-        {
-            self.table.count_settled();
             return Some(Ok(true));
         }
         let _ns = self.table.ns_lock();
