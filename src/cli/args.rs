@@ -41,6 +41,13 @@ pub(super) struct ServeArgs {
     /// pmstack does over a journaled ext4: see docs/preload.md, "Directories settled").
     #[arg(long)]
     pub(super) no_settle: bool,
+    /// Log the namespace operations (create, mkdir, rename, unlink, rmdir, link, symlink) of
+    /// programs that have synced nothing under DIR too, so that each is durable when it
+    /// returns. By default those of such a program (an untar, a build, `rm -rf`) are the
+    /// file system's own until the program syncs anything (see docs/preload.md, "Programs
+    /// that sync nothing").
+    #[arg(long)]
+    pub(super) log_unsynced_names: bool,
     /// Start although another node's pmstack left DIR without a clean shutdown, giving up
     /// what its PM log holds that is not in DIR yet (see docs/distributed.md).
     #[arg(long)]

@@ -106,6 +106,7 @@ pub(super) fn serve_cmd(a: ServeArgs) -> Result<()> {
             early_bytes: region_bytes / 4,
             slots: a.table_slots as usize,
             settle: !a.no_settle,
+            unsynced_names: !a.log_unsynced_names,
             user: match user {
                 Some(u) => u,
                 None => creds::user_with_id(creds::euid())?,

@@ -99,6 +99,7 @@ pub(super) fn serve_sim(
             slots,
             // Set per history below.
             settle: false,
+            unsynced_names: false,
         },
     )
     .unwrap();

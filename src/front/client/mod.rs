@@ -192,6 +192,9 @@ pub struct Client {
     /// This process synced something under the root: the files it opens for writing are
     /// expected to be synced too (`sync_expected`).
     synced: std::sync::atomic::AtomicBool,
+    /// The namespace operations this process ran as the lower's own (it had synced nothing)
+    /// and has not made durable since (`ns::Unsynced`).
+    pub(in crate::front) unsynced: Mutex<crate::front::ns::Unsynced>,
     /// The directories of recent namespace operations, kept open (`ns::dirs`).
     pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
     /// Read-only shared mappings of tracked files (`maps`).
@@ -341,6 +344,7 @@ impl Client {
             blind: false.into(),
             copies: !local,
             synced: false.into(),
+            unsynced: Mutex::new(Default::default()),
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
             pause_logged_write: std::env::var("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS")

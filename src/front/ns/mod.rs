@@ -57,6 +57,42 @@ pub struct Dir {
     root: bool,
 }
 
+/// The namespace operations a process ran as the lower's own because it had synced nothing
+/// under the root (`Client::unsynced_allowed`), and has not made durable since: the inode
+/// numbers of the directories they changed (up to `UNSYNCED_DIRS`; beyond, only that there
+/// were more). Before its first logged namespace operation they are made durable
+/// (`Client::unsynced_first`): no operation of a process that the log makes durable may
+/// outlive an earlier one of it that a power cut takes back.
+#[derive(Default)]
+pub struct Unsynced {
+    dirs: Vec<u64>,
+    many: bool,
+}
+
+/// How many directories changed so `Unsynced` remembers; past that, the write-back before
+/// the process's first logged operation is one of the whole file system (syncfs).
+const UNSYNCED_DIRS: usize = 8;
+
+impl Unsynced {
+    fn any(&self) -> bool {
+        self.many || !self.dirs.is_empty()
+    }
+
+    fn note(&mut self, dirs: &[&Dir]) {
+        for d in dirs {
+            if self.many || self.dirs.contains(&d.ino) {
+                continue;
+            }
+            if self.dirs.len() == UNSYNCED_DIRS {
+                self.many = true;
+                self.dirs.clear();
+            } else {
+                self.dirs.push(d.ino);
+            }
+        }
+    }
+}
+
 /// `Dir::slot` of a directory the table had no free slot for.
 pub(super) const NO_SLOT: usize = usize::MAX;
 
@@ -471,6 +507,86 @@ impl Client {
         }
     }
 
+    /// Whether the namespace operation at hand, in `dirs`, may run as the lower's own,
+    /// unlogged, its durability the lower's (at the next sync that commits the lower's
+    /// journal; `docs/preload.md`, "Programs that sync nothing"): the daemon allows it
+    /// (`H_UNSYNCED_NS`: not over a lower that ignores syncfs), this process has synced
+    /// nothing under the root (`sync_expected`: nor does the daemon not watch), no file born
+    /// in any of `dirs` was synced there (`F_SYNCS_HERE`), and no live namespace record names
+    /// any of them as a parent: replayed over the change, one could undo it (a creation
+    /// record brought back over a removal the lower made durable). An untar, a build, an
+    /// `rm -rf` then pay the lower's price per operation, not a logged operation's (about six
+    /// system calls and a commit to PM each); a directory they changed is unclean for the
+    /// processes that log (its next logged change, or fsync, writes it back, as after a
+    /// change by a program outside `pmstack run`). Caller holds the namespace lock, under
+    /// which logged operations read a directory's change time before and after their call:
+    /// one of these cannot slip in between unseen.
+    fn unsynced_allowed(&self, dirs: &[&Dir]) -> bool {
+        self.table.w(H_UNSYNCED_NS).load(Ordering::Relaxed) != 0
+            && !self.sync_expected(false)
+            && dirs.iter().all(|d| {
+                !self.named_live_ino(self.root_dev, d.ino)
+                    && !(self.held(d) && self.table.slot(d.slot).flags() & F_SYNCS_HERE != 0)
+            })
+    }
+
+    /// Run `op` as the lower's own (`unsynced_allowed`), remembered for `unsynced_first`.
+    fn unsynced_op<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        // Noted first: a call that fails changed nothing, and costs one write-back more.
+        self.unsynced.lock().note(dirs);
+        let out = op()?;
+        self.table
+            .w(H_UNSYNCED_NS_OPS)
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Before a namespace operation in `dirs` that is logged or made durable on return (the
+    /// namespace lock held): the operations this process ran as the lower's own made durable
+    /// first, so that none of them can be lost while a later one stays (they are ordered as
+    /// acknowledged): the directories they changed written back with the operation's
+    /// (`write_back_namespace`: those directories fsynced up to the root, or one syncfs),
+    /// or the whole file system where they were more than `UNSYNCED_DIRS` or one of them is
+    /// no longer kept open (`DirCache`). Whether there were any.
+    fn unsynced_first(&self, dirs: &[&Dir]) -> io::Result<bool> {
+        let mut u = self.unsynced.lock();
+        if !u.any() {
+            return Ok(false);
+        }
+        let mut fds = raw(dirs);
+        let kept: Option<Vec<dirs::Cached>> = if u.many {
+            None
+        } else {
+            u.dirs
+                .iter()
+                .filter(|&&ino| ino != self.root_ino && !dirs.iter().any(|d| d.ino == ino))
+                .map(|&ino| self.dirs.get(self.root_dev, ino))
+                .collect()
+        };
+        match &kept {
+            Some(k) => {
+                // (The root, if changed so, is synced by the walk up from the operation's
+                // directories: its change time is not the one recorded.)
+                fds.extend(k.iter().map(|c| c.fd.as_raw_fd()));
+                self.write_back_namespace(&fds)?;
+            }
+            None => self.write_back_namespace_as(&fds, true)?,
+        }
+        *u = Unsynced::default();
+        Ok(true)
+    }
+
+    /// `unsynced_first`; the operation's directories are clean after it (those whose slots
+    /// still hold them).
+    fn unsynced_first_clean(&self, dirs: &[&Dir]) -> io::Result<()> {
+        if self.unsynced_first(dirs)? {
+            for d in dirs.iter().filter(|d| self.held(d)) {
+                self.set_clean(d);
+            }
+        }
+        Ok(())
+    }
+
     fn set_clean(&self, d: &Dir) {
         self.record_clean(d.slot, ctime(d.fd.as_raw_fd()));
     }
@@ -489,6 +605,12 @@ impl Client {
     /// namespace record; where no live namespace record names the operation's directories
     /// or those above them, only they are synced. Caller holds the namespace lock.
     fn write_back_namespace(&self, dirs: &[i32]) -> io::Result<()> {
+        self.write_back_namespace_as(dirs, false)
+    }
+
+    /// `write_back_namespace`; `whole`: of the whole file system (syncfs) whatever it has to
+    /// force out, where the lower makes everything durable at syncfs.
+    fn write_back_namespace_as(&self, dirs: &[i32], whole: bool) -> io::Result<()> {
         self.log.next_lsn();
         let upto = self.log.lsn_now();
         if self.table.w(H_PER_OBJECT).load(Ordering::Relaxed) != 0 {
@@ -508,7 +630,7 @@ impl Client {
         // on, where the syncs of the operation's directories would make only them so (one
         // sync per directory that `rm -rf` of such a tree empties).
         let mark = self.table.settle_mark();
-        let whole = self.table.write_back_whole(mark, sys::dirty_bytes);
+        let whole = whole || self.table.write_back_whole(mark, sys::dirty_bytes);
         let live = self.ns_live();
         if !whole && each_once(dirs, |d| self.sync_up_to_root(d, live)).is_ok() {
             self.table.note_dir_write_back();
@@ -712,6 +834,7 @@ impl Client {
 
     /// `alone`, the namespace lock held.
     fn alone_locked<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        self.unsynced_first(dirs)?;
         if crate::policy::must_write_back_first(self.ns_live(), false) {
             self.write_back_namespace(&raw(dirs))?;
         }
@@ -743,13 +866,16 @@ impl Client {
     /// Run a creation `op` natively and log it after (`log(out, append)`: Ok(true) logged, or
     /// changed without appending when `append` is false; Ok(false) nothing changed; Err:
     /// could not log).
+    /// `unsynced`: it may run as the lower's own where this process synced nothing
+    /// (`unsynced_allowed`); then `log` is not called.
     fn logged<T>(
         &self,
         dirs: &[&Dir],
+        unsynced: bool,
         op: impl FnOnce() -> io::Result<T>,
         log: impl FnOnce(&T, bool) -> Result<bool, NotLogged>,
     ) -> io::Result<T> {
-        self.logged_making(dirs, op, log, &std::cell::Cell::new(None))
+        self.logged_making(dirs, unsynced, op, log, &std::cell::Cell::new(None))
     }
 
     /// `logged`, where `log` may name a directory the operation made (`born`: its slot and
@@ -759,6 +885,7 @@ impl Client {
     fn logged_making<T>(
         &self,
         dirs: &[&Dir],
+        unsynced: bool,
         op: impl FnOnce() -> io::Result<T>,
         log: impl FnOnce(&T, bool) -> Result<bool, NotLogged>,
         born: &std::cell::Cell<Option<(usize, u64)>>,
@@ -771,6 +898,10 @@ impl Client {
         if let Some(d) = self.pause_ns {
             std::thread::sleep(d);
         }
+        if unsynced && self.unsynced_allowed(dirs) {
+            return self.unsynced_op(dirs, op);
+        }
+        self.unsynced_first_clean(dirs)?;
         if !dirs.iter().all(|d| self.held(d)) {
             return self.lost_slot(dirs, op);
         }
@@ -812,6 +943,10 @@ impl Client {
         }
         let dirs = &distinct(dirs);
         let (_ns, taken_over) = self.table.ns_lock_taken_over();
+        if !taken_over && self.unsynced_allowed(dirs) {
+            return self.unsynced_op(dirs, op);
+        }
+        self.unsynced_first_clean(dirs)?;
         if !dirs.iter().all(|d| self.held(d)) {
             return self.lost_slot(dirs, op);
         }

@@ -155,6 +155,7 @@ impl Client {
         let ctime_of = |o: &super::Obj| super::ctime_ns(&o.st);
         self.logged_making(
             &dirs,
+            true,
             op,
             |_, append| {
                 if !append {
@@ -296,6 +297,7 @@ impl Client {
         let born = std::cell::Cell::new(None);
         self.logged(
             &[&t.dir],
+            !sync,
             || {
                 for _ in 0..8 {
                     match open(flags | libc::O_EXCL) {

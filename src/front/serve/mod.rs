@@ -81,6 +81,9 @@ pub struct ServeOpts {
     /// Let write-backs of the whole file system settle directories where the lower allows
     /// (`front::settle`); off with `serve --no-settle`.
     pub settle: bool,
+    /// Let the namespace operations of attached processes that have synced nothing run as
+    /// the lower's own (`Client::unsynced_allowed`); off with `serve --log-unsynced-names`.
+    pub unsynced_names: bool,
 }
 
 #[derive(Default)]
@@ -281,6 +284,13 @@ impl Daemon {
                 && lower.syncfs_reliable()
                 && crate::front::settle::journaled_ext4(&opts.root),
             crate::front::settle::MARGIN_NS,
+        );
+        // Where the lower ignores syncfs, a write-back of a process's namespace fsyncs only
+        // the directories of the operation at hand: it could not make durable those that
+        // programs syncing nothing changed elsewhere (`Client::unsynced_first`).
+        table.w(H_UNSYNCED_NS).store(
+            (opts.unsynced_names && fine && lower.syncfs_reliable()) as u64,
+            Ordering::Release,
         );
         Ok(Daemon {
             log,
@@ -688,7 +698,7 @@ impl Daemon {
             })
             .collect();
         let claimed = self.log.leases().iter().filter(|&&(_, o)| o != 0).count();
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "pid": my_pid(),
             "root": self.opts.root,
             "pm": self.opts.region,
@@ -730,7 +740,11 @@ impl Daemon {
             "checkpoint_lsn": self.log.checkpoint_lsn(),
             "lsn": self.log.lsn_now(),
             "recovery": self.opts.recovery,
-        })
+        });
+        // (Apart: one `json!` of every key passes the macro's recursion limit.)
+        v["unsynced_names"] = (self.table.w(H_UNSYNCED_NS).load(Ordering::Relaxed) != 0).into();
+        v["unsynced_ns_ops"] = self.table.w(H_UNSYNCED_NS_OPS).load(Ordering::Relaxed).into();
+        v
     }
 
     /// The stats as Prometheus metrics: the totals of every process that attached, and the

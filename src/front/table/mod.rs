@@ -86,8 +86,15 @@ pub const H_DIRS_SETTLED: usize = 20;
 /// system last settled directories (`settle`): at `settle::WHOLE_AFTER`, the next one is a
 /// syncfs, whatever it has to force out.
 pub const H_DIR_WRITE_BACKS_UNSETTLED: usize = 21;
-/// Header words 22..48 are unused (the ring's before version 9).
-pub const H_UNUSED: usize = 22;
+/// 1 where the namespace operations of attached processes that have synced nothing under
+/// the root may run as the lower's own, unlogged (`Client::unsynced_allowed`); set by the
+/// daemon at its start (0 over a lower that ignores syncfs, and with `serve
+/// --log-unsynced-names`).
+pub const H_UNSYNCED_NS: usize = 22;
+/// How many namespace operations ran so (`unsynced_ns_ops` in the stats).
+pub const H_UNSYNCED_NS_OPS: usize = 23;
+/// Header words 24..48 are unused (the ring's before version 9).
+pub const H_UNUSED: usize = 24;
 /// Counters of processes that detached or died, summed when their record was reused (word
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
