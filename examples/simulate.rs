@@ -240,6 +240,10 @@ fn main() {
             "  pmstack run: first syncs that logged the file whole {}, syncs logged from copies of the dirty bytes kept at write time {}, fsyncs through a write-only descriptor {}, writes through an O_APPEND descriptor {}, through an O_DIRECT one {}; histories whose whole-file-system write-backs settled directories {} (directories taken for clean so {})",
             cov.baselines_logged, cov.syncs_from_copies, cov.write_only_syncs, cov.appends, cov.direct_writes, cov.settling, cov.dirs_settled
         );
+        println!(
+            "  pmstack run: histories whose processes that synced nothing ran their namespace operations as the lower's own {} (operations {}; logged operations of such a process after some of them {})",
+            cov.unsynced_ns_histories, cov.unsynced_ns_ops, cov.unsynced_ns_then_logged
+        );
         println!("  contract violations: {}", failures.len());
     }
     if !failures.is_empty() {

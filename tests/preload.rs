@@ -78,8 +78,19 @@ struct Serve {
 impl Serve {
     /// With `--no-settle`: what the tests count of namespace write-backs does not depend on
     /// whether the lower is a journaled ext4 (where write-backs of the whole file system
-    /// settle directories: `start_settling`).
+    /// settle directories: `start_settling`). With `--log-unsynced-names`: the namespace
+    /// operations of a test's program that has synced nothing are logged as any other's
+    /// (`start_unsynced` tests what the daemon does by default).
     fn start(dir: &Path, pm: &Path, extra: &[&str]) -> Serve {
+        let mut args = extra.to_vec();
+        args.push("--no-settle");
+        args.push("--log-unsynced-names");
+        Serve::start_settling(dir, pm, &args)
+    }
+
+    /// With `--no-settle` only: the namespace operations of programs that synced nothing
+    /// are the lower's own, as by default.
+    fn start_unsynced(dir: &Path, pm: &Path, extra: &[&str]) -> Serve {
         let mut args = extra.to_vec();
         args.push("--no-settle");
         Serve::start_settling(dir, pm, &args)
@@ -3160,7 +3171,11 @@ fn a_write_back_of_the_whole_lower_settles_the_directories_changed_before_it() {
     // however slowly what follows runs.
     std::thread::sleep(Duration::from_millis(300));
     let pm = shm_region("settle");
-    let s = Serve::start_settling(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    let s = Serve::start_settling(
+        &root,
+        &pm,
+        &["--flush-interval-ms", "3600000", "--log-unsynced-names"],
+    );
     assert_eq!(s.stats()["settles_dirs"], true, "a journaled ext4 settles");
     let mut a = Py::spawn(s.run(), &root);
     let mut f = Py::spawn(Command::new("env"), &root);

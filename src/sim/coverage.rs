@@ -116,6 +116,13 @@ pub struct Coverage {
     /// directories (`front::settle`), and the times a directory was taken for clean so.
     pub settling: u64,
     pub dirs_settled: u64,
+    /// `pmstack run`: histories whose processes that synced nothing ran their namespace
+    /// operations as the lower's own (`Client::unsynced_allowed`), those operations, and the
+    /// logged operations of such a process that came after some (all of them must be
+    /// durable then).
+    pub unsynced_ns_histories: u64,
+    pub unsynced_ns_ops: u64,
+    pub unsynced_ns_then_logged: u64,
 }
 
 impl Coverage {
@@ -174,5 +181,8 @@ impl Coverage {
         self.direct_writes += o.direct_writes;
         self.settling += o.settling;
         self.dirs_settled += o.dirs_settled;
+        self.unsynced_ns_histories += o.unsynced_ns_histories;
+        self.unsynced_ns_ops += o.unsynced_ns_ops;
+        self.unsynced_ns_then_logged += o.unsynced_ns_then_logged;
     }
 }

@@ -46,7 +46,7 @@ use crate::front::client::Client;
 use crate::front::serve::{Daemon, ServeOpts};
 use crate::front::table::{
     Table, DEFAULT_SLOTS, H_BASELINES_LOGGED, H_DIRS_SETTLED, H_HEARTBEAT, H_SYNCS_FROM_COPIES,
-    H_WAKE,
+    H_UNSYNCED_NS, H_UNSYNCED_NS_OPS, H_WAKE,
 };
 use crate::lower::{creds, RealLower};
 use crate::pmem::sim::SimPmem;
@@ -140,6 +140,17 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     let settles = !per_object && (seed >> 1) % 2 == 0;
     d.table.settle_init(settles, 0);
     cov.settling += settles as u64;
+    // A third of the histories over a lower that trusts syncfs (by seed) let the namespace
+    // operations of a process that has synced nothing run as the lower's own
+    // (`Client::unsynced_allowed`): the first process starts so (the second, with
+    // `Kinds::threads`, as one that synced before). Only the operations the model can take
+    // back are drawn for it until it syncs (a file made, a settled name renamed to a new
+    // one, the last name of a settled file removed); the others of its histories as before.
+    let unsynced_names = !per_object && (seed >> 3) % 3 == 0;
+    d.table
+        .w(H_UNSYNCED_NS)
+        .store(unsynced_names as u64, Ordering::Release);
+    cov.unsynced_ns_histories += unsynced_names as u64;
     let table_path = dir.0.join("table");
     let d = Arc::new(d);
     // The daemon's syncs of the lower, on this thread (the history's write-backs) and on the
@@ -148,6 +159,15 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     let waker = seen.as_ref().map(|s| Waker::start(d.clone(), s.share()));
     let (pids, mut clients) =
         attach_processes(kinds.threads, &table_path, d.table.epoch(), &sim, &lower);
+    // As the library's processes did before this change: every namespace operation logged.
+    clients
+        .iter()
+        .skip(unsynced_names as usize)
+        .for_each(Client::assume_synced);
+    // Per process: the operations it ran as the lower's own and has not seen a logged one
+    // after (`Model::settle_ops`).
+    let mut unsynced_ops: Vec<std::collections::BTreeSet<usize>> =
+        pids.iter().map(|_| Default::default()).collect();
     if per_object {
         // A FUSE or network lower's client finds the directories it keeps open by their
         // handle (`ns::dirs`); a local one's, by a stat.
@@ -262,6 +282,12 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         };
         let c = &clients[w];
         let tracing = std::env::var("PMSTACK_TRACE").is_ok();
+        // This operation of the process may run as the lower's own: only what the model can
+        // take back is drawn (`unsynced_names`).
+        let may_unsync = unsynced_names && !c.has_synced();
+        let unsynced_before = d.table.w(H_UNSYNCED_NS_OPS).load(Ordering::Relaxed);
+        let unsynced_now =
+            || d.table.w(H_UNSYNCED_NS_OPS).load(Ordering::Relaxed) > unsynced_before;
         // This process's descriptor of the file named `$name`, opened now if it has none.
         macro_rules! open_named {
             ($name:expr) => {
@@ -303,11 +329,19 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         let mut refused_data = false;
         let base_kinds = if kinds.dirs { 21 } else { 19 };
         let kind = rng.gen_range(0..base_kinds + if kinds.outside { 2 } else { 0 });
+        // A process that synced nothing syncs now and then only, so that its namespace
+        // operations run as the lower's own for a while (its first sync ends that).
+        let kind = if may_unsync && matches!(kind, 6 | 7 | 13) && rng.gen_bool(0.8) {
+            usize::MAX
+        } else {
+            kind
+        };
         match kind {
             0 | 1 => {
                 let name = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&name) {
-                    let osync = rng.gen_bool(0.3);
+                    // (Rarely for a process that synced nothing: an O_SYNC write is a sync.)
+                    let osync = rng.gen_bool(if may_unsync { 0.05 } else { 0.3 });
                     ns_op = true;
                     let created = done(
                         c.create(
@@ -333,7 +367,11 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                         }
                         next_file += 1;
                         opens[w].insert(next_file, Open { ino, fd, t });
-                        model.create(&name, next_file);
+                        if unsynced_now() {
+                            model.create_unsettled(&name, next_file, j);
+                        } else {
+                            model.create(&name, next_file);
+                        }
                     } else {
                         refused = true;
                     }
@@ -433,7 +471,18 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 let b = new_file_name(&mut rng, &model, kinds);
                 // Two files swap names (`Kinds::exchanges`; drawn only then, so histories
                 // without them are as before).
-                if a != b && kinds.exchanges && model.names.contains_key(&b) && rng.gen_bool(0.5) {
+                let settled_to_new = !model.names.contains_key(&b)
+                    && model
+                        .names
+                        .get(&a)
+                        .is_some_and(|&id| !model.is_unsettled(id));
+                if may_unsync && !settled_to_new {
+                    // Not drawn for a process that may run it as the lower's own.
+                } else if a != b
+                    && kinds.exchanges
+                    && model.names.contains_key(&b)
+                    && rng.gen_bool(0.5)
+                {
                     cov.exchanges += 1;
                     ns_op = true;
                     for n in [&a, &b] {
@@ -454,20 +503,33 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     let renamed = c.rename(&target(c, &a), &target(c, &b), 0);
                     if done(renamed, may_refuse, "rename").is_none() {
                         refused = true;
+                    } else if unsynced_now() {
+                        model.rename_unsettled(&a, &b, j);
                     } else if let Some(gone) = model.rename(&a, &b) {
                         close_everywhere(&clients, &mut opens, gone);
                     }
                 }
             }
-            9 if !names.is_empty() => {
+            9 if !names.is_empty() => 'unlink: {
                 let a = pick(&mut rng);
+                let id = model.names[&a];
+                if may_unsync
+                    && (model.is_unsettled(id)
+                        || model.names.values().filter(|&&i| i == id).count() > 1)
+                {
+                    break 'unlink;
+                }
                 cov.unlinks += 1;
                 ns_op = true;
                 stash.keep_last(&lower, &a);
                 model.names.get(&a).map(|id| outside_ids.remove(id));
                 if done(c.unlink(&target(c, &a), false), may_refuse, "unlink").is_none() {
                     refused = true;
-                } else if let Some(gone) = model.unlink(&a) {
+                } else if let Some(gone) = if unsynced_now() {
+                    model.unlink_unsettled(&a, j)
+                } else {
+                    model.unlink(&a)
+                } {
                     close_everywhere(&clients, &mut opens, gone);
                 }
             }
@@ -576,7 +638,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 }
                 synced = Some((o.ino, true));
             }
-            16 if kinds.links && !names.is_empty() => {
+            16 if kinds.links && !names.is_empty() && !may_unsync => {
                 let a = pick(&mut rng);
                 let b = new_file_name(&mut rng, &model, kinds);
                 if !model.names.contains_key(&b) {
@@ -620,6 +682,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 synced = Some((o.ino, true));
             }
             // Two directories swap names, with what is in them (`Kinds::exchanges`).
+            19 | 20 if may_unsync => {}
             19 | 20 if kinds.dirs && kinds.exchanges && rng.gen_bool(0.4) => {
                 if let Some((a, b)) = dirs_to_exchange(&mut rng, &model) {
                     cov.dir_exchanges += 1;
@@ -696,6 +759,21 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 }
             }
             _ => {}
+        }
+        if tracing && unsynced_names {
+            eprintln!(
+                "op {j}: w{w} kind {kind} may_unsync {may_unsync} ns_op {ns_op} unsynced {}",
+                unsynced_now()
+            );
+        }
+        if unsynced_now() {
+            unsynced_ops[w].insert(j);
+            cov.unsynced_ns_ops += 1;
+        } else if ns_op && !refused && !unsynced_ops[w].is_empty() {
+            // A namespace operation of the process logged, or made durable on return, after
+            // some it ran as the lower's own: those are durable now too.
+            model.settle_ops(&std::mem::take(&mut unsynced_ops[w]));
+            cov.unsynced_ns_then_logged += 1;
         }
         if refused {
             // Nothing changed; the operation's directories were synced before the refusal.

@@ -281,6 +281,19 @@ impl Client {
         self.dirs = crate::front::ns::dirs::DirCache::new(false);
     }
 
+    /// Whether this process synced something under the root (its namespace operations are
+    /// then logged: `ns::Client::unsynced_allowed`).
+    pub fn has_synced(&self) -> bool {
+        self.synced.load(Ordering::Relaxed)
+    }
+
+    /// Take this process for one that synced something already (the crash simulator's
+    /// processes that log every namespace operation from the first).
+    #[doc(hidden)]
+    pub fn assume_synced(&self) {
+        self.synced.store(true, Ordering::Relaxed);
+    }
+
     /// Keep copies of dirty bytes for syncs, as over a lower that is not a local file
     /// system: the crash simulator's histories of such a lower run over a local directory.
     #[doc(hidden)]

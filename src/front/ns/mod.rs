@@ -511,7 +511,7 @@ impl Client {
     /// unlogged, its durability the lower's (at the next sync that commits the lower's
     /// journal; `docs/preload.md`, "Programs that sync nothing"): the daemon allows it
     /// (`H_UNSYNCED_NS`: not over a lower that ignores syncfs), this process has synced
-    /// nothing under the root (`sync_expected`: nor does the daemon not watch), no file born
+    /// nothing under the root (`has_synced`), no file born
     /// in any of `dirs` was synced there (`F_SYNCS_HERE`), and no live namespace record names
     /// any of them as a parent: replayed over the change, one could undo it (a creation
     /// record brought back over a removal the lower made durable). An untar, a build, an
@@ -523,7 +523,7 @@ impl Client {
     /// one of these cannot slip in between unseen.
     fn unsynced_allowed(&self, dirs: &[&Dir]) -> bool {
         self.table.w(H_UNSYNCED_NS).load(Ordering::Relaxed) != 0
-            && !self.sync_expected(false)
+            && !self.has_synced()
             && dirs.iter().all(|d| {
                 !self.named_live_ino(self.root_dev, d.ino)
                     && !(self.held(d) && self.table.slot(d.slot).flags() & F_SYNCS_HERE != 0)

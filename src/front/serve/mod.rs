@@ -743,7 +743,11 @@ impl Daemon {
         });
         // (Apart: one `json!` of every key passes the macro's recursion limit.)
         v["unsynced_names"] = (self.table.w(H_UNSYNCED_NS).load(Ordering::Relaxed) != 0).into();
-        v["unsynced_ns_ops"] = self.table.w(H_UNSYNCED_NS_OPS).load(Ordering::Relaxed).into();
+        v["unsynced_ns_ops"] = self
+            .table
+            .w(H_UNSYNCED_NS_OPS)
+            .load(Ordering::Relaxed)
+            .into();
         v
     }
 
