@@ -3144,6 +3144,105 @@ fn removing_a_tree_made_outside_the_log_syncs_only_its_directories() {
     }
 }
 
+/// A program that has synced nothing under the root (an untar, a build, `rm -rf`) runs its
+/// namespace operations as the lower's own: none is logged, none writes anything back. Its
+/// first one logged after it synced (in a directory clean through the log, which alone
+/// would need no write-back) first makes those durable: a power cut must not keep it and
+/// lose an earlier one. A program that synced nothing still logs its creations where files
+/// born in the directory were synced (a mail delivery's). After a kill of everything and
+/// recovery the tree is as the programs left it.
+#[test]
+fn a_program_that_synced_nothing_runs_its_namespace_operations_as_the_lowers_own() {
+    if !common::can_mount() || !have("python3") {
+        return;
+    }
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = fs::canonicalize(d.path()).unwrap();
+    let pm = shm_region("unsynced");
+    let s = Serve::start_unsynced(&root, &pm, &["--flush-interval-ms", "3600000"]);
+    assert_eq!(s.stats()["unsynced_names"], true);
+    // q syncs first (its first creation is the lower's own): its namespace operations
+    // after are logged. It makes c (clean through the log) and m, where a file born there
+    // is synced.
+    let mut q = Py::spawn(s.run(), &root);
+    q.exec("fd = os.open(os.path.join(d, 'q0'), os.O_CREAT | os.O_WRONLY, 0o644); os.write(fd, b'q'); os.fsync(fd); os.close(fd)");
+    q.exec("os.mkdir(os.path.join(d, 'c')); os.mkdir(os.path.join(d, 'm'))");
+    q.exec("fd = os.open(os.path.join(d, 'm/q1'), os.O_CREAT | os.O_WRONLY, 0o644); os.write(fd, b'q'); os.fsync(fd); os.close(fd)");
+    let mut a = Py::spawn(s.run(), &root);
+    let pid = a.pid();
+    // (ns_write_backs, ns_ops, real_syncs) of a, and unsynced_ns_ops, once the stats show
+    // `done` (they are written every 500 ms).
+    let counts = |what: &str, done: &dyn Fn(&[u64; 4]) -> bool| -> [u64; 4] {
+        let of = |v: &serde_json::Value| {
+            let p = proc_stats(v, pid).unwrap_or_default();
+            let g = |k: &str| p[k].as_u64().unwrap_or(0);
+            let all = v["unsynced_ns_ops"].as_u64().unwrap_or(0);
+            [g("ns_write_backs"), g("ns_ops"), g("real_syncs"), all]
+        };
+        of(&s.wait_stats(what, |v| done(&of(v))))
+    };
+    // a has synced nothing: a tree made and changed as the lower's own.
+    a.exec("os.makedirs(os.path.join(d, 't/u'))");
+    a.exec("open(os.path.join(d, 't/u/x'), 'w').write('x')");
+    a.exec("os.rename(os.path.join(d, 't/u/x'), os.path.join(d, 't/z'))");
+    a.create("t/u/gone");
+    a.unlink("t/u/gone");
+    a.exec("os.link(os.path.join(d, 't/z'), os.path.join(d, 't/u/z2'))");
+    a.exec("os.symlink('z', os.path.join(d, 't/s'))");
+    a.exec("os.mkdir(os.path.join(d, 't/v'))");
+    a.rmdir("t/v");
+    // Of a's operations, the first (t, in the root, which live records of q name: one
+    // replayed over it could undo it) is logged; the nine after are the lower's own, as
+    // was q's first creation, before its sync. Nothing written back.
+    assert_eq!(
+        counts("a's operations", &|c| c[3] == 10),
+        [0, 1, 0, 10],
+        "makedirs (2), create, rename, create, unlink, link, symlink, mkdir, rmdir"
+    );
+    // a syncs a file (the lower's own: a's first sync of it): its next namespace operation
+    // is logged, in c (clean), after a write-back of what it did before.
+    a.exec("fd = os.open(os.path.join(d, 't/z'), os.O_WRONLY); os.write(fd, b'y'); os.fsync(fd); os.close(fd)");
+    let before = counts("a's sync", &|c| c[2] == 1);
+    a.create("c/w");
+    let after = counts("a creation in c", &|c| c[1] == before[1] + 1);
+    assert_eq!(
+        after,
+        [before[0] + 1, before[1] + 1, 1, 10],
+        "a's earlier operations written back first, then the creation in c logged"
+    );
+    a.create("c/w2");
+    assert_eq!(
+        counts("another creation in c", &|c| c[1] == after[1] + 1),
+        [after[0], after[1] + 1, 1, 10],
+        "written back once"
+    );
+    // Where files born are synced, a creation of a program that synced nothing is logged
+    // even so (a mail delivery's: its first sync there can be absorbed).
+    drop(q);
+    let mut q = Py::spawn(s.run(), &root);
+    q.create("m/b1");
+    let qp = q.pid();
+    let st = s.wait_stats("a creation in m", |v| {
+        proc_stats(v, qp).is_some_and(|p| p["ns_ops"] == 1)
+    });
+    let p = proc_stats(&st, qp).unwrap();
+    assert_eq!(
+        (&p["ns_write_backs"], &st["unsynced_ns_ops"]),
+        (&0.into(), &10.into()),
+        "a creation where files born are synced: logged, nothing written back"
+    );
+    killed_and_recovered(s, [a, q], &root, &pm);
+    assert_eq!(fs::read(root.join("t/z")).unwrap(), b"y");
+    assert_eq!(fs::read(root.join("t/u/z2")).unwrap(), b"y");
+    assert_eq!(fs::read_link(root.join("t/s")).unwrap(), Path::new("z"));
+    for there in ["c/w", "c/w2", "m/b1", "m/q1", "q0"] {
+        assert!(root.join(there).is_file(), "{there} lost");
+    }
+    for gone in ["t/u/x", "t/u/gone", "t/v"] {
+        assert!(!root.join(gone).exists(), "{gone} came back");
+    }
+}
+
 /// Over a journaled ext4 (a loop image), a write-back of the whole file system settles every
 /// directory changed before it (`front::settle`): a tree made outside `pmstack run` costs one
 /// namespace write-back, not one sync per directory it empties; a directory fsync there is
