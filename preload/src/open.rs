@@ -45,8 +45,10 @@ pub(crate) unsafe fn do_open(
     let (sync, trunc, f) = (plan.sync, plan.truncate, plan.kernel_flags);
     // Before the open: a child started from here on may hold the new descriptor.
     let spawns = pmstack::front::client::spawn_mark();
-    // A file this call created: what the creation learnt of it.
+    // A file this call created: what the creation learnt of it (None where it was not
+    // logged), and whether it made one.
     let mut born = None;
+    let mut made = false;
     // Opened through the copy: its status (taken there), and its path is remembered already
     // (`crate::tree::keep_given`).
     let via_tree = std::cell::Cell::new(None);
@@ -63,8 +65,9 @@ pub(crate) unsafe fn do_open(
         // first).
         match ns_targets(&[(dirfd, path)]) {
             Some((c, ts)) => match c.create(&ts[0], f, mode, sync) {
-                Ok((fd, b)) => {
+                Ok((fd, b, created)) => {
                     born = b.map(|b| (c, b));
+                    made = created;
                     fd
                 }
                 Err(e) => {
@@ -80,7 +83,8 @@ pub(crate) unsafe fn do_open(
     if fd < 0 {
         return fd;
     }
-    let new = born.is_some();
+    // (A file made as the lower's own, by a program that synced nothing, is empty too.)
+    let new = born.is_some() || made;
     let tracked = match born {
         // Under the root, and empty.
         Some((c, b)) => c.track_born(fd, sync, b).map(|t| (c, t)),

@@ -284,7 +284,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
         let tracing = std::env::var("PMSTACK_TRACE").is_ok();
         // This operation of the process may run as the lower's own: only what the model can
         // take back is drawn (`unsynced_names`).
-        let may_unsync = unsynced_names && !c.has_synced();
+        let may_unsync = unsynced_names && c.names_unsynced();
         let unsynced_before = d.table.w(H_UNSYNCED_NS_OPS).load(Ordering::Relaxed);
         let unsynced_now =
             || d.table.w(H_UNSYNCED_NS_OPS).load(Ordering::Relaxed) > unsynced_before;
@@ -353,7 +353,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                         may_refuse,
                         "create",
                     );
-                    if let Some((fd, born)) = created {
+                    if let Some((fd, born, _)) = created {
                         // As the library does.
                         let t = match born {
                             Some(b) => c.track_born(fd, osync, b),

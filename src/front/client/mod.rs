@@ -195,6 +195,10 @@ pub struct Client {
     /// The namespace operations this process ran as the lower's own (it had synced nothing)
     /// and has not made durable since (`ns::Unsynced`).
     pub(in crate::front) unsynced: Mutex<crate::front::ns::Unsynced>,
+    /// The namespace operations this process ran as the lower's own were written back
+    /// before a logged one (`ns::Client::unsynced_first`): its namespace operations are
+    /// logged from then on (`ns::Client::unsynced_allowed`).
+    pub(in crate::front) logs_names: std::sync::atomic::AtomicBool,
     /// The directories of recent namespace operations, kept open (`ns::dirs`).
     pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
     /// Read-only shared mappings of tracked files (`maps`).
@@ -287,6 +291,13 @@ impl Client {
         self.synced.load(Ordering::Relaxed)
     }
 
+    /// Whether this process's next namespace operation may run as the lower's own, as far
+    /// as the process tells (`ns::Client::unsynced_allowed` asks more of its directories):
+    /// it has synced nothing, nor written back operations it ran so before a logged one.
+    pub fn names_unsynced(&self) -> bool {
+        !self.has_synced() && !self.logs_names.load(Ordering::Relaxed)
+    }
+
     /// Take this process for one that synced something already (the crash simulator's
     /// processes that log every namespace operation from the first).
     #[doc(hidden)]
@@ -358,6 +369,7 @@ impl Client {
             copies: !local,
             synced: false.into(),
             unsynced: Mutex::new(Default::default()),
+            logs_names: false.into(),
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
             pause_logged_write: std::env::var("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS")

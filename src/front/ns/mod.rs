@@ -511,7 +511,10 @@ impl Client {
     /// unlogged, its durability the lower's (at the next sync that commits the lower's
     /// journal; `docs/preload.md`, "Programs that sync nothing"): the daemon allows it
     /// (`H_UNSYNCED_NS`: not over a lower that ignores syncfs), this process has synced
-    /// nothing under the root (`has_synced`), no file born
+    /// nothing under the root, nor had to write back unlogged ones before a logged one
+    /// (`names_unsynced`; `unsynced_first`: once that happened its operations are logged,
+    /// or each logged one that followed unlogged ones would pay a write-back, a syncfs of
+    /// everything a file server left dirty), no file born
     /// in any of `dirs` was synced there (`F_SYNCS_HERE`), and no live namespace record names
     /// any of them as a parent: replayed over the change, one could undo it (a creation
     /// record brought back over a removal the lower made durable). An untar, a build, an
@@ -523,7 +526,7 @@ impl Client {
     /// one of these cannot slip in between unseen.
     fn unsynced_allowed(&self, dirs: &[&Dir]) -> bool {
         self.table.w(H_UNSYNCED_NS).load(Ordering::Relaxed) != 0
-            && !self.has_synced()
+            && self.names_unsynced()
             && dirs.iter().all(|d| {
                 !self.named_live_ino(self.root_dev, d.ino)
                     && !(self.held(d) && self.table.slot(d.slot).flags() & F_SYNCS_HERE != 0)
@@ -553,6 +556,8 @@ impl Client {
         if !u.any() {
             return Ok(false);
         }
+        // Once only: from here on, this process's namespace operations are logged.
+        self.logs_names.store(true, Ordering::Relaxed);
         let mut fds = raw(dirs);
         let kept: Option<Vec<dirs::Cached>> = if u.many {
             None

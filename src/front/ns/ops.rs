@@ -281,14 +281,15 @@ impl Client {
     /// is seen from its birth, so its syncs are absorbed from the first. Otherwise its first
     /// two syncs are real, as for a file that existed before.
     /// With the descriptor, what the creation learnt of the new file, for `track_born` (None
-    /// if it opened an existing one, or the creation was not logged).
+    /// if it opened an existing one, or the creation was not logged), and whether it made
+    /// the file (an existing one opened is not: the caller truncates it as asked).
     pub fn create(
         &self,
         t: &Target,
         flags: i32,
         mode: u32,
         sync: bool,
-    ) -> io::Result<(i32, Option<crate::front::client::Born>)> {
+    ) -> io::Result<(i32, Option<crate::front::client::Born>, bool)> {
         let c = t.cname();
         let expected = self.sync_expected(sync)
             || t.dir.slot != NO_SLOT && self.table.slot(t.dir.slot).flags() & F_SYNCS_HERE != 0;
@@ -380,7 +381,7 @@ impl Client {
                 Ok(true)
             },
         )
-        .map(|(fd, _)| (fd, born.take()))
+        .map(|(fd, created)| (fd, born.take(), created))
     }
 
     /// Make the name of the regular file `fd` durable, and the names of the directories on
