@@ -88,6 +88,10 @@ struct Args {
     /// found before some were)
     #[arg(long)]
     no_direct: bool,
+    /// Let no process of the `pmstack run` histories run its namespace operations as the
+    /// lower's own (the histories of seeds found before one could)
+    #[arg(long)]
+    no_unsynced_names: bool,
     /// Have the program that is not attached sync every file it makes (the histories of
     /// seeds found before it made some it left unsynced)
     #[arg(long)]
@@ -156,6 +160,7 @@ fn main() {
         unsynced_renames: !a.no_unsynced_renames,
         unsynced_removals: !a.no_unsynced_removals,
         per_dir_commits: !a.no_per_dir_commits,
+        unsynced_names: !a.no_unsynced_names,
     };
     let next = AtomicU64::new(0);
     let total = Mutex::new(Coverage::default());

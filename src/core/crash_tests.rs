@@ -31,6 +31,7 @@ const LINKS: Kinds = Kinds {
     unsynced_renames: false,
     unsynced_removals: false,
     per_dir_commits: false,
+    unsynced_names: false,
 };
 
 /// Many histories of one mode; a failure prints the command that reproduces it
@@ -364,6 +365,7 @@ fn an_object_moved_aside_by_a_killed_recovery_is_placed_by_the_next() {
                 unsynced_renames: false,
                 unsynced_removals: false,
                 per_dir_commits: false,
+                unsynced_names: false,
             },
         )
     });
@@ -400,6 +402,7 @@ fn a_rename_in_flight_is_told_from_operations_the_lower_lost() {
                 unsynced_renames: false,
                 unsynced_removals: false,
                 per_dir_commits: false,
+                unsynced_names: false,
             },
         )
     });

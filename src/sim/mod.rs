@@ -204,6 +204,10 @@ pub struct Kinds {
     /// none, and a file's sync commits none of its names. Without it, any directory's sync
     /// commits every name, as a local file system's journal does.
     pub per_dir_commits: bool,
+    /// `pmstack run`, over a lower that trusts syncfs: a third of the histories (by seed) let
+    /// a process that synced nothing run its namespace operations as the lower's own
+    /// (`Client::unsynced_allowed`; `run::history`).
+    pub unsynced_names: bool,
 }
 
 impl Kinds {
@@ -225,13 +229,21 @@ impl Kinds {
         unsynced_renames: true,
         unsynced_removals: true,
         per_dir_commits: true,
+        unsynced_names: true,
+    };
+
+    /// `CAMPAIGN` before `pmstack run`'s histories had processes that synced nothing run
+    /// their namespace operations as the lower's own (2026-12-03).
+    pub const CAMPAIGN_BEFORE_UNSYNCED_NAMES: Kinds = Kinds {
+        unsynced_names: false,
+        ..Kinds::CAMPAIGN
     };
 
     /// `CAMPAIGN` before the histories over a lower that ignores syncfs had it commit each
     /// directory's entries separately (2026-11-28, the sixteenth session).
     pub const CAMPAIGN_BEFORE_PER_DIR_COMMITS: Kinds = Kinds {
         per_dir_commits: false,
-        ..Kinds::CAMPAIGN
+        ..Kinds::CAMPAIGN_BEFORE_UNSYNCED_NAMES
     };
 
     /// `CAMPAIGN` before `pmstack run`'s histories had files removed and left unsynced by

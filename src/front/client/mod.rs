@@ -199,6 +199,10 @@ pub struct Client {
     /// before a logged one (`ns::Client::unsynced_first`): its namespace operations are
     /// logged from then on (`ns::Client::unsynced_allowed`).
     pub(in crate::front) logs_names: std::sync::atomic::AtomicBool,
+    /// The machine's dirty page cache (`sys::dirty_bytes`), for the choice of a namespace
+    /// write-back of the whole file system (`settle`); the crash simulator's is a constant,
+    /// so that its histories do not depend on what else the machine writes.
+    pub(in crate::front) dirty_probe: fn() -> Option<u64>,
     /// The directories of recent namespace operations, kept open (`ns::dirs`).
     pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
     /// Read-only shared mappings of tracked files (`maps`).
@@ -298,6 +302,12 @@ impl Client {
         !self.has_synced() && !self.logs_names.load(Ordering::Relaxed)
     }
 
+    /// Tell the machine's dirty page cache by `f` instead of /proc/meminfo (`dirty_probe`).
+    #[doc(hidden)]
+    pub fn set_dirty_probe(&mut self, f: fn() -> Option<u64>) {
+        self.dirty_probe = f;
+    }
+
     /// Take this process for one that synced something already (the crash simulator's
     /// processes that log every namespace operation from the first).
     #[doc(hidden)]
@@ -370,6 +380,7 @@ impl Client {
             synced: false.into(),
             unsynced: Mutex::new(Default::default()),
             logs_names: false.into(),
+            dirty_probe: sys::dirty_bytes,
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
             pause_logged_write: std::env::var("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS")

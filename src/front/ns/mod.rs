@@ -527,9 +527,9 @@ impl Client {
     fn unsynced_allowed(&self, dirs: &[&Dir]) -> bool {
         self.table.w(H_UNSYNCED_NS).load(Ordering::Relaxed) != 0
             && self.names_unsynced()
-            && dirs.iter().all(|d| {
-                !self.named_live_ino(self.root_dev, d.ino)
-                    && !(self.held(d) && self.table.slot(d.slot).flags() & F_SYNCS_HERE != 0)
+            && !dirs.iter().any(|d| {
+                self.named_live_ino(self.root_dev, d.ino)
+                    || self.held(d) && self.table.slot(d.slot).flags() & F_SYNCS_HERE != 0
             })
     }
 
@@ -635,7 +635,7 @@ impl Client {
         // on, where the syncs of the operation's directories would make only them so (one
         // sync per directory that `rm -rf` of such a tree empties).
         let mark = self.table.settle_mark();
-        let whole = whole || self.table.write_back_whole(mark, sys::dirty_bytes);
+        let whole = whole || self.table.write_back_whole(mark, self.dirty_probe);
         let live = self.ns_live();
         if !whole && each_once(dirs, |d| self.sync_up_to_root(d, live)).is_ok() {
             self.table.note_dir_write_back();
