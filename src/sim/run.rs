@@ -144,8 +144,9 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     // operations of a process that has synced nothing run as the lower's own
     // (`Client::unsynced_allowed`): the first process starts so (the second, with
     // `Kinds::threads`, as one that synced before). Only the operations the model can take
-    // back are drawn for it until it syncs (a file made, a settled name renamed to a new
-    // one, the last name of a settled file removed); the others of its histories as before.
+    // back are drawn for it while it may run them so (`Client::names_unsynced`: until it
+    // syncs, or writes them back before a logged one): a file made, a settled name renamed
+    // to a new one, the last name of a settled file removed; the others as before.
     let unsynced_names = kinds.unsynced_names && !per_object && (seed >> 3) % 3 == 0;
     d.table
         .w(H_UNSYNCED_NS)

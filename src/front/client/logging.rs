@@ -174,7 +174,7 @@ impl Client {
     /// is absorbed that the mark would serve. (A file created in a directory where created
     /// files were synced is expected too: `create`.)
     pub(crate) fn sync_expected(&self, sync: bool) -> bool {
-        !self.watching || sync || self.synced.load(Ordering::Relaxed)
+        !self.watching || sync || self.has_synced()
     }
 
     /// An attached sync of the tracked object `t` (through `fd`) is about to happen: later
