@@ -1330,6 +1330,81 @@ fn a_process_that_cannot_attach_makes_syncs_of_what_it_writes_real() {
     assert_eq!(fs::read(root.join("f")).unwrap(), vec![b'n'; 100]);
 }
 
+/// A process's record is cleaned without sweeping every slot of the table only when the
+/// process holds nothing (`H_MAY_HOLD`): one killed while it holds a file open leaves no
+/// holder bit behind once the daemon cleaned its record (else the next process given that
+/// record would seem to hold the file), and one that closed what it opened holds nothing.
+#[test]
+fn a_process_killed_holding_a_file_leaves_no_holder_and_one_that_closed_holds_nothing() {
+    use pmstack::front::table::*;
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::atomic::Ordering;
+    let Some((_d, root, _pm, mut s)) = served_tmp("mayhold", &[]) else {
+        return;
+    };
+    let tab = Table::open(&pmstack::front::paths(&s.dir).1).unwrap();
+    let record_of =
+        |pid: u64| (0..MAX_PROCS).find(|&i| tab.proc_word(i, P_PID).load(Ordering::Acquire) == pid);
+    let holders_of = |name: &str| {
+        let md = fs::metadata(root.join(name)).unwrap();
+        let slot = tab.find(md.dev(), md.ino()).expect("the file has a slot");
+        tab.slot(slot).holders().collect::<Vec<_>>()
+    };
+    // Opens `name` for writing, says so, and with `close` closes it and says so again; then
+    // waits for its stdin to end.
+    let script = "import os, sys\nfd = os.open(os.path.join(sys.argv[1], sys.argv[2]), os.O_WRONLY | os.O_CREAT, 0o644)\n\
+                  print('open', flush=True)\nif sys.argv[3] == 'close':\n    os.close(fd)\n    print('closed', flush=True)\n\
+                  sys.stdin.read()\n";
+    let start = |name: &str, close: bool| {
+        let mut c = s
+            .run()
+            .args(["python3", "-c", script])
+            .arg(&root)
+            .args([name, if close { "close" } else { "keep" }])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(c.stdout.take().unwrap());
+        for want in ["open"].into_iter().chain(close.then_some("closed")) {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), want, "{name}");
+        }
+        c
+    };
+    let mut kept = common::Reaped(vec![start("held", false)]);
+    let pid = kept.0[0].id() as u64;
+    let rec = record_of(pid).expect("the holder is attached");
+    assert!(tab.may_hold(rec), "a holder's record says it may hold");
+    assert_eq!(holders_of("held"), vec![rec]);
+    let _ = kept.0[0].kill();
+    let _ = kept.0[0].wait();
+    // The daemon frees the record of a reaped process within a round or two.
+    let t0 = Instant::now();
+    while record_of(pid) == Some(rec) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "record {rec} never freed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        holders_of("held").is_empty(),
+        "the killed holder still holds its file"
+    );
+    assert!(!tab.may_hold(rec));
+    let closer = start("closed", true);
+    let crec = record_of(closer.id() as u64).expect("the closer is attached");
+    assert!(holders_of("closed").is_empty());
+    assert!(
+        !tab.may_hold(crec),
+        "a process that closed all it held may hold nothing"
+    );
+    drop(common::Reaped(vec![closer]));
+    s.stop();
+}
+
 /// A program that exits gives its PM area back: one that committed nothing at once, with no
 /// write-back; one whose records are live at the next write-back, which comes early only when
 /// few areas are left (each exit made one within 200 ms: a syncfs forcing out data nobody

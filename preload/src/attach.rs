@@ -247,6 +247,14 @@ pub(crate) fn root() -> Option<&'static [u8]> {
     .map(|r| &r.buf[..r.len])
 }
 
+/// The served root as a path (`root` without its trailing slash).
+fn root_path() -> Option<&'static std::path::Path> {
+    use std::os::unix::ffi::OsStrExt;
+    let r = root()?;
+    let r = if r.len() > 1 { &r[..r.len() - 1] } else { r };
+    Some(std::path::Path::new(std::ffi::OsStr::from_bytes(r)))
+}
+
 pub(crate) fn under_root(path: &[u8]) -> bool {
     root().is_some_and(|r| pmstack::front::open::path_under(r, path))
 }
@@ -318,7 +326,7 @@ pub(crate) fn client() -> Option<&'static Client> {
     // SAFETY: as above.
     let parent = unsafe { CLIENT.load(Ordering::Acquire).as_ref() };
     let inherited = parent.map(|p| p.fds_snapshot());
-    let r = Client::connect(std::path::Path::new(&sock));
+    let r = Client::connect(std::path::Path::new(&sock), root_path());
     if std::env::var_os("PMSTACK_DEBUG").is_some() {
         eprintln!(
             "pmstack preload: attach gen {gen} forks {} -> {}",
@@ -349,8 +357,13 @@ pub(crate) fn client() -> Option<&'static Client> {
                             .flatten()
                             .filter_map(|e| e.file_name().to_str()?.parse().ok())
                             .collect();
+                        // One fstat each tells a file of the root's file system and an
+                        // anonymous inode (which may be a ring) from the rest.
                         for fd in fds {
-                            if c.track(fd, true).is_none() && crate::kaio::is_ring(fd) {
+                            let Ok(st) = sys::fstat(fd) else { continue };
+                            if c.track_stat(fd, st, true).is_none()
+                                && crate::kaio::is_ring_stat(fd, &st)
+                            {
                                 // A ring inherited over exec: its writes are invisible.
                                 c.go_blind();
                             }

@@ -49,11 +49,11 @@ pub(crate) fn ring_set_up() {
     })
 }
 
-/// Whether `fd` is an io_uring instance.
-pub(crate) fn is_ring(fd: c_int) -> bool {
+/// Whether `fd` (whose status the caller took) is an io_uring instance.
+pub(crate) fn is_ring_stat(fd: c_int, st: &libc::stat) -> bool {
     // An io_uring is an anonymous inode, whose mode has no file type: anything else is told
     // by an fstat, cheaper than reading the descriptor's name.
-    sys::fstat(fd).is_ok_and(|st| st.st_mode & libc::S_IFMT == 0)
+    st.st_mode & libc::S_IFMT == 0
         && sys::fd_path(fd).is_some_and(|p| p == b"anon_inode:[io_uring]")
 }
 

@@ -203,6 +203,8 @@ pub struct Client {
     /// write-back of the whole file system (`settle`); the crash simulator's is a constant,
     /// so that its histories do not depend on what else the machine writes.
     pub(in crate::front) dirty_probe: fn() -> Option<u64>,
+    /// The holder bits this process set in slots and has not cleared (`hold_slot`).
+    holds: Mutex<Holds>,
     /// The directories of recent namespace operations, kept open (`ns::dirs`).
     pub(in crate::front) dirs: crate::front::ns::dirs::DirCache,
     /// Read-only shared mappings of tracked files (`maps`).
@@ -220,6 +222,70 @@ pub struct Client {
     pub(in crate::front) early_gate: Option<std::path::PathBuf>,
 }
 
+/// The holder bits a process set (`Client::hold_slot`): while there are any, its record's
+/// `H_MAY_HOLD` bit is set, so that the record's cleaning after the process is gone sweeps
+/// the slots for them.
+struct Holds {
+    n: u64,
+    /// The record was this pid's already (before an exec) and may hold bits that image set:
+    /// the `H_MAY_HOLD` bit stays.
+    inherited: bool,
+}
+
+/// What an attaching process finds out before it needs the daemon's answer (`connect` does
+/// it while the daemon answers): when the process started and from what image (its record
+/// in the table holds both, so that a pid used again is told from it), and the served root.
+struct Preface {
+    pid: u64,
+    start: u64,
+    exe: u64,
+    /// The root as given, and what was found of it.
+    root: Option<(PathBuf, io::Result<RootOf>)>,
+}
+
+impl Preface {
+    fn of(pid: u64, root: Option<&Path>) -> Preface {
+        Preface {
+            pid,
+            start: super::watch::start_time(pid),
+            exe: super::watch::exe_ident(pid),
+            root: root.map(|r| (r.to_owned(), RootOf::of(r))),
+        }
+    }
+}
+
+/// The served root as a client knows it: its canonical path, identity, handle (empty where
+/// the file system gives none) and whether its file system keeps handles across mounts.
+struct RootOf {
+    canonical: PathBuf,
+    dev: u64,
+    ino: u64,
+    handle: Vec<u8>,
+    local: bool,
+}
+
+impl RootOf {
+    fn of(root: &Path) -> io::Result<RootOf> {
+        use std::os::unix::fs::MetadataExt;
+        let canonical = std::fs::canonicalize(root)?;
+        let md = std::fs::metadata(&canonical)?;
+        let mut local = false;
+        let handle = std::fs::File::open(&canonical)
+            .and_then(|f| {
+                local = crate::lower::real::local_fs(&f);
+                crate::lower::real::handle_of(f.as_raw_fd(), md.ino())
+            })
+            .unwrap_or_default();
+        Ok(RootOf {
+            canonical,
+            dev: md.dev(),
+            ino: md.ino(),
+            handle,
+            local,
+        })
+    }
+}
+
 /// What the daemon tells an attaching process.
 #[derive(serde::Serialize, serde::Deserialize, Debug)]
 pub struct Hello {
@@ -234,8 +300,9 @@ fn bad(msg: String) -> io::Error {
 }
 
 impl Client {
-    /// Attach through the daemon's socket.
-    pub fn connect(sock: &Path) -> io::Result<Client> {
+    /// Attach through the daemon's socket. `root`: the directory the daemon is expected to
+    /// serve (the library's `PMSTACK_ROOT`), if known.
+    pub fn connect(sock: &Path, root: Option<&Path>) -> io::Result<Client> {
         let mut s = UnixStream::connect(sock)?;
         // A daemon that does not answer (stopped, hung) must not hang the program: it then
         // runs unattached, as when no daemon serves the root.
@@ -243,6 +310,9 @@ impl Client {
         s.set_write_timeout(Some(DAEMON_TIMEOUT))?;
         // One write: the daemon answers at once a line it finds whole.
         s.write_all(format!("attach {}\n", my_pid()).as_bytes())?;
+        // While the daemon wakes and answers (a hundred microseconds or more here, most of
+        // it the wake-up of its thread), what needs no answer is found out.
+        let preface = Preface::of(my_pid(), root);
         let (line, group, tree) = recv_hello(&s)?;
         if let Some(why) = line.strip_prefix("refused ") {
             return Err(io::Error::new(
@@ -252,7 +322,7 @@ impl Client {
         }
         let hello: Hello = serde_json::from_str(line.trim())
             .map_err(|e| bad(format!("bad hello from daemon: {e}")))?;
-        let mut c = Self::attach(&hello)?;
+        let mut c = Self::attach_prefaced(&hello, Some(preface))?;
         c._sock = Some(s);
         c.group = group;
         c.tree = tree.and_then(|t| c.tree_of_root(t));
@@ -261,13 +331,17 @@ impl Client {
 
     /// Attach to a region and table directly (tests; `connect` after its handshake).
     pub fn attach(h: &Hello) -> io::Result<Client> {
+        Self::attach_prefaced(h, None)
+    }
+
+    fn attach_prefaced(h: &Hello, preface: Option<Preface>) -> io::Result<Client> {
         let table = Table::open(&h.table)?;
         if table.epoch() != h.epoch || !table.daemon_alive(DAEMON_TIMEOUT.as_nanos() as u64) {
             return Err(bad("the daemon is not running".into()));
         }
         let pm: Arc<dyn Pmem> =
             Arc::new(MappedRegion::open(&h.region, 0).map_err(|e| bad(e.to_string()))?);
-        Self::attach_to(table, h.epoch, pm, &h.root)
+        Self::attach_with(table, h.epoch, pm, &h.root, my_pid(), preface)
     }
 
     /// Attach to the region `pm` (in use by the daemon that made `table`) for the lower
@@ -332,6 +406,23 @@ impl Client {
         root: &Path,
         pid: u64,
     ) -> io::Result<Client> {
+        Self::attach_with(table, epoch, pm, root, pid, None)
+    }
+
+    /// `attach_as`, with what `preface` found out beforehand (of this process, and of the
+    /// root if it is `root`).
+    fn attach_with(
+        table: Table,
+        epoch: u64,
+        pm: Arc<dyn Pmem>,
+        root: &Path,
+        pid: u64,
+        preface: Option<Preface>,
+    ) -> io::Result<Client> {
+        let preface = match preface {
+            Some(p) if p.pid == pid => p,
+            _ => Preface::of(pid, None),
+        };
         let log =
             Log::attach(pm, 1).map_err(|e| bad(format!("cannot attach to the PM log: {e}")))?;
         let rec = table
@@ -339,22 +430,21 @@ impl Client {
             .ok_or_else(|| bad("too many attached processes".into()))?;
         table
             .proc_word(rec, P_START)
-            .store(super::watch::start_time(pid), Ordering::Relaxed);
+            .store(preface.start, Ordering::Relaxed);
         table
             .proc_word(rec, P_EXE)
-            .store(super::watch::exe_ident(pid), Ordering::Release);
+            .store(preface.exe, Ordering::Release);
+        let holds = Mutex::new(Holds {
+            n: 0,
+            inherited: table.may_hold(rec),
+        });
         let watching = table.w(H_WATCH).load(Ordering::Relaxed) == 1;
-        let root = std::fs::canonicalize(root)?;
-        let rmeta = std::fs::metadata(&root)?;
-        let root_dev = std::os::unix::fs::MetadataExt::dev(&rmeta);
-        let root_ino = std::os::unix::fs::MetadataExt::ino(&rmeta);
-        let mut local = false;
-        let root_handle = std::fs::File::open(&root)
-            .and_then(|f| {
-                local = crate::lower::real::local_fs(&f);
-                crate::lower::real::handle_of(std::os::fd::AsRawFd::as_raw_fd(&f), root_ino)
-            })
-            .unwrap_or_default();
+        let r = match preface.root {
+            Some((given, r)) if given == root => r?,
+            _ => RootOf::of(root)?,
+        };
+        let (root, root_dev, root_ino, root_handle, local) =
+            (r.canonical, r.dev, r.ino, r.handle, r.local);
         Ok(Client {
             root: super::open::root_with_slash(root.as_os_str().as_encoded_bytes()),
             root_dev,
@@ -381,6 +471,7 @@ impl Client {
             unsynced: Mutex::new(Default::default()),
             logs_names: false.into(),
             dirty_probe: sys::dirty_bytes,
+            holds,
             dirs: crate::front::ns::dirs::DirCache::new(local),
             ro_shared: Mutex::new(Vec::new()),
             pause_logged_write: std::env::var("PMSTACK_TEST_PAUSE_LOGGED_WRITE_MS")
@@ -502,7 +593,7 @@ impl Client {
             let slot = self.table.slot(t.ino.slot);
             let _g = slot.lock();
             if slot.w(S_GEN).load(Ordering::Acquire) == t.ino.gen {
-                slot.unhold(self.rec);
+                self.unhold_slot(&slot);
                 self.unwatch_if_idle(&slot, fd);
             }
         }
@@ -571,6 +662,36 @@ impl Client {
     /// program asked for O_SYNC/O_DSYNC. None: not ours (or the table is full).
     pub fn track(&self, fd: i32, sync: bool) -> Option<Arc<Tracked>> {
         self.track_if(fd, None, sync, None, None, || self.fd_under_root(fd))
+    }
+
+    /// This process holds the object of `slot` (`Slot::hold`), its record marked first as
+    /// one that may hold slots (`H_MAY_HOLD`).
+    fn hold_slot(&self, slot: &Slot<'_>) {
+        let mut h = self.holds.lock();
+        if h.n == 0 {
+            self.table.note_may_hold(self.rec);
+        }
+        if slot.hold(self.rec) {
+            h.n += 1;
+        }
+    }
+
+    /// This process holds the object of `slot` no more; once it holds none, its record is
+    /// marked so (unless an earlier image of the process may have left bits set).
+    fn unhold_slot(&self, slot: &Slot<'_>) {
+        if !slot.unhold(self.rec) {
+            return;
+        }
+        let mut h = self.holds.lock();
+        h.n = h.n.saturating_sub(1);
+        if h.n == 0 && !h.inherited {
+            self.table.clear_may_hold(self.rec);
+        }
+    }
+
+    /// `track` of a descriptor whose status the caller took.
+    pub fn track_stat(&self, fd: i32, st: libc::stat, sync: bool) -> Option<Arc<Tracked>> {
+        self.track_if(fd, Some(st), sync, None, None, || self.fd_under_root(fd))
     }
 
     /// `track` of a descriptor the caller knows to be under the root (by the path it was
@@ -651,7 +772,7 @@ impl Client {
             if self.blind.load(Ordering::Relaxed) {
                 slot.w(S_FLAGS).fetch_or(F_UNSEEN, Ordering::AcqRel);
             }
-            slot.hold(self.rec);
+            self.hold_slot(slot);
             if watch || slot.flags() & F_SYNCED != 0 {
                 self.mark_for_watch(slot, fd);
             }

@@ -25,7 +25,7 @@ pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
 /// which every attached process must keep up: no process of another version may attach.
 /// 9: the ring of new marks has `RING` entries of its own before the slots (it was 32 header
 /// words).
-pub const VERSION: u64 = 9;
+pub const VERSION: u64 = 10;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -93,8 +93,15 @@ pub const H_DIR_WRITE_BACKS_UNSETTLED: usize = 21;
 pub const H_UNSYNCED_NS: usize = 22;
 /// How many namespace operations ran so (`unsynced_ns_ops` in the stats).
 pub const H_UNSYNCED_NS_OPS: usize = 23;
-/// Header words 24..48 are unused (the ring's before version 9).
-pub const H_UNUSED: usize = 24;
+/// A bit per process record (`MAX_PROCS` bits, from this word on) set while its process may
+/// hold slots (`Slot::hold`): set before the process's first holder bit, cleared by the
+/// process once it cleared all it set (`Client::hold_slot`), or by `clean_record` after its
+/// sweep. A record without it is cleaned without a sweep of every slot (65,536 of them by
+/// default, hundreds of microseconds: every program that `pmstack run` starts and that
+/// touches the root leaves its record to clean).
+pub const H_MAY_HOLD: usize = 24;
+/// Header words 26..48 are unused (the ring's before version 9).
+pub const H_UNUSED: usize = H_MAY_HOLD + MAX_PROCS.div_ceil(64);
 /// Counters of processes that detached or died, summed when their record was reused (word
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
@@ -682,6 +689,9 @@ impl Table {
             }
         }
         let bit = 1u64 << (i % 64);
+        if !self.may_hold(i) {
+            return;
+        }
         for s in 0..self.nslots() {
             let w = self.slot(s).w(S_HOLDERS + i / 64);
             // Read first: a write would dirty (and allocate) every page of the table.
@@ -689,6 +699,25 @@ impl Table {
                 w.fetch_and(!bit, Ordering::AcqRel);
             }
         }
+        self.w(H_MAY_HOLD + i / 64)
+            .fetch_and(!bit, Ordering::AcqRel);
+    }
+
+    /// Whether record `rec`'s process may hold slots (`H_MAY_HOLD`).
+    pub fn may_hold(&self, rec: usize) -> bool {
+        self.w(H_MAY_HOLD + rec / 64).load(Ordering::Acquire) & (1 << (rec % 64)) != 0
+    }
+
+    /// Record `rec`'s process may hold slots from now on: before it sets a holder bit.
+    pub fn note_may_hold(&self, rec: usize) {
+        self.w(H_MAY_HOLD + rec / 64)
+            .fetch_or(1 << (rec % 64), Ordering::AcqRel);
+    }
+
+    /// Record `rec`'s process holds no slot any more (it cleared every holder bit it set).
+    pub fn clear_may_hold(&self, rec: usize) {
+        self.w(H_MAY_HOLD + rec / 64)
+            .fetch_and(!(1 << (rec % 64)), Ordering::AcqRel);
     }
 
     pub fn proc_word(&self, rec: usize, k: usize) -> &AtomicU64 {
@@ -941,21 +970,25 @@ mod tests {
         for i in [0, 1] {
             t.proc_word(i, P_PID).store(gone, Ordering::Relaxed);
             t.proc_word(i, P_ABSORBED_FSYNC).store(3, Ordering::Relaxed);
+            t.note_may_hold(i);
             t.slot(s).hold(i);
         }
+        // A third one that held nothing (its cleaning sweeps no slot).
+        t.proc_word(2, P_PID).store(gone, Ordering::Relaxed);
         let before = t.totals();
         // A free record is taken before a gone process's: the gone one is left alone (its
         // sweep is the daemon's), not swept by the attaching process.
         let rec = t.register(my_pid()).unwrap();
-        assert_eq!(rec, 2);
+        assert_eq!(rec, 3);
         assert_eq!(t.proc_word(0, P_PID).load(Ordering::Relaxed), gone);
         assert_eq!(t.slot(s).holders().collect::<Vec<_>>(), vec![0, 1]);
-        // The daemon frees both: nothing held, the counts kept in the totals.
-        assert_eq!(t.reclaim_dead(), 2);
+        // The daemon frees all three: nothing held, the counts kept in the totals.
+        assert_eq!(t.reclaim_dead(), 3);
         assert_eq!(t.reclaim_dead(), 0);
-        for i in [0, 1] {
+        for i in [0, 1, 2] {
             assert_eq!(t.proc_word(i, P_PID).load(Ordering::Relaxed), 0);
             assert_eq!(t.proc_word(i, P_ABSORBED_FSYNC).load(Ordering::Relaxed), 0);
+            assert!(!t.may_hold(i));
         }
         assert_eq!(t.slot(s).holders().count(), 0);
         assert_eq!(t.totals(), before);

@@ -174,15 +174,20 @@ impl<'a> Slot<'a> {
     }
 
     /// Process record `rec` holds the object open.
-    pub fn hold(&self, rec: usize) {
-        self.w(S_HOLDERS + rec / 64)
-            .fetch_or(1 << (rec % 64), Ordering::AcqRel);
+    /// Whether its bit was set just now (it was not before). A process sets its record's
+    /// `H_MAY_HOLD` bit first (`Client::hold_slot`).
+    pub fn hold(&self, rec: usize) -> bool {
+        let bit = 1 << (rec % 64);
+        self.w(S_HOLDERS + rec / 64).fetch_or(bit, Ordering::AcqRel) & bit == 0
     }
 
-    /// Process record `rec` holds the object no more.
-    pub fn unhold(&self, rec: usize) {
+    /// Process record `rec` holds the object no more. Whether its bit was set before.
+    pub fn unhold(&self, rec: usize) -> bool {
+        let bit = 1 << (rec % 64);
         self.w(S_HOLDERS + rec / 64)
-            .fetch_and(!(1 << (rec % 64)), Ordering::AcqRel);
+            .fetch_and(!bit, Ordering::AcqRel)
+            & bit
+            != 0
     }
 
     /// The process records holding the object open (some may have died since).
