@@ -289,10 +289,7 @@ pub fn mount_stats(
         );
         m.insert("pm_full_events".into(), s.full.load(Relaxed).into());
         m.insert("pm_kind".into(), l.pm().kind().name().into());
-        m.insert(
-            "flush".into(),
-            crate::pmem::flush::flush_kind().name().into(),
-        );
+        m.insert("flush".into(), l.pm().flush_name().into());
     }
     if core.opts.mode == crate::core::Mode::Adaptive {
         let (e, l) = core.adaptive_blocks();

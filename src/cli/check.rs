@@ -28,7 +28,7 @@ pub(super) fn check(pm: &Path, json: bool, entries: bool) -> Result<()> {
         "uuid": uuid::Uuid::from_bytes(s.sb.uuid).to_string(),
         "lower_id": uuid::Uuid::from_bytes(s.sb.lower_id).to_string(),
         "pm_kind": r.kind().name(),
-        "flush": pmstack::pmem::flush::flush_kind().name(),
+        "flush": r.flush_name(),
         "clean": s.clean,
         "checkpoint_lsn": s.checkpoint,
         "max_lsn": s.max_lsn,

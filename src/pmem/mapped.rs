@@ -328,6 +328,16 @@ impl Pmem for MappedRegion {
     }
     fn flush(&self, off: usize, len: usize) {
         self.check(off, len);
+        // Emulated PM (a file in /dev/shm, or on any file system without DAX) survives a
+        // crash of the processes, not a power loss: the CPU's caches are coherent, so what a
+        // process stored is there for the next one whether its lines were written back or
+        // not, and at a power loss the page cache is gone whatever they say. Writing lines
+        // back would make nothing more durable; it cost a 64-byte O_SYNC write under
+        // `pmstack run` a write-back to memory per line of its record and of the area's
+        // tail. (`fence` still orders non-temporal stores.)
+        if self.durability == Durability::ProcessCrashOnly {
+            return;
+        }
         // SAFETY: in range (checked).
         unsafe { flush_range(self.ptr.add(off), len) }
     }

@@ -105,6 +105,15 @@ pub trait Pmem: Send + Sync {
         self.fence();
     }
     fn durability(&self) -> Durability;
+    /// The cache-line flush the region's persists use: the platform's (`flush::flush_kind`),
+    /// or none for a region that survives process crashes only (`MappedRegion::flush`).
+    fn flush_name(&self) -> &'static str {
+        if self.durability() == Durability::ProcessCrashOnly {
+            "none"
+        } else {
+            flush::flush_kind().name()
+        }
+    }
     /// What the region is mapped from.
     fn kind(&self) -> PmKind {
         PmKind::Simulated

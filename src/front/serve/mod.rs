@@ -703,7 +703,7 @@ impl Daemon {
             "root": self.opts.root,
             "pm": self.opts.region,
             "pm_kind": self.log.pm().kind().name(),
-            "flush": crate::pmem::flush::flush_kind().name(),
+            "flush": self.log.pm().flush_name(),
             "user": self.opts.user.name,
             "totals": counters(&self.table.totals()),
             "attached_processes": procs.len(),
