@@ -82,7 +82,7 @@ pub(crate) unsafe fn flag_path(
     path: *const c_char,
     nofollow: bool,
     f: u64,
-    dir: Option<libc::stat>,
+    dir: Option<DirBefore>,
 ) {
     keep_errno(|| forward!(flag_path_inner(dirfd, path, nofollow, f, dir)))
 }
@@ -92,7 +92,7 @@ unsafe fn flag_path_inner(
     path: *const c_char,
     nofollow: bool,
     f: u64,
-    dir: Option<libc::stat>,
+    dir: Option<DirBefore>,
 ) {
     let Some(_g) = Inside::enter() else { return };
     let Some(c) = client_if_needed() else { return };
@@ -101,8 +101,8 @@ unsafe fn flag_path_inner(
     }
     if let Ok(st) = sys::fstatat(dirfd, path, at_flags(nofollow)) {
         c.flag_object(&st, f);
-        if let Some(before) = dir {
-            c.dir_attrs_changed(&before, &st);
+        if let Some((unlogged, before)) = dir {
+            c.dir_attrs_changed(unlogged, &before, &st);
         }
     }
 }
@@ -119,22 +119,28 @@ fn is_dir(st: &libc::stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFDIR
 }
 
+/// A directory before an attribute call: the unlogged namespace operations begun so far
+/// (`Client::unlogged_ns_ops`, read first) and its stat.
+type DirBefore = (u64, libc::stat);
+
 /// Before an attribute call (mode, owner, times) by path: the stat of its object if it is a
 /// directory and this process is attached, for `Client::dir_attrs_changed` after the call
 /// (a directory whose every change was logged stays so). One fstatat, in attached processes
 /// only.
-unsafe fn dir_before_path(dirfd: c_int, path: *const c_char, nofollow: bool) -> Option<libc::stat> {
+unsafe fn dir_before_path(dirfd: c_int, path: *const c_char, nofollow: bool) -> Option<DirBefore> {
     if path.is_null() {
         return None;
     }
     let mut out = None;
     keep_errno(|| {
         let Some(_g) = Inside::enter() else { return };
-        if client_if_needed().is_some() {
+        if let Some(c) = client_if_needed() {
+            let unlogged = c.unlogged_ns_ops();
             // SAFETY: the program's path goes to the kernel unchanged (it checks it).
             out = sys::fstatat(dirfd, path, at_flags(nofollow))
                 .ok()
-                .filter(is_dir);
+                .filter(is_dir)
+                .map(|st| (unlogged, st));
         }
     });
     out
@@ -142,28 +148,31 @@ unsafe fn dir_before_path(dirfd: c_int, path: *const c_char, nofollow: bool) -> 
 
 /// `dir_before_path` for an attribute call through a descriptor: asked only of descriptors
 /// that are no tracked file (a tracked file is no directory).
-fn dir_before_fd(fd: c_int) -> Option<libc::stat> {
+fn dir_before_fd(fd: c_int) -> Option<DirBefore> {
     let mut out = None;
     keep_errno(|| {
         if lookup(fd).is_some() {
             return;
         }
         let Some(_g) = Inside::enter() else { return };
-        if client_if_needed().is_some() {
-            out = sys::fstat(fd).ok().filter(is_dir);
+        if let Some(c) = client_if_needed() {
+            let unlogged = c.unlogged_ns_ops();
+            out = sys::fstat(fd).ok().filter(is_dir).map(|st| (unlogged, st));
         }
     });
     out
 }
 
 /// After an attribute call through the descriptor of a directory (`dir_before_fd`).
-fn dir_after_fd(fd: c_int, before: Option<libc::stat>) {
-    let Some(before) = before else { return };
+fn dir_after_fd(fd: c_int, before: Option<DirBefore>) {
+    let Some((unlogged, before)) = before else {
+        return;
+    };
     keep_errno(|| {
         let Some(_g) = Inside::enter() else { return };
         let Some(c) = client_if_needed() else { return };
         if let Ok(after) = sys::fstat(fd) {
-            c.dir_attrs_changed(&before, &after);
+            c.dir_attrs_changed(unlogged, &before, &after);
         }
     })
 }

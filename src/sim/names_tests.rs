@@ -139,3 +139,92 @@ fn file_made_outside_then_synced(in_subdir: bool, o_sync: bool) {
         assert_eq!(got, b"outsidesynced", "in_subdir {in_subdir}: {sum:?}");
     }
 }
+
+/// A directory's attribute change by a process that logs its namespace operations (an
+/// untar giving directories their modes back, a `chmod`), with a namespace operation of a
+/// process that synced nothing, run as the lower's own (`Client::unsynced_allowed`), in the
+/// same directory between the attribute call's stat before and its stat after: the change
+/// time recorded as logged must not follow the call over the unlogged creation, or the
+/// directory is taken for clean and the next logged change there is not written back first
+/// (a replayed record could then undo the unlogged change). The stats are taken around the
+/// call by the library without the namespace lock, so the interleaving is real.
+#[test]
+fn an_unlogged_creation_during_a_directory_attribute_change_leaves_the_directory_unclean() {
+    use crate::front::table::{H_UNSYNCED_NS, P_NS_SYNCS};
+    use std::sync::atomic::Ordering;
+    let dir = ScratchDir::new();
+    let (lower, sim, d) =
+        super::run::serve_sim(&dir.0, |l| RealLower::open(l).unwrap(), DEFAULT_SLOTS);
+    d.table.w(H_UNSYNCED_NS).store(1, Ordering::Release);
+    let sub = lower.join("d");
+    fs::create_dir(&sub).unwrap();
+    RealLower::open(&lower).unwrap().syncfs().unwrap();
+    let table_path = dir.0.join("table");
+    let (pids, clients) = attach_processes(true, &table_path, d.table.epoch(), &sim, &lower);
+    let (quiet, logs) = (&clients[0], &clients[1]);
+    logs.assume_synced();
+    let target = |c: &crate::front::client::Client, name: &str| {
+        c.targets(
+            &[(
+                libc::AT_FDCWD,
+                sub.join(name).as_os_str().as_bytes().to_vec(),
+            )],
+            |_, _| true,
+        )
+        .and_then(|mut t| t.pop())
+        .expect("a name under the root")
+    };
+    let create = |c: &crate::front::client::Client, name: &str| {
+        let (fd, _, made) = c
+            .create(
+                &target(c, name),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                0o644,
+                false,
+            )
+            .unwrap();
+        assert!(made);
+        // SAFETY: the descriptor the creation returned, not used again.
+        unsafe { libc::close(fd) };
+    };
+    let ns_syncs = |pid: u64| d.table.counters_of(pid).unwrap()[P_NS_SYNCS];
+    // The logging process's first creation in d writes d back (its change before, the
+    // directory's own making, is not in the log) and leaves it clean.
+    create(logs, "a");
+    let syncs = ns_syncs(pids[1]);
+    create(logs, "b");
+    assert_eq!(
+        ns_syncs(pids[1]),
+        syncs,
+        "a clean directory's creation writes nothing back"
+    );
+    // Their records expired (a live one naming d as a parent keeps every creation there
+    // logged), d stays clean.
+    d.write_back().unwrap();
+    // The attribute call, with the unlogged creation between its stats.
+    let dfd = fs::File::open(&sub).unwrap();
+    let st = || crate::front::sys::fstat(std::os::fd::AsRawFd::as_raw_fd(&dfd)).unwrap();
+    let unlogged = logs.unlogged_ns_ops();
+    let before = st();
+    // Distinct change times (the lower's clock may not tick between two calls).
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    create(quiet, "unlogged");
+    assert_eq!(
+        logs.unlogged_ns_ops(),
+        unlogged + 1,
+        "the quiet process ran its creation as the lower's own"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&dfd);
+    // SAFETY: a descriptor this test holds open.
+    let r = unsafe { libc::fchmod(fd, 0o750) };
+    assert_eq!(r, 0);
+    logs.dir_attrs_changed(unlogged, &before, &st());
+    // The next logged change in d writes the unlogged creation back first.
+    create(logs, "c");
+    assert_eq!(
+        ns_syncs(pids[1]),
+        syncs + 1,
+        "the directory was taken for clean over a change the log lacks"
+    );
+}

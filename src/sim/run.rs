@@ -595,6 +595,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                 // (`Client::dir_attrs_changed`), and this fsync is the lower's own.
                 if (seed ^ j as u64) % 3 == 0 {
                     let st = |fd| crate::front::sys::fstat(fd).unwrap();
+                    let unlogged = c.unlogged_ns_ops();
                     let before = st(dfd);
                     let mode = if before.st_mode & 0o020 == 0 {
                         0o775
@@ -603,7 +604,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
                     };
                     // SAFETY: a descriptor we hold open.
                     assert_eq!(unsafe { libc::fchmod(dfd, mode) }, 0);
-                    c.dir_attrs_changed(&before, &st(dfd));
+                    c.dir_attrs_changed(unlogged, &before, &st(dfd));
                     cov.dir_attr_changes += 1;
                 }
                 match c.fsync_dir(dfd, |_| c.fd_under_root(dfd)) {

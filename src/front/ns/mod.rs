@@ -478,7 +478,15 @@ impl Client {
     /// by the lower's own fsync: the directory's next fsync is real (`F_FALLBACK`, read by
     /// `fsync_dir`). Without this, an untar, which gives each directory its times and owner
     /// back at the end, left every directory to write the namespace back at its next change.
-    pub fn dir_attrs_changed(&self, before: &libc::stat, after: &libc::stat) {
+    ///
+    /// The call is not under the namespace lock: a process that synced nothing may run a
+    /// namespace operation as the lower's own in the same directory meanwhile (between
+    /// `before` and `after`), a change the log lacks that the change time recorded as logged
+    /// must not follow over. `unlogged_before` is `unlogged_ns_ops()` read before `before`
+    /// was: where any such operation began since, the recorded change time stays (the
+    /// directory is unclean: a write-back more, never a change missed). A program outside
+    /// `pmstack run` changing the directory in that window is not seen (`docs/preload.md`).
+    pub fn dir_attrs_changed(&self, unlogged_before: u64, before: &libc::stat, after: &libc::stat) {
         if !same_dir(before, after) || before.st_dev != self.root_dev {
             return;
         }
@@ -487,7 +495,16 @@ impl Client {
         };
         let slot = self.table.slot(i);
         slot.w(S_FLAGS).fetch_or(F_FALLBACK, Ordering::AcqRel);
-        self.ctime_follows(&slot, before, after);
+        if self.unlogged_ns_ops() == unlogged_before {
+            self.ctime_follows(&slot, before, after);
+        }
+    }
+
+    /// The namespace operations attached processes began as the lower's own, unlogged
+    /// (`unsynced_op`), so far: read before a directory's attribute call
+    /// (`dir_attrs_changed`).
+    pub fn unlogged_ns_ops(&self) -> u64 {
+        self.table.w(H_UNSYNCED_NS_OPS).load(Ordering::SeqCst)
     }
 
     /// A call moved the change time of the directory of `slot` from `before`'s to `after`'s
@@ -537,11 +554,12 @@ impl Client {
     fn unsynced_op<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         // Noted first: a call that fails changed nothing, and costs one write-back more.
         self.unsynced.lock().note(dirs);
-        let out = op()?;
+        // Counted before it runs: a directory's attribute change that sees its change time
+        // (`dir_attrs_changed`, not under the namespace lock) sees the count move too.
         self.table
             .w(H_UNSYNCED_NS_OPS)
-            .fetch_add(1, Ordering::Relaxed);
-        Ok(out)
+            .fetch_add(1, Ordering::SeqCst);
+        op()
     }
 
     /// Before a namespace operation in `dirs` that is logged or made durable on return (the
