@@ -164,15 +164,7 @@ fn an_unlogged_creation_during_a_directory_attribute_change_leaves_the_directory
     let (quiet, logs) = (&clients[0], &clients[1]);
     logs.assume_synced();
     let target = |c: &crate::front::client::Client, name: &str| {
-        c.targets(
-            &[(
-                libc::AT_FDCWD,
-                sub.join(name).as_os_str().as_bytes().to_vec(),
-            )],
-            |_, _| true,
-        )
-        .and_then(|mut t| t.pop())
-        .expect("a name under the root")
+        super::procs::target(c, sub.join(name).as_os_str().as_bytes().to_vec())
     };
     let create = |c: &crate::front::client::Client, name: &str| {
         let (fd, _, made) = c

@@ -38,6 +38,15 @@ pub(super) fn counters(t: &Table, pids: &[u64]) -> (u64, u64, u64, u64, u64) {
     sum
 }
 
+/// The namespace target of the absolute `path` under the root, as `c` finds it (as the
+/// library takes a path: kept directories are then found again without opening them,
+/// `Client::dir_at`).
+pub(super) fn target(c: &Client, path: Vec<u8>) -> crate::front::ns::Target {
+    c.targets(&[(libc::AT_FDCWD, path)], |_, _| true)
+        .and_then(|mut t| t.pop())
+        .expect("a name under the root")
+}
+
 /// A descriptor of the file at `path`, opened and tracked by `c` (O_SYNC if `sync`), with
 /// the access mode and O_APPEND of `mode` (`open_mode`).
 pub(super) fn open_path(c: &Client, path: &[u8], sync: bool, mode: i32) -> Open {

@@ -188,11 +188,7 @@ pub(super) fn history(seed: u64, nops: usize, kinds: Kinds, cov: &mut Coverage) 
     };
     // Every path is absolute, under the lower by its text (as the library takes it: kept
     // directories are then found again without opening them, `Client::dir_at`).
-    let target = |c: &Client, n: &str| {
-        c.targets(&[(libc::AT_FDCWD, path(n))], |_, _| true)
-            .and_then(|mut t| t.pop())
-            .expect("a name under the root")
-    };
+    let target = |c: &Client, n: &str| super::procs::target(c, path(n));
     let mut rng = StdRng::seed_from_u64(seed);
     let crash_op = rng.gen_range(0..nops);
     let mut alive = true;
