@@ -80,6 +80,13 @@ impl RealLower {
     /// handle opens nothing, or opens an object with another inode number than the one
     /// recorded with the handle (a client's node reused after a remount).
     pub fn open_handle(&self, h: &[u8]) -> io::Result<OwnedFd> {
+        self.open_handle_stat(h).map(|(fd, _)| fd)
+    }
+
+    /// `open_handle`, with the object's status where the identity check read it (a handle
+    /// tagged with its inode number): over a FUSE or network lower each status is a round
+    /// trip to the servers, and the write-back needs the object's kind too.
+    pub fn open_handle_stat(&self, h: &[u8]) -> io::Result<(OwnedFd, Option<Stat>)> {
         let (ino, raw) = split_identity(h);
         if raw.len() < 4 || raw.len() > 4 + MAX_HANDLE {
             return Err(errno(libc::EINVAL));
@@ -107,11 +114,14 @@ impl RealLower {
         } as i32)?;
         // SAFETY: fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let mut st = None;
         if let Some(ino) = ino {
-            if fstat(fd.as_raw_fd())?.st_ino != ino {
+            let s = fstat(fd.as_raw_fd())?;
+            if s.st_ino != ino {
                 return Err(errno(libc::ESTALE));
             }
+            st = Some(s);
         }
-        Ok(fd)
+        Ok((fd, st))
     }
 }

@@ -127,8 +127,8 @@ impl RealLower {
         let work = || -> io::Result<(u64, HashSet<u64>)> {
             let (mut synced, mut stale) = (0, HashSet::new());
             while let Some(h) = handles.get(next.fetch_add(1, Ordering::Relaxed)) {
-                match self.open_handle(h) {
-                    Ok(node) => synced += self.fsync_node(&node)? as u64,
+                match self.open_handle_stat(h) {
+                    Ok((node, st)) => synced += self.fsync_node(&node, st)? as u64,
                     Err(e) if matches!(e.raw_os_error(), Some(libc::ESTALE | libc::ENOENT)) => {
                         if let (false, (Some(ino), _)) =
                             (self.handles_persistent(), split_identity(h))
@@ -170,16 +170,21 @@ impl RealLower {
                 return Err(io::Error::other(e.clone()));
             }
             for node in found.values() {
-                synced += self.fsync_node(node)? as u64;
+                synced += self.fsync_node(node, None)? as u64;
             }
         }
         Ok(synced)
     }
 
     /// fsync a regular file or a directory given by any descriptor of it (O_PATH too);
-    /// false for other kinds.
-    fn fsync_node(&self, node: &OwnedFd) -> io::Result<bool> {
-        let Some(fl) = fsync_flags(fstat(node.as_raw_fd())?.st_mode & libc::S_IFMT) else {
+    /// false for other kinds. `st`: its status where the caller has it (its kind is all that
+    /// is asked here: one status less per object, a round trip less over a FUSE lower).
+    fn fsync_node(&self, node: &OwnedFd, st: Option<super::Stat>) -> io::Result<bool> {
+        let st = match st {
+            Some(s) => s,
+            None => fstat(node.as_raw_fd())?,
+        };
+        let Some(fl) = fsync_flags(st.st_mode & libc::S_IFMT) else {
             return Ok(false);
         };
         let fd = self.reopen(node.as_raw_fd(), fl)?;
