@@ -220,3 +220,139 @@ fn an_unlogged_creation_during_a_directory_attribute_change_leaves_the_directory
         "the directory was taken for clean over a change the log lacks"
     );
 }
+
+/// A file born through the log (its name durable), renamed by a process that synced nothing
+/// (run as the lower's own, unlogged: `Client::unsynced_allowed`), then written and fsynced
+/// by a process that logs, through the descriptor it created the file with (`reopen`: false)
+/// or one opened by the new name. The absorbed fsync stands in for the lower's own, which
+/// would have committed the rename with the journal: after a power cut the file must be
+/// there under its new name with the synced bytes. Found 2026-12-04 by the crash simulator
+/// (seed 4253722727292697009, `--mode run`): the file came back under its old name.
+#[test]
+fn a_file_renamed_by_a_process_that_synced_nothing_keeps_its_new_name_once_fsynced() {
+    for reopen in [false, true] {
+        renamed_unlogged_then_synced(reopen);
+    }
+}
+
+fn renamed_unlogged_then_synced(reopen: bool) {
+    use crate::front::table::H_UNSYNCED_NS;
+    use std::sync::atomic::Ordering;
+    let dir = ScratchDir::new();
+    let (lower, sim, d) =
+        super::run::serve_sim(&dir.0, |l| RealLower::open(l).unwrap(), DEFAULT_SLOTS);
+    d.table.w(H_UNSYNCED_NS).store(1, Ordering::Release);
+    let sub = lower.join("d");
+    fs::create_dir(&sub).unwrap();
+    RealLower::open(&lower).unwrap().syncfs().unwrap();
+    let table_path = dir.0.join("table");
+    let (pids, clients) = attach_processes(true, &table_path, d.table.epoch(), &sim, &lower);
+    let (quiet, logs) = (&clients[0], &clients[1]);
+    logs.assume_synced();
+    let target = |c: &crate::front::client::Client, name: &str| {
+        super::procs::target(c, sub.join(name).as_os_str().as_bytes().to_vec())
+    };
+    let create = |name: &str| {
+        logs.create(
+            &target(logs, name),
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+            0o644,
+            false,
+        )
+        .unwrap()
+    };
+    // The first creation in d writes d back (its making is not in the log) and leaves it
+    // clean: the next is logged.
+    let (a, _, _) = create("a");
+    // SAFETY: the descriptor the creation returned, not used again.
+    unsafe { libc::close(a) };
+    let (fd, born, made) = logs
+        .create(
+            &target(logs, "f"),
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+            0o644,
+            false,
+        )
+        .unwrap();
+    assert!(made);
+    let born_t = logs
+        .track_born(fd, false, born.expect("the creation was logged"))
+        .unwrap();
+    // The creation's record expired: its name is the lower's, durable.
+    d.write_back().unwrap();
+    let unlogged = logs.unlogged_ns_ops();
+    quiet
+        .rename(&target(quiet, "f"), &target(quiet, "g"), 0)
+        .unwrap();
+    assert_eq!(
+        logs.unlogged_ns_ops(),
+        unlogged + 1,
+        "the quiet process ran its rename as the lower's own (what this test is about)"
+    );
+    let before = counters(&d.table, &pids);
+    let absorbed_now = || d.table.counters_of(pids[1]).unwrap()[P_ABSORBED_FSYNC];
+    let absorbed_before = absorbed_now();
+    let g = sub.join("g");
+    let reopened = reopen.then(|| open_path(logs, g.as_os_str().as_bytes(), false, libc::O_RDWR));
+    let (t, wfd) = match &reopened {
+        Some(o) => (&o.t, o.fd),
+        None => (&born_t, fd),
+    };
+    let mut bytes = crate::front::sys::Aligned::zeroed(6);
+    bytes.copy_from_slice(b"synced");
+    let n = logs
+        .write(
+            t,
+            wfd,
+            crate::front::sys::ProgramBytes::of(&bytes),
+            Some(0),
+            false,
+        )
+        .unwrap();
+    assert_eq!(n, 6);
+    logs.fsync(t, wfd).unwrap();
+    let after = counters(&d.table, &pids);
+    let absorbed = absorbed_now() - absorbed_before;
+    // The power cut: PM as flushed; the lower as far as something committed it (a real sync
+    // of a file or directory, or a namespace write-back, commits the journal and every name).
+    let img = sim.persisted_image();
+    let file_synced = after.0 > before.0;
+    let names_committed =
+        file_synced || after.1 > before.1 || after.3 > before.3 || after.4 > before.4;
+    assert!(
+        absorbed == 1 || file_synced,
+        "reopen {reopen}: the fsync was neither absorbed nor real"
+    );
+    if let Some(o) = reopened {
+        close(logs, o.fd);
+    }
+    close(logs, fd);
+    drop(born_t);
+    drop(clients);
+    drop(d);
+    let now = if names_committed {
+        g.clone()
+    } else {
+        let f = sub.join("f");
+        fs::rename(&g, &f).unwrap();
+        f
+    };
+    if !file_synced {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&now)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+    }
+    let (log2, s2) = Log::open(Arc::new(SimPmem::from_image(img))).unwrap();
+    let sum =
+        crate::core::recover::recover(&log2, &s2, &RealLower::open(&lower).unwrap(), &|_, _| {})
+            .unwrap();
+    let got = fs::read(&g).unwrap_or_else(|e| {
+        panic!(
+            "reopen {reopen}: the fsynced file is not under its new name after recovery ({e}; names committed: {names_committed}; {sum:?})"
+        )
+    });
+    assert_eq!(got, b"synced", "reopen {reopen}: {sum:?}");
+}

@@ -20,7 +20,7 @@ impl Client {
         // An O_SYNC write absorbed needs the file's name durable (`policy::may_log_write`;
         // `name_settled` before the slot lock, since the namespace lock comes first). Where
         // it is not known to be, the write is the lower's own, synced.
-        let named = sync && self.name_settled(&slot, fd, None);
+        let named = sync && self.name_settled(&slot, &t.ino, fd, None);
         let _g = slot.lock();
         if sync {
             self.note_sync(&slot, t, fd);
@@ -171,14 +171,17 @@ impl Client {
         // first, where it may not be (`name_durable`; before the slot lock, since the
         // namespace lock comes first). The flags are looked at again under the lock: where
         // they changed meanwhile to allow a baseline, the sync is real.
-        let named = {
-            let f = slot.flags();
-            !self.absorbable(f)
-                && self.baseline_loggable(f)
-                && sys::fstat(fd).is_ok_and(|st| {
-                    st.st_size as u64 <= BASELINE_LOG_MAX && self.name_settled(&slot, fd, Some(st))
-                })
-        };
+        let f0 = slot.flags();
+        let named = !self.absorbable(f0)
+            && self.baseline_loggable(f0)
+            && sys::fstat(fd).is_ok_and(|st| {
+                st.st_size as u64 <= BASELINE_LOG_MAX
+                    && self.name_settled(&slot, &t.ino, fd, Some(st))
+            });
+        // A sync absorbed as usual stands in for the lower's own fsync too, which would have
+        // committed the name the object has now: one a process that synced nothing gave it
+        // by a rename the lower alone knows (`names_unmoved`) is made durable first.
+        let unmoved = self.absorbable(f0) && self.names_unmoved(&t.ino, fd, None);
         let _g = slot.lock();
         self.note_sync(&slot, t, fd);
         let mut p = t.ino.p.lock();
@@ -187,7 +190,7 @@ impl Client {
         let how = file_sync(FileFacts {
             logging: self.serving(),
             durable_on_return: false,
-            all_changes_seen: self.absorbable(f),
+            all_changes_seen: self.absorbable(f) && unmoved,
             others_unlogged: slot.others_lazy(self.pid, cp),
             baseline_ready: named && self.baseline_loggable(f),
         });
@@ -270,10 +273,10 @@ impl Client {
     /// done, or the object is not one whose syncs are absorbed now (the caller's sync is then
     /// the lower's own, also where the flags change before it takes the slot lock). `st`:
     /// the status of `fd` where the caller has it. Caller holds no slot lock.
-    fn name_settled(&self, slot: &Slot<'_>, fd: i32, st: Option<libc::stat>) -> bool {
+    fn name_settled(&self, slot: &Slot<'_>, ino: &Inode, fd: i32, st: Option<libc::stat>) -> bool {
         let f = slot.flags();
         if f & (F_BASELINE | F_NAMED) != 0 {
-            return true;
+            return self.names_unmoved(ino, fd, st);
         }
         if !self.loggable(f) || !self.serving() {
             return false;
@@ -281,10 +284,43 @@ impl Client {
         let Some(st) = st.or_else(|| sys::fstat(fd).ok()) else {
             return false;
         };
+        let done = self.unsynced_ns_done();
         if !self.name_durable(fd, &st) {
             return false;
         }
         slot.w(S_FLAGS).fetch_or(F_NAMED, Ordering::AcqRel);
+        ino.names_seen.fetch_max(done, Ordering::AcqRel);
+        true
+    }
+
+    /// Whether the object's name, known durable (`F_BASELINE`, `F_NAMED`), still needs
+    /// nothing before a sync of it is absorbed: no namespace operation run as the lower's own
+    /// (`unsynced_op`, by a process that synced nothing) returned since this process last
+    /// knew it (`Inode::names_seen`), or the name the object has now is made durable
+    /// (`name_durable`: nothing to do where every change of its directory was logged, else
+    /// a namespace write-back). Such an operation may have renamed the object, and the lower
+    /// alone knows it until it commits: the lower's own fsync, which the absorbed sync
+    /// stands in for, would have committed it (found 2026-12-04 by the crash simulator: a
+    /// file renamed so by one process and fsynced by another came back under its old name
+    /// after a power cut). A file with other names is synced for real (false): their
+    /// directories are not all at hand. Caller holds no slot lock (the namespace lock comes
+    /// first).
+    fn names_unmoved(&self, ino: &Inode, fd: i32, st: Option<libc::stat>) -> bool {
+        // Read before the look: an operation that returns after it moves the count again.
+        let done = self.unsynced_ns_done();
+        if done == ino.names_seen.load(Ordering::Acquire) {
+            return true;
+        }
+        if !self.serving() {
+            return false;
+        }
+        let Some(st) = st.or_else(|| sys::fstat(fd).ok()) else {
+            return false;
+        };
+        if st.st_nlink > 1 || !self.name_durable(fd, &st) {
+            return false;
+        }
+        ino.names_seen.fetch_max(done, Ordering::AcqRel);
         true
     }
 

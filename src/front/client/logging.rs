@@ -482,6 +482,9 @@ pub struct Born {
     /// Its syncs are expected (`Client::sync_expected`, or its directory's `F_SYNCS_HERE`):
     /// it was marked for the watch at birth.
     pub(in crate::front) expected: bool,
+    /// `unsynced_ns_done` read before the creation: its name, logged, is durable as of then
+    /// (`Inode::names_seen`).
+    pub(in crate::front) names_at: u64,
 }
 
 /// Remove the watch's mark of the object of `fd` and what the mark gave the slot. Caller

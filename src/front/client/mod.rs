@@ -125,6 +125,12 @@ pub struct Inode {
     /// The directory (slot, generation) this process created the file in, if it did: a sync
     /// of the file tells that files born there get synced (`F_SYNCS_HERE`).
     birth_dir: Option<(usize, u64)>,
+    /// `unsynced_ns_done` as of when the object's name was last known durable (0 at first: a
+    /// count that moved since it was opened tells nothing of it). A namespace operation run
+    /// as the lower's own (by a process that synced nothing) may have renamed the object
+    /// since, unlogged: the name it has now is then made durable before a sync of it is
+    /// absorbed (`Client::names_unmoved`), as the lower's own fsync would have committed it.
+    names_seen: std::sync::atomic::AtomicU64,
     p: Mutex<Private>,
 }
 
@@ -747,7 +753,9 @@ impl Client {
     /// creation costs no more system calls than it must).
     pub fn track_born(&self, fd: i32, sync: bool, b: Born) -> Option<Arc<Tracked>> {
         let id = (b.handle, b.gen, Some(b.dir));
-        self.track_object(fd, sync, &b.st, id, Some(b.flags), b.expected)
+        let t = self.track_object(fd, sync, &b.st, id, Some(b.flags), b.expected)?;
+        t.ino.names_seen.fetch_max(b.names_at, Ordering::AcqRel);
+        Some(t)
     }
 
     /// Track `fd` (of the object `id`: handle, generation, the directory this process created
@@ -787,6 +795,7 @@ impl Client {
                         gen,
                         handle,
                         birth_dir,
+                        names_seen: 0.into(),
                         p: Mutex::new(Private {
                             // A sync reads dirty bytes back through the program's descriptor
                             // where it can; a write-only or O_DIRECT one would need a new

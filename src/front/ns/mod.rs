@@ -559,7 +559,20 @@ impl Client {
         self.table
             .w(H_UNSYNCED_NS_OPS)
             .fetch_add(1, Ordering::SeqCst);
-        op()
+        let r = op();
+        // And counted once it returned: a sync absorbed in another process that read the
+        // count before this, and took the object's name for durable, reads it moved at its
+        // next sync (`names_unmoved`): the call may have renamed the object.
+        self.table
+            .w(H_UNSYNCED_NS_DONE)
+            .fetch_add(1, Ordering::SeqCst);
+        r
+    }
+
+    /// How many namespace operations run as the lower's own had returned, so far
+    /// (`H_UNSYNCED_NS_DONE`).
+    pub fn unsynced_ns_done(&self) -> u64 {
+        self.table.w(H_UNSYNCED_NS_DONE).load(Ordering::SeqCst)
     }
 
     /// Before a namespace operation in `dirs` that is logged or made durable on return (the

@@ -296,6 +296,9 @@ impl Client {
         let open = |f: i32| sys::openat(t.dir.fd.as_raw_fd(), c.as_ptr(), f, mode);
         let born_marked = std::cell::Cell::new(false);
         let born = std::cell::Cell::new(None);
+        // Before the file exists: an operation run as the lower's own that renames it can
+        // only return after this (`names_unmoved`).
+        let names_at = self.unsynced_ns_done();
         self.logged(
             &[&t.dir],
             !sync,
@@ -377,6 +380,7 @@ impl Client {
                     flags,
                     dir: (t.dir.slot, t.dir.gen),
                     expected,
+                    names_at,
                 }));
                 Ok(true)
             },

@@ -25,7 +25,10 @@ pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
 /// which every attached process must keep up: no process of another version may attach.
 /// 9: the ring of new marks has `RING` entries of its own before the slots (it was 32 header
 /// words).
-pub const VERSION: u64 = 10;
+/// 10: `H_MAY_HOLD`.
+/// 11: `H_UNSYNCED_NS_DONE`, which every process that runs namespace operations as the
+/// lower's own must count: a process of another version would leave it still.
+pub const VERSION: u64 = 11;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -100,8 +103,14 @@ pub const H_UNSYNCED_NS_OPS: usize = 23;
 /// default, hundreds of microseconds: every program that `pmstack run` starts and that
 /// touches the root leaves its record to clean).
 pub const H_MAY_HOLD: usize = 24;
-/// Header words 26..48 are unused (the ring's before version 9).
-pub const H_UNUSED: usize = H_MAY_HOLD + MAX_PROCS.div_ceil(64);
+/// How many namespace operations that ran as the lower's own (`H_UNSYNCED_NS_OPS`) had
+/// returned: counted after each call, where `H_UNSYNCED_NS_OPS` counts before it. A process
+/// that absorbs a sync of an object whose name is known durable asks whether this moved
+/// since it last knew (`Client::names_unmoved`): such an operation may have renamed the
+/// object, and the name it has now is then made durable first.
+pub const H_UNSYNCED_NS_DONE: usize = H_MAY_HOLD + MAX_PROCS.div_ceil(64);
+/// Header words 27..48 are unused (the ring's before version 9).
+pub const H_UNUSED: usize = H_UNSYNCED_NS_DONE + 1;
 /// Counters of processes that detached or died, summed when their record was reused (word
 /// `H_RETIRED + k` for process word `k` of `COUNTERS`): the daemon's totals are these plus
 /// the records in use.
