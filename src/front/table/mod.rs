@@ -144,7 +144,8 @@ pub const H_SYNCS_FROM_COPIES: usize = 68;
 /// Of the first syncs about to be absorbed as a baseline, those whose file's directory had
 /// a change that was not logged (a file made outside `pmstack run`, or before the daemon
 /// started): the namespace was written back first, so that the file's name is durable
-/// (`Client::name_durable`).
+/// (`Client::name_durable`). Also syncs absorbed after a namespace operation run as the
+/// lower's own, whose file's directory was so (`Client::names_unmoved`).
 pub const H_BASELINE_NAME_WRITE_BACKS: usize = 69;
 const _: () = {
     let mut i = 0;
