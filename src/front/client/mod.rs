@@ -160,6 +160,9 @@ pub struct Tracked {
     pub given: std::sync::Mutex<Option<Box<[u8]>>>,
 }
 
+/// Most objects `Client::names_known` remembers.
+const NAMES_KNOWN_MAX: usize = 4096;
+
 pub struct Client {
     pub(super) root: Vec<u8>,
     pub(super) root_dev: u64,
@@ -182,6 +185,11 @@ pub struct Client {
     /// not interleave (`fdlock`).
     fd_locks: fdlock::FdLocks,
     inodes: Mutex<HashMap<usize, Arc<Inode>>>,
+    /// `Inode::names_seen` of objects forgotten at their last close, by (slot, generation):
+    /// a program that opens, syncs and closes the same files over and over (a mail spool)
+    /// asks for each name once, not at every open (`Client::names_unmoved`). Emptied when it
+    /// reaches `NAMES_KNOWN_MAX` (what is lost is a look at a directory per object).
+    names_known: Mutex<HashMap<(usize, u64), u64>>,
     last_gc_cp: std::sync::atomic::AtomicU64,
     /// The group of a daemon found dead was released (`release_watch_of_a_dead_daemon`).
     watch_released: std::sync::atomic::AtomicBool,
@@ -467,6 +475,7 @@ impl Client {
             fds: RwLock::new(HashMap::new()),
             fd_locks: Default::default(),
             inodes: Mutex::new(HashMap::new()),
+            names_known: Mutex::new(HashMap::new()),
             last_gc_cp: 0.into(),
             watch_released: false.into(),
             root_handle,
@@ -610,6 +619,14 @@ impl Client {
         if p.dirty.is_empty() && m.get(&t.ino.slot).is_some_and(|i| Arc::ptr_eq(i, &t.ino)) {
             drop(p);
             m.remove(&t.ino.slot);
+            let seen = t.ino.names_seen.load(Ordering::Acquire);
+            if seen != 0 {
+                let mut k = self.names_known.lock();
+                if k.len() >= NAMES_KNOWN_MAX {
+                    k.clear();
+                }
+                k.insert((t.ino.slot, t.ino.gen), seen);
+            }
         }
     }
 
@@ -795,7 +812,13 @@ impl Client {
                         gen,
                         handle,
                         birth_dir,
-                        names_seen: 0.into(),
+                        names_seen: self
+                            .names_known
+                            .lock()
+                            .get(&(idx, gen))
+                            .copied()
+                            .unwrap_or(0)
+                            .into(),
                         p: Mutex::new(Private {
                             // A sync reads dirty bytes back through the program's descriptor
                             // where it can; a write-only or O_DIRECT one would need a new

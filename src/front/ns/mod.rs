@@ -551,7 +551,13 @@ impl Client {
     }
 
     /// Run `op` as the lower's own (`unsynced_allowed`), remembered for `unsynced_first`.
-    fn unsynced_op<T>(&self, dirs: &[&Dir], op: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+    /// `moves`: the operation may give an existing object a name (a rename, a link).
+    fn unsynced_op<T>(
+        &self,
+        dirs: &[&Dir],
+        moves: bool,
+        op: impl FnOnce() -> io::Result<T>,
+    ) -> io::Result<T> {
         // Noted first: a call that fails changed nothing, and costs one write-back more.
         self.unsynced.lock().note(dirs);
         // Counted before it runs: a directory's attribute change that sees its change time
@@ -560,16 +566,18 @@ impl Client {
             .w(H_UNSYNCED_NS_OPS)
             .fetch_add(1, Ordering::SeqCst);
         let r = op();
-        // And counted once it returned: a sync absorbed in another process that read the
-        // count before this, and took the object's name for durable, reads it moved at its
-        // next sync (`names_unmoved`): the call may have renamed the object.
-        self.table
-            .w(H_UNSYNCED_NS_DONE)
-            .fetch_add(1, Ordering::SeqCst);
+        // A rename or link also counted once it returned: a sync absorbed in another process
+        // that read the count before this, and took the object's name for durable, reads it
+        // moved at its next sync (`names_unmoved`): the call may have renamed the object.
+        if moves {
+            self.table
+                .w(H_UNSYNCED_NS_DONE)
+                .fetch_add(1, Ordering::SeqCst);
+        }
         r
     }
 
-    /// How many namespace operations run as the lower's own had returned, so far
+    /// How many renames and links run as the lower's own had returned, so far
     /// (`H_UNSYNCED_NS_DONE`).
     pub fn unsynced_ns_done(&self) -> u64 {
         self.table.w(H_UNSYNCED_NS_DONE).load(Ordering::SeqCst)
@@ -935,7 +943,7 @@ impl Client {
             std::thread::sleep(d);
         }
         if unsynced && self.unsynced_allowed(dirs) {
-            return self.unsynced_op(dirs, op);
+            return self.unsynced_op(dirs, false, op);
         }
         self.unsynced_first_clean(dirs)?;
         if !dirs.iter().all(|d| self.held(d)) {
@@ -965,10 +973,12 @@ impl Client {
     /// (`policy::change_namespace`): `log(pre)` commits the intent (Err: the log has no
     /// room), then the call runs, then what became of it is logged (`NsDone`). `pre` runs
     /// first, under the same lock (finding the objects the operation names); `logged_done`
-    /// last, under it too, once the call succeeded as logged.
+    /// last, under it too, once the call succeeded as logged. `moves`: a rename or a link
+    /// (`unsynced_op`).
     fn intended<P>(
         &self,
         dirs: &[&Dir],
+        moves: bool,
         pre: impl FnOnce() -> P,
         op: impl FnOnce() -> io::Result<()>,
         log: impl FnOnce(P) -> Result<Intent, NotLogged>,
@@ -980,7 +990,7 @@ impl Client {
         let dirs = &distinct(dirs);
         let (_ns, taken_over) = self.table.ns_lock_taken_over();
         if !taken_over && self.unsynced_allowed(dirs) {
-            return self.unsynced_op(dirs, op);
+            return self.unsynced_op(dirs, moves, op);
         }
         self.unsynced_first_clean(dirs)?;
         if !dirs.iter().all(|d| self.held(d)) {

@@ -23,6 +23,7 @@ impl Client {
         let removed = std::cell::Cell::new(None);
         let r = self.intended(
             &[&t.dir],
+            false,
             || {
                 let v = self.still_named(t, early, &mut pin);
                 removed.set(v.as_ref().map(|v| (v.st.st_dev, v.st.st_ino)));
@@ -81,6 +82,7 @@ impl Client {
         let moved = std::cell::RefCell::new(Vec::new());
         self.intended(
             &[&from.dir, &to.dir],
+            true,
             || {
                 (
                     self.still_named(from, early.0, &mut pin),
@@ -237,6 +239,7 @@ impl Client {
         let (cf, ct) = (from.cname(), to.cname());
         self.intended(
             &[&to.dir, &from.dir],
+            true,
             || self.object_named(from, follow),
             || {
                 at_call(

@@ -103,7 +103,7 @@ pub const H_UNSYNCED_NS_OPS: usize = 23;
 /// default, hundreds of microseconds: every program that `pmstack run` starts and that
 /// touches the root leaves its record to clean).
 pub const H_MAY_HOLD: usize = 24;
-/// How many namespace operations that ran as the lower's own (`H_UNSYNCED_NS_OPS`) had
+/// How many renames and links that ran as the lower's own (of `H_UNSYNCED_NS_OPS`) had
 /// returned: counted after each call, where `H_UNSYNCED_NS_OPS` counts before it. A process
 /// that absorbs a sync of an object whose name is known durable asks whether this moved
 /// since it last knew (`Client::names_unmoved`): such an operation may have renamed the
