@@ -140,6 +140,57 @@ fn file_made_outside_then_synced(in_subdir: bool, o_sync: bool) {
     }
 }
 
+/// A daemon over the crash simulator's PM that lets processes that synced nothing run their
+/// namespace operations as the lower's own (`H_UNSYNCED_NS`), a directory `d` made durable,
+/// and two attached processes: `clients[0]` has synced nothing, `clients[1]` logs.
+struct QuietAndLogging {
+    dir: ScratchDir,
+    lower: std::path::PathBuf,
+    sub: std::path::PathBuf,
+    sim: Arc<SimPmem>,
+    d: crate::front::serve::Daemon,
+    pids: Vec<u64>,
+    clients: Vec<crate::front::client::Client>,
+}
+
+impl QuietAndLogging {
+    fn new() -> QuietAndLogging {
+        use crate::front::table::H_UNSYNCED_NS;
+        use std::sync::atomic::Ordering;
+        let dir = ScratchDir::new();
+        let (lower, sim, d) =
+            super::run::serve_sim(&dir.0, |l| RealLower::open(l).unwrap(), DEFAULT_SLOTS);
+        d.table.w(H_UNSYNCED_NS).store(1, Ordering::Release);
+        let sub = lower.join("d");
+        fs::create_dir(&sub).unwrap();
+        RealLower::open(&lower).unwrap().syncfs().unwrap();
+        let table_path = dir.0.join("table");
+        let (pids, clients) = attach_processes(true, &table_path, d.table.epoch(), &sim, &lower);
+        clients[1].assume_synced();
+        QuietAndLogging {
+            dir,
+            lower,
+            sub,
+            sim,
+            d,
+            pids,
+            clients,
+        }
+    }
+
+    /// The namespace target of `name` in `d`, as `c` finds it.
+    fn target(&self, c: &crate::front::client::Client, name: &str) -> crate::front::ns::Target {
+        super::procs::target(c, self.sub.join(name).as_os_str().as_bytes().to_vec())
+    }
+
+    /// The processes detached and the daemon gone: the lower, and what holds it.
+    fn stop(self) -> (std::path::PathBuf, ScratchDir) {
+        drop(self.clients);
+        drop(self.d);
+        (self.lower, self.dir)
+    }
+}
+
 /// A directory's attribute change by a process that logs its namespace operations (an
 /// untar giving directories their modes back, a `chmod`), with a namespace operation of a
 /// process that synced nothing, run as the lower's own (`Client::unsynced_allowed`), in the
@@ -150,22 +201,11 @@ fn file_made_outside_then_synced(in_subdir: bool, o_sync: bool) {
 /// call by the library without the namespace lock, so the interleaving is real.
 #[test]
 fn an_unlogged_creation_during_a_directory_attribute_change_leaves_the_directory_unclean() {
-    use crate::front::table::{H_UNSYNCED_NS, P_NS_SYNCS};
-    use std::sync::atomic::Ordering;
-    let dir = ScratchDir::new();
-    let (lower, sim, d) =
-        super::run::serve_sim(&dir.0, |l| RealLower::open(l).unwrap(), DEFAULT_SLOTS);
-    d.table.w(H_UNSYNCED_NS).store(1, Ordering::Release);
-    let sub = lower.join("d");
-    fs::create_dir(&sub).unwrap();
-    RealLower::open(&lower).unwrap().syncfs().unwrap();
-    let table_path = dir.0.join("table");
-    let (pids, clients) = attach_processes(true, &table_path, d.table.epoch(), &sim, &lower);
-    let (quiet, logs) = (&clients[0], &clients[1]);
-    logs.assume_synced();
-    let target = |c: &crate::front::client::Client, name: &str| {
-        super::procs::target(c, sub.join(name).as_os_str().as_bytes().to_vec())
-    };
+    use crate::front::table::P_NS_SYNCS;
+    let q = QuietAndLogging::new();
+    let (d, pids, sub) = (&q.d, &q.pids, &q.sub);
+    let (quiet, logs) = (&q.clients[0], &q.clients[1]);
+    let target = |c: &crate::front::client::Client, name: &str| q.target(c, name);
     let create = |c: &crate::front::client::Client, name: &str| {
         let (fd, _, made) = c
             .create(
@@ -236,22 +276,10 @@ fn a_file_renamed_by_a_process_that_synced_nothing_keeps_its_new_name_once_fsync
 }
 
 fn renamed_unlogged_then_synced(reopen: bool) {
-    use crate::front::table::H_UNSYNCED_NS;
-    use std::sync::atomic::Ordering;
-    let dir = ScratchDir::new();
-    let (lower, sim, d) =
-        super::run::serve_sim(&dir.0, |l| RealLower::open(l).unwrap(), DEFAULT_SLOTS);
-    d.table.w(H_UNSYNCED_NS).store(1, Ordering::Release);
-    let sub = lower.join("d");
-    fs::create_dir(&sub).unwrap();
-    RealLower::open(&lower).unwrap().syncfs().unwrap();
-    let table_path = dir.0.join("table");
-    let (pids, clients) = attach_processes(true, &table_path, d.table.epoch(), &sim, &lower);
-    let (quiet, logs) = (&clients[0], &clients[1]);
-    logs.assume_synced();
-    let target = |c: &crate::front::client::Client, name: &str| {
-        super::procs::target(c, sub.join(name).as_os_str().as_bytes().to_vec())
-    };
+    let q = QuietAndLogging::new();
+    let (pids, sub) = (&q.pids, q.sub.clone());
+    let (quiet, logs) = (&q.clients[0], &q.clients[1]);
+    let target = |c: &crate::front::client::Client, name: &str| q.target(c, name);
     let create = |name: &str| {
         logs.create(
             &target(logs, name),
@@ -279,7 +307,7 @@ fn renamed_unlogged_then_synced(reopen: bool) {
         .track_born(fd, false, born.expect("the creation was logged"))
         .unwrap();
     // The creation's record expired: its name is the lower's, durable.
-    d.write_back().unwrap();
+    q.d.write_back().unwrap();
     let unlogged = logs.unlogged_ns_ops();
     quiet
         .rename(&target(quiet, "f"), &target(quiet, "g"), 0)
@@ -289,8 +317,8 @@ fn renamed_unlogged_then_synced(reopen: bool) {
         unlogged + 1,
         "the quiet process ran its rename as the lower's own (what this test is about)"
     );
-    let before = counters(&d.table, &pids);
-    let absorbed_now = || d.table.counters_of(pids[1]).unwrap()[P_ABSORBED_FSYNC];
+    let before = counters(&q.d.table, pids);
+    let absorbed_now = || q.d.table.counters_of(pids[1]).unwrap()[P_ABSORBED_FSYNC];
     let absorbed_before = absorbed_now();
     let g = sub.join("g");
     let reopened = reopen.then(|| open_path(logs, g.as_os_str().as_bytes(), false, libc::O_RDWR));
@@ -311,11 +339,11 @@ fn renamed_unlogged_then_synced(reopen: bool) {
         .unwrap();
     assert_eq!(n, 6);
     logs.fsync(t, wfd).unwrap();
-    let after = counters(&d.table, &pids);
+    let after = counters(&q.d.table, pids);
     let absorbed = absorbed_now() - absorbed_before;
     // The power cut: PM as flushed; the lower as far as something committed it (a real sync
     // of a file or directory, or a namespace write-back, commits the journal and every name).
-    let img = sim.persisted_image();
+    let img = q.sim.persisted_image();
     let file_synced = after.0 > before.0;
     let names_committed =
         file_synced || after.1 > before.1 || after.3 > before.3 || after.4 > before.4;
@@ -328,8 +356,7 @@ fn renamed_unlogged_then_synced(reopen: bool) {
     }
     close(logs, fd);
     drop(born_t);
-    drop(clients);
-    drop(d);
+    let (lower, _dir) = q.stop();
     let now = if names_committed {
         g.clone()
     } else {
