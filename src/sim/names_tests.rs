@@ -106,18 +106,10 @@ fn file_made_outside_then_synced(in_subdir: bool, o_sync: bool) {
         }
     } else if !file_synced {
         // Named, but its bytes were never synced by the lower.
-        fs::OpenOptions::new()
-            .write(true)
-            .open(&f)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
+        lose_bytes(&f);
     }
 
-    let (log2, s2) = Log::open(Arc::new(SimPmem::from_image(img))).unwrap();
-    let sum =
-        crate::core::recover::recover(&log2, &s2, &RealLower::open(&lower).unwrap(), &|_, _| {})
-            .unwrap();
+    let sum = recover_image(img, &lower);
     let got = fs::read(&f).unwrap_or_else(|e| {
         panic!(
             "in_subdir {in_subdir}, O_SYNC {o_sync}: the synced file is gone after recovery ({e}; names committed: {names_committed}; {sum:?})"
@@ -365,21 +357,30 @@ fn renamed_unlogged_then_synced(reopen: bool) {
         f
     };
     if !file_synced {
-        fs::OpenOptions::new()
-            .write(true)
-            .open(&now)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
+        lose_bytes(&now);
     }
-    let (log2, s2) = Log::open(Arc::new(SimPmem::from_image(img))).unwrap();
-    let sum =
-        crate::core::recover::recover(&log2, &s2, &RealLower::open(&lower).unwrap(), &|_, _| {})
-            .unwrap();
+    let sum = recover_image(img, &lower);
     let got = fs::read(&g).unwrap_or_else(|e| {
         panic!(
             "reopen {reopen}: the fsynced file is not under its new name after recovery ({e}; names committed: {names_committed}; {sum:?})"
         )
     });
     assert_eq!(got, b"synced", "reopen {reopen}: {sum:?}");
+}
+
+/// The power cut's loss of a file's bytes the lower never synced (made empty: the files here
+/// had none synced).
+fn lose_bytes(path: &std::path::Path) {
+    fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+}
+
+/// Recovery of the PM image `img` onto `lower`.
+fn recover_image(img: Vec<u8>, lower: &std::path::Path) -> crate::core::recover::RecoverySummary {
+    let (log2, s2) = Log::open(Arc::new(SimPmem::from_image(img))).unwrap();
+    crate::core::recover::recover(&log2, &s2, &RealLower::open(lower).unwrap(), &|_, _| {}).unwrap()
 }
