@@ -226,7 +226,7 @@ fn an_unlogged_creation_during_a_directory_attribute_change_leaves_the_directory
     // logged), d stays clean.
     d.write_back().unwrap();
     // The attribute call, with the unlogged creation between its stats.
-    let dfd = fs::File::open(&sub).unwrap();
+    let dfd = fs::File::open(sub).unwrap();
     let st = || crate::front::sys::fstat(std::os::fd::AsRawFd::as_raw_fd(&dfd)).unwrap();
     let unlogged = logs.unlogged_ns_ops();
     let before = st();
