@@ -284,11 +284,22 @@ impl Client {
         let Some(st) = st.or_else(|| sys::fstat(fd).ok()) else {
             return false;
         };
-        let done = self.unsynced_ns_done();
-        if !self.name_durable(fd, &st) {
+        if !self.make_name_durable(ino, fd, &st) {
             return false;
         }
         slot.w(S_FLAGS).fetch_or(F_NAMED, Ordering::AcqRel);
+        true
+    }
+
+    /// The object's name made durable now (`name_durable`; `st`, its status), and remembered
+    /// so as of the count of renames run as the lower's own read before (`Inode::names_seen`).
+    /// False where that could not be done.
+    fn make_name_durable(&self, ino: &Inode, fd: i32, st: &libc::stat) -> bool {
+        // Read before the look: an operation that returns after it moves the count again.
+        let done = self.unsynced_ns_done();
+        if !self.name_durable(fd, st) {
+            return false;
+        }
         ino.names_seen.fetch_max(done, Ordering::AcqRel);
         true
     }
@@ -306,9 +317,7 @@ impl Client {
     /// directories are not all at hand. Caller holds no slot lock (the namespace lock comes
     /// first).
     fn names_unmoved(&self, ino: &Inode, fd: i32, st: Option<libc::stat>) -> bool {
-        // Read before the look: an operation that returns after it moves the count again.
-        let done = self.unsynced_ns_done();
-        if done == ino.names_seen.load(Ordering::Acquire) {
+        if self.unsynced_ns_done() == ino.names_seen.load(Ordering::Acquire) {
             return true;
         }
         if !self.serving() {
@@ -317,11 +326,7 @@ impl Client {
         let Some(st) = st.or_else(|| sys::fstat(fd).ok()) else {
             return false;
         };
-        if st.st_nlink > 1 || !self.name_durable(fd, &st) {
-            return false;
-        }
-        ino.names_seen.fetch_max(done, Ordering::AcqRel);
-        true
+        st.st_nlink <= 1 && self.make_name_durable(ino, fd, &st)
     }
 
     /// The object's syncs could be absorbed but for its baseline: every writer is seen from
