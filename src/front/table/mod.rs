@@ -28,7 +28,9 @@ pub const MAGIC: u64 = 0x7074_6162_6b63_6d70; // "pmcktabp"
 /// 10: `H_MAY_HOLD`.
 /// 11: `H_UNSYNCED_NS_DONE`, which every process that runs namespace operations as the
 /// lower's own must count: a process of another version would leave it still.
-pub const VERSION: u64 = 11;
+/// 12: objects of neighbouring inode numbers hash to neighbouring slots (`slot_hash`): a
+/// process of another version would look for an object where it is not.
+pub const VERSION: u64 = 12;
 
 /// Header words.
 pub const H_MAGIC: usize = 0;
@@ -780,9 +782,24 @@ fn ring_entry(n: u64, idx: usize) -> u64 {
     (n & ((1 << (64 - IDX_BITS)) - 1)) << IDX_BITS | (idx as u64 + 1)
 }
 
+/// The first slot of (dev, ino)'s chain. Objects whose inode numbers differ only in their low
+/// five bits share a hashed group of 32 neighbouring slots, one 4 KiB page of the table
+/// (`GROUP_ALIGN`): file systems hand out inode numbers in order, so a program that makes
+/// thousands of files touches a page of the table per 32 of them, not one per file. Each
+/// page is a page fault the first time a process touches it: hashing every object apart,
+/// `tar -x` of 3,000 files under `pmstack run` took 2,850 faults against 121 alone, most
+/// of them in `Slot::clear` of a new file's slot.
 fn slot_hash(dev: u64, ino: u64) -> usize {
-    (dev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ino.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)) as usize
+    let group = (dev.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ (ino >> 5).wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+        >> 24;
+    ((group << 5 | (ino & 31)) as usize).wrapping_add(GROUP_ALIGN)
 }
+
+/// Slots a group is shifted by so that its 32 slots (`SLOT_WORDS` words each: 4 KiB) start
+/// a page of the mapping (the slots start `SLOTS_AT` words in, not at a page boundary).
+const GROUP_ALIGN: usize = (32 - (SLOTS_AT * 8 / (SLOT_WORDS * 8)) % 32) % 32;
+const _: () = assert!(SLOT_WORDS * 8 * 32 == 4096 && SLOTS_AT * 8 % (SLOT_WORDS * 8) == 0);
 
 #[cfg(test)]
 mod tests {
@@ -829,6 +846,30 @@ mod tests {
         if let Err(e) = r {
             std::panic::resume_unwind(e);
         }
+    }
+
+    /// Files made one after another (inode numbers in order) take slots in few pages of the
+    /// table, so a short program making many files takes few page faults: 3,200 objects of
+    /// consecutive inode numbers in at most 2 pages per 32 of them (a group may meet another
+    /// group's chain), against about one page each when hashed apart.
+    #[test]
+    fn objects_of_neighbouring_inode_numbers_share_pages_of_the_table() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Table::create(&d.path().join("t"), DEFAULT_SLOTS, None).unwrap();
+        let page_of = |idx: usize| (t.ptr as usize + (SLOTS_AT + idx * SLOT_WORDS) * 8) / 4096;
+        let mut pages = std::collections::BTreeSet::new();
+        let first = 1_000_003u64;
+        for ino in first..first + 3200 {
+            let idx = t.find_or_insert(7, ino).unwrap();
+            assert!(t.slot(idx).is_of(7, ino));
+            pages.insert(page_of(idx));
+        }
+        assert!(pages.len() <= 2 * 3200 / 32, "{} pages", pages.len());
+        // Each is found again where it was put.
+        for ino in first..first + 3200 {
+            assert_eq!(t.find_or_insert(7, ino), t.find_or_insert(7, ino));
+        }
+        assert_eq!(t.slots_used(), 3200);
     }
 
     #[test]
