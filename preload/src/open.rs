@@ -93,8 +93,10 @@ pub(crate) unsafe fn do_open(
             let given = unsafe { CStr::from_ptr(path) }.to_bytes();
             // Only a regular file can be tracked, and only one on the root's file system can
             // lie under it: anything else is not asked its path (an fstat is cheaper).
-            // (A file opened through the copy lies under the root.)
+            // (A file opened through the copy lies under the root, and so does one this call
+            // made: `ns_targets` found its directory there.)
             let ours = via_tree.get().is_some()
+                || made
                 || crate::places::given_under(dirfd, given)
                 || (sys::fstat(fd).is_ok_and(|st| {
                     st.st_mode & libc::S_IFMT == libc::S_IFREG
