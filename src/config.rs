@@ -38,7 +38,9 @@ pub struct Settings {
     pub low_watermark: f64,
     pub throttle_share: f64,
     pub sensitivity: u64,
-    pub attr_timeout: f64,
+    /// Seconds the kernel may cache attributes and entries; None: `auto` (see
+    /// `attr_timeout_for`).
+    pub attr_timeout: Option<f64>,
     pub cache: CacheMode,
     pub kernel_passthrough: bool,
     pub threads: usize,
@@ -66,7 +68,7 @@ impl Default for Settings {
             low_watermark: 0.25,
             throttle_share: 0.2,
             sensitivity: 2,
-            attr_timeout: 1.0,
+            attr_timeout: None,
             cache: CacheMode::Writethrough,
             kernel_passthrough: true,
             threads: 2,
@@ -98,7 +100,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("low_watermark", "a number from 0 to 1"),
     ("throttle_share", "a number from 0 to 1"),
     ("sensitivity", "an integer from 1 to 1000000"),
-    ("attr_timeout", "seconds, a number from 0 to 86400"),
+    ("attr_timeout", "auto, or seconds: a number from 0 to 86400"),
     ("cache", "writethrough, writeback"),
     ("kernel_passthrough", "true, false"),
     ("threads", "an integer from 1 to 64"),
@@ -242,7 +244,8 @@ impl Settings {
             "sensitivity" => self.sensitivity = int(v, 1, 1_000_000)?,
             "attr_timeout" => {
                 self.attr_timeout = match v.parse::<f64>() {
-                    Ok(x) if (0.0..=86400.0).contains(&x) => x,
+                    _ if v == "auto" => None,
+                    Ok(x) if (0.0..=86400.0).contains(&x) => Some(x),
                     _ => return Err(bad()),
                 }
             }
@@ -369,11 +372,52 @@ impl Settings {
     pub fn flush_interval(&self) -> Duration {
         Duration::from_millis(self.flush_interval_ms.max(1))
     }
+
+    /// How long the kernel may cache attributes and entries (present or absent) of a mount
+    /// over a lower that is a local file system (`local`: one that only this machine
+    /// changes) or not: the setting, or for `auto`, `LOCAL_ATTR_TIMEOUT` over a local one
+    /// (while mounted, LOWER changes only through the mount, so nothing the kernel caches
+    /// goes stale: a tree looked over again, as `git status`, `make` or `ls -lR` do, costs
+    /// no round trip per entry), and `SHARED_ATTR_TIMEOUT` over any other (a network or
+    /// FUSE file system, which other machines may change).
+    pub fn attr_timeout_for(&self, local: bool) -> Duration {
+        Duration::from_secs_f64(self.attr_timeout.unwrap_or(if local {
+            LOCAL_ATTR_TIMEOUT
+        } else {
+            SHARED_ATTR_TIMEOUT
+        }))
+    }
 }
+
+/// `attr_timeout = auto` over a local file system, in seconds (changes made to LOWER behind
+/// the mount's back, which are not supported, show within a minute).
+pub const LOCAL_ATTR_TIMEOUT: f64 = 60.0;
+/// `attr_timeout = auto` over a network or FUSE file system, in seconds.
+pub const SHARED_ATTR_TIMEOUT: f64 = 1.0;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `auto` (the default) caches long over a local lower and briefly over a shared one;
+    /// a number is taken as given over both; the example configuration's value parses.
+    #[test]
+    fn the_attribute_timeout_is_long_over_local_lowers_unless_set() {
+        let mut s = Settings::default();
+        assert_eq!(s.attr_timeout, None);
+        assert_eq!(s.attr_timeout_for(true), Duration::from_secs(60));
+        assert_eq!(s.attr_timeout_for(false), Duration::from_secs(1));
+        s.set("attr_timeout", "0.5").unwrap();
+        assert_eq!(s.attr_timeout_for(true), Duration::from_millis(500));
+        assert_eq!(s.attr_timeout_for(false), Duration::from_millis(500));
+        s.set("attr_timeout", "auto").unwrap();
+        assert_eq!(s.attr_timeout, None);
+        assert!(s.set("attr_timeout", "forever").is_err());
+        let example = include_str!("../contrib/pmstack.toml");
+        let mut e = Settings::default();
+        e.apply_toml(example, "contrib/pmstack.toml").unwrap();
+        assert_eq!(e.attr_timeout, None);
+    }
 
     #[test]
     fn toml_sets_every_key() {
@@ -414,7 +458,7 @@ noexec = true
         assert_eq!(s.low_watermark, 0.3);
         assert_eq!(s.throttle_share, 0.5);
         assert_eq!(s.sensitivity, 4);
-        assert_eq!(s.attr_timeout, 2.5);
+        assert_eq!(s.attr_timeout, Some(2.5));
         assert_eq!(s.cache, CacheMode::Writeback);
         assert!(!s.kernel_passthrough);
         assert_eq!(s.threads, 4);

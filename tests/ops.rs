@@ -407,6 +407,67 @@ fn metrics_endpoint_serves_prometheus_text_that_moves_under_load() {
     m.umount();
 }
 
+/// Over a local lower the kernel keeps what it looked up for longer than a second by
+/// default (`attr_timeout = auto`: LOWER changes only through the mount): a tree looked
+/// over again after a pause (`git status`, `make`, `ls -lR`) costs no LOOKUP or GETATTR
+/// round trip per entry. With a 1 s timeout the second look asked again for every entry.
+#[test]
+fn a_tree_looked_over_again_after_a_pause_costs_no_round_trips() {
+    if !can_mount() {
+        return;
+    }
+    let mut m = Mount::new(None);
+    let d = m.lower.join("tree");
+    fs::create_dir(&d).unwrap();
+    for i in 0..40 {
+        fs::write(d.join(format!("f{i:02}")), vec![b'x'; i]).unwrap();
+    }
+    m.mount(&[]);
+    let look = |mnt: &Path| {
+        for i in 0..40 {
+            let md = fs::symlink_metadata(mnt.join(format!("tree/f{i:02}"))).unwrap();
+            assert_eq!(md.len(), i as u64);
+        }
+    };
+    // The daemon writes its stats out twice a second: the counts of lookups and attribute
+    // reads once they show the `n`th fsync, made after them.
+    let marker = m.mnt.join("marker");
+    fs::write(&marker, b"m").unwrap();
+    let counts_after_fsync = |n: u64| {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&marker)
+            .unwrap()
+            .sync_all()
+            .unwrap();
+        let count = |v: &serde_json::Value, op: &str| {
+            v["latency_us"][op]["count"].as_u64().unwrap_or(0)
+        };
+        let t0 = Instant::now();
+        loop {
+            let v = stat_json(&m.mnt);
+            if count(&v, "fsync") >= n {
+                return (count(&v, "lookup"), count(&v, "getattr"), v);
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "stats: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    look(&m.mnt);
+    let (lookups, getattrs, _) = counts_after_fsync(1);
+    assert!(lookups >= 40, "the first look asks the daemon");
+    // Longer than a 1 s timeout.
+    std::thread::sleep(Duration::from_millis(1500));
+    look(&m.mnt);
+    let (lookups2, getattrs2, v) = counts_after_fsync(2);
+    assert_eq!(
+        (lookups2, getattrs2),
+        (lookups, getattrs),
+        "the second look asked the daemon again: stats {v}"
+    );
+    m.umount();
+}
+
 /// An absent name is cached as absent for the entry timeout (a negative entry): looking it up
 /// again costs no round trip (seen here as a file made behind the mount's back staying
 /// unseen); a create, rename or mkdir through the mount makes a name present at once.

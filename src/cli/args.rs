@@ -130,7 +130,8 @@ Settings (flag, -o key=value, or key in the --config TOML file; flags win over -
   low_watermark       start write-back below this free share of PM (default 0.25)
   throttle_share      strict: share write-back must free before a throttled writer goes on (0.2)
   sensitivity         active-sync sensitivity, NVLog section 4.4 (default 2)
-  attr_timeout        attribute and entry (present or absent) cache timeout in seconds (default 1)
+  attr_timeout        attribute and entry (present or absent) cache timeout in seconds, or auto
+                      (default: 60 over a local file system, 1 over a network or FUSE one)
   cache               writethrough (default) or writeback kernel page cache
   kernel_passthrough  passthrough mode: use the kernel's FUSE passthrough (default true)
   threads             FUSE worker threads (default 2)
@@ -183,8 +184,8 @@ pub(super) struct MountArgs {
     /// Active-sync sensitivity, NVLog section 4.4 (default 2).
     #[arg(long, value_name = "N")]
     pub(super) sensitivity: Option<String>,
-    /// Attribute and entry cache timeout, in seconds (default 1); absent names are cached as
-    /// absent as long.
+    /// Attribute and entry cache timeout, in seconds, or auto (default: 60 over a local file
+    /// system, 1 over a network or FUSE one); absent names are cached as absent as long.
     #[arg(long, value_name = "SECONDS")]
     pub(super) attr_timeout: Option<String>,
     /// Kernel page cache mode for writes: writethrough (default) or writeback.

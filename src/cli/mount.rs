@@ -260,10 +260,11 @@ pub(super) fn serve(
     metrics: Option<std::net::TcpListener>,
     ready: &mut Option<fs::File>,
 ) -> Result<()> {
+    let ttl = a.attr_timeout_for(real.syncfs_reliable());
     let core = Core::new(real, opts, log.clone())?;
     let adapter = pmstack::fuse::Adapter::new(
         core.clone(),
-        Duration::from_secs_f64(a.attr_timeout),
+        ttl,
         a.cache == CacheMode::Writeback,
         a.mode == Mode::Passthrough && a.kernel_passthrough,
         // Opens without a round trip where the kernel checks rights itself, or where the
