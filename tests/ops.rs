@@ -440,9 +440,8 @@ fn a_tree_looked_over_again_after_a_pause_costs_no_round_trips() {
             .unwrap()
             .sync_all()
             .unwrap();
-        let count = |v: &serde_json::Value, op: &str| {
-            v["latency_us"][op]["count"].as_u64().unwrap_or(0)
-        };
+        let count =
+            |v: &serde_json::Value, op: &str| v["latency_us"][op]["count"].as_u64().unwrap_or(0);
         let t0 = Instant::now();
         loop {
             let v = stat_json(&m.mnt);
@@ -465,6 +464,117 @@ fn a_tree_looked_over_again_after_a_pause_costs_no_round_trips() {
         (lookups, getattrs),
         "the second look asked the daemon again: stats {v}"
     );
+    m.umount();
+}
+
+/// A POSIX ACL grants or refuses through the mount as on the lower (the kernel checks rights
+/// by the ACLs, FUSE_POSIX_ACL; before, with `allow_other` it checked the mode bits alone
+/// and refused a user an ACL lets in), an ACL set through the mount is the lower's, and
+/// once read an object's ACL is the kernel's to answer (`ls -l` asked the daemon for it at
+/// every entry, each time).
+#[test]
+fn posix_acls_decide_through_the_mount_as_on_the_lower_and_are_cached() {
+    if !can_mount() {
+        return;
+    }
+    for tool in ["setpriv", "setfacl", "getfacl"] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{tool} is missing (util-linux, acl)"
+            );
+            eprintln!("SKIPPED: {tool} is missing");
+            return;
+        }
+    }
+    let mut m = Mount::new(None);
+    use std::os::unix::fs::PermissionsExt;
+    // Another user reaches both trees.
+    fs::set_permissions(m.base.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    m.mount(&["-o", "allow_other"]);
+    let sh = |user: Option<u32>, cmd: &str| {
+        let mut c = Command::new(if user.is_some() { "setpriv" } else { "sh" });
+        if let Some(u) = user {
+            c.args([
+                &format!("--reuid={u}"),
+                &format!("--regid={u}"),
+                "--clear-groups",
+                "sh",
+            ]);
+        }
+        c.args(["-c", cmd]);
+        let out = c.output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    };
+    let (l, t) = (m.lower.display(), m.mnt.display());
+    for (f, acl) in [("granted", "u:65534:r"), ("refused", "u:65534:---")] {
+        // Mode bits that refuse user 65534; the ACL alone decides.
+        let (ok, _) = sh(
+            None,
+            &format!("echo {f} > {l}/{f} && chmod 0600 {l}/{f} && setfacl -m {acl} {l}/{f}"),
+        );
+        assert!(ok, "setfacl on the lower");
+        let lower = sh(Some(65534), &format!("cat {l}/{f}"));
+        let mounted = sh(Some(65534), &format!("cat {t}/{f}"));
+        assert_eq!(
+            mounted, lower,
+            "{f}: reading as user 65534 through the mount and on the lower"
+        );
+        assert_eq!(lower.0, f == "granted", "{f} on the lower");
+    }
+    // Set through the mount (and taken away again): the lower holds it, and the kernel's
+    // check follows at once.
+    let (ok, _) = sh(
+        None,
+        &format!("echo s > {l}/set && chmod 0600 {l}/set && setfacl -m u:65534:r {t}/set"),
+    );
+    assert!(ok);
+    assert!(sh(None, &format!("getfacl -cn {l}/set"))
+        .1
+        .contains("user:65534:r--"));
+    assert!(
+        sh(Some(65534), &format!("cat {t}/set")).0,
+        "granted through the mount"
+    );
+    assert!(sh(None, &format!("setfacl -m u:65534:--- {t}/set")).0);
+    assert!(
+        !sh(Some(65534), &format!("cat {t}/set")).0,
+        "refused after the change"
+    );
+    // Read once, an ACL is answered by the kernel: asking again sends no GETXATTR.
+    let xattrs = |n: usize| {
+        // The daemon writes its stats out twice a second: the count once it shows the `n`th
+        // fsync, made after the reads.
+        fs::File::open(m.mnt.join("granted"))
+            .unwrap()
+            .sync_all()
+            .unwrap();
+        let t0 = Instant::now();
+        loop {
+            let v = stat_json(&m.mnt);
+            if v["latency_us"]["fsync"]["count"].as_u64().unwrap_or(0) >= n as u64 {
+                return v["latency_us"]["xattr"]["count"].as_u64().unwrap_or(0);
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "stats: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let acl_of = |f: &str| sh(None, &format!("getfacl -cn {t}/{f}")).1;
+    let first = acl_of("granted");
+    let a = xattrs(1);
+    for _ in 0..5 {
+        assert_eq!(acl_of("granted"), first);
+    }
+    assert_eq!(xattrs(2), a, "the ACL was asked of the daemon again");
+    assert!(first.contains("user:65534:r--"), "{first}");
     m.umount();
 }
 

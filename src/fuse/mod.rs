@@ -263,6 +263,15 @@ impl Adapter {
         if !self.passthrough {
             caps |= InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         }
+        // POSIX ACLs handled by the kernel: it caches each object's ACLs for as long as its
+        // attributes, where without this `ls -l` asks the daemon for `system.posix_acl_access`
+        // of every entry every time (a GETXATTR round trip), and it checks rights by them (the
+        // ACLs the lower holds, which `default_permissions` alone ignores: a user an ACL lets
+        // in was refused). It implies `default_permissions`. The daemon still reads and sets
+        // them on the lower, which keeps mode and ACL in step.
+        if config.capabilities().contains(InitFlags::FUSE_POSIX_ACL) {
+            caps |= InitFlags::FUSE_POSIX_ACL;
+        }
         if self.open_less
             && !config
                 .capabilities()
