@@ -64,6 +64,53 @@ fn mounts_at(mnt: &Path) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Whether every one of `tools` is installed (in CI a missing one is a failure; `packages`
+/// name what provides them).
+fn tools_present(tools: &[&str], packages: &str) -> bool {
+    for tool in tools {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{tool} is missing ({packages})"
+            );
+            eprintln!("SKIPPED: {tool} is missing");
+            return false;
+        }
+    }
+    true
+}
+
+/// The requests of kind `op` the daemon served (`pmstack stat --json`).
+fn request_count(v: &serde_json::Value, op: &str) -> u64 {
+    v["latency_us"][op]["count"].as_u64().unwrap_or(0)
+}
+
+/// The mount's stats once they count `n` fsyncs, after an fsync of `file` (which the caller
+/// makes the `n`th): the daemon writes its stats out twice a second, so requests made before
+/// that fsync are all counted in what this returns.
+fn stats_after_fsync(mnt: &Path, file: &Path, n: u64) -> serde_json::Value {
+    fs::OpenOptions::new()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .sync_all()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let v = stat_json(mnt);
+        if request_count(&v, "fsync") >= n {
+            return v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "stats: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 fn stat_json(mnt: &Path) -> serde_json::Value {
     let out = pmstack(&[&"stat", &"--json", &mnt]);
     assert!(
@@ -429,28 +476,11 @@ fn a_tree_looked_over_again_after_a_pause_costs_no_round_trips() {
             assert_eq!(md.len(), i as u64);
         }
     };
-    // The daemon writes its stats out twice a second: the counts of lookups and attribute
-    // reads once they show the `n`th fsync, made after them.
     let marker = m.mnt.join("marker");
     fs::write(&marker, b"m").unwrap();
     let counts_after_fsync = |n: u64| {
-        fs::OpenOptions::new()
-            .write(true)
-            .open(&marker)
-            .unwrap()
-            .sync_all()
-            .unwrap();
-        let count =
-            |v: &serde_json::Value, op: &str| v["latency_us"][op]["count"].as_u64().unwrap_or(0);
-        let t0 = Instant::now();
-        loop {
-            let v = stat_json(&m.mnt);
-            if count(&v, "fsync") >= n {
-                return (count(&v, "lookup"), count(&v, "getattr"), v);
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "stats: {v}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let v = stats_after_fsync(&m.mnt, &marker, n);
+        (request_count(&v, "lookup"), request_count(&v, "getattr"), v)
     };
     look(&m.mnt);
     let (lookups, getattrs, _) = counts_after_fsync(1);
@@ -477,20 +507,8 @@ fn posix_acls_decide_through_the_mount_as_on_the_lower_and_are_cached() {
     if !can_mount() {
         return;
     }
-    for tool in ["setpriv", "setfacl", "getfacl"] {
-        if Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-        {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "{tool} is missing (util-linux, acl)"
-            );
-            eprintln!("SKIPPED: {tool} is missing");
-            return;
-        }
+    if !tools_present(&["setpriv", "setfacl", "getfacl"], "util-linux, acl") {
+        return;
     }
     let mut m = Mount::new(None);
     use std::os::unix::fs::PermissionsExt;
@@ -550,22 +568,11 @@ fn posix_acls_decide_through_the_mount_as_on_the_lower_and_are_cached() {
         "refused after the change"
     );
     // Read once, an ACL is answered by the kernel: asking again sends no GETXATTR.
-    let xattrs = |n: usize| {
-        // The daemon writes its stats out twice a second: the count once it shows the `n`th
-        // fsync, made after the reads.
-        fs::File::open(m.mnt.join("granted"))
-            .unwrap()
-            .sync_all()
-            .unwrap();
-        let t0 = Instant::now();
-        loop {
-            let v = stat_json(&m.mnt);
-            if v["latency_us"]["fsync"]["count"].as_u64().unwrap_or(0) >= n as u64 {
-                return v["latency_us"]["xattr"]["count"].as_u64().unwrap_or(0);
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "stats: {v}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+    let xattrs = |n: u64| {
+        request_count(
+            &stats_after_fsync(&m.mnt, &m.mnt.join("granted"), n),
+            "xattr",
+        )
     };
     let acl_of = |f: &str| sh(None, &format!("getfacl -cn {t}/{f}")).1;
     let first = acl_of("granted");
@@ -805,20 +812,8 @@ fn privileges_after_writes(opts: &str) {
     if !can_mount() {
         return;
     }
-    for tool in ["setpriv", "setcap", "getcap"] {
-        if Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-        {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "{tool} is missing (util-linux, libcap2-bin)"
-            );
-            eprintln!("SKIPPED: {tool} is missing");
-            return;
-        }
+    if !tools_present(&["setpriv", "setcap", "getcap"], "util-linux, libcap2-bin") {
+        return;
     }
     let mut m = Mount::new(None);
     use std::os::unix::fs::PermissionsExt;
