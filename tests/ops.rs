@@ -90,25 +90,20 @@ fn request_count(v: &serde_json::Value, op: &str) -> u64 {
     v["latency_us"][op]["count"].as_u64().unwrap_or(0)
 }
 
-/// The mount's stats once they count `n` fsyncs, after an fsync of `file` (which the caller
-/// makes the `n`th): the daemon writes its stats out twice a second, so requests made before
-/// that fsync are all counted in what this returns.
-fn stats_after_fsync(mnt: &Path, file: &Path, n: u64) -> serde_json::Value {
-    fs::OpenOptions::new()
-        .write(true)
-        .open(file)
-        .unwrap()
-        .sync_all()
-        .unwrap();
-    let t0 = Instant::now();
-    loop {
-        let v = stat_json(mnt);
-        if request_count(&v, "fsync") >= n {
-            return v;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "stats: {v}");
-        std::thread::sleep(Duration::from_millis(100));
+/// `cmd` run by `sh -c`, as user `user` (its uid and gid, no supplementary groups:
+/// `setpriv`) or as this process.
+fn shell_as(user: Option<u32>, cmd: &str) -> std::process::Output {
+    let mut c = Command::new(if user.is_some() { "setpriv" } else { "sh" });
+    if let Some(u) = user {
+        c.args([
+            &format!("--reuid={u}"),
+            &format!("--regid={u}"),
+            "--clear-groups",
+            "sh",
+        ]);
     }
+    c.args(["-c", cmd]);
+    c.output().unwrap()
 }
 
 fn stat_json(mnt: &Path) -> serde_json::Value {
@@ -476,19 +471,17 @@ fn a_tree_looked_over_again_after_a_pause_costs_no_round_trips() {
             assert_eq!(md.len(), i as u64);
         }
     };
-    let marker = m.mnt.join("marker");
-    fs::write(&marker, b"m").unwrap();
-    let counts_after_fsync = |n: u64| {
-        let v = stats_after_fsync(&m.mnt, &marker, n);
+    let counts = || {
+        let v = stats_after_a_dir_sync(&m, &m.mnt);
         (request_count(&v, "lookup"), request_count(&v, "getattr"), v)
     };
     look(&m.mnt);
-    let (lookups, getattrs, _) = counts_after_fsync(1);
+    let (lookups, getattrs, _) = counts();
     assert!(lookups >= 40, "the first look asks the daemon");
     // Longer than a 1 s timeout.
     std::thread::sleep(Duration::from_millis(1500));
     look(&m.mnt);
-    let (lookups2, getattrs2, v) = counts_after_fsync(2);
+    let (lookups2, getattrs2, v) = counts();
     assert_eq!(
         (lookups2, getattrs2),
         (lookups, getattrs),
@@ -516,17 +509,7 @@ fn posix_acls_decide_through_the_mount_as_on_the_lower_and_are_cached() {
     fs::set_permissions(m.base.path(), fs::Permissions::from_mode(0o755)).unwrap();
     m.mount(&["-o", "allow_other"]);
     let sh = |user: Option<u32>, cmd: &str| {
-        let mut c = Command::new(if user.is_some() { "setpriv" } else { "sh" });
-        if let Some(u) = user {
-            c.args([
-                &format!("--reuid={u}"),
-                &format!("--regid={u}"),
-                "--clear-groups",
-                "sh",
-            ]);
-        }
-        c.args(["-c", cmd]);
-        let out = c.output().unwrap();
+        let out = shell_as(user, cmd);
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).trim().to_string(),
@@ -568,19 +551,14 @@ fn posix_acls_decide_through_the_mount_as_on_the_lower_and_are_cached() {
         "refused after the change"
     );
     // Read once, an ACL is answered by the kernel: asking again sends no GETXATTR.
-    let xattrs = |n: u64| {
-        request_count(
-            &stats_after_fsync(&m.mnt, &m.mnt.join("granted"), n),
-            "xattr",
-        )
-    };
+    let xattrs = || request_count(&stats_after_a_dir_sync(&m, &m.mnt), "xattr");
     let acl_of = |f: &str| sh(None, &format!("getfacl -cn {t}/{f}")).1;
     let first = acl_of("granted");
-    let a = xattrs(1);
+    let a = xattrs();
     for _ in 0..5 {
         assert_eq!(acl_of("granted"), first);
     }
-    assert_eq!(xattrs(2), a, "the ACL was asked of the daemon again");
+    assert_eq!(xattrs(), a, "the ACL was asked of the daemon again");
     assert!(first.contains("user:65534:r--"), "{first}");
     m.umount();
 }
@@ -823,26 +801,7 @@ fn privileges_after_writes(opts: &str) {
     fs::create_dir(&native).unwrap();
     m.mount(&["-o", opts]);
     let sh = |user: Option<u32>, cmd: &str| {
-        let mut c = match user {
-            Some(u) => {
-                let mut c = Command::new("setpriv");
-                c.args([
-                    &format!("--reuid={u}"),
-                    &format!("--regid={u}"),
-                    "--clear-groups",
-                    "sh",
-                    "-c",
-                    cmd,
-                ]);
-                c
-            }
-            None => {
-                let mut c = Command::new("sh");
-                c.args(["-c", cmd]);
-                c
-            }
-        };
-        let out = c.output().unwrap();
+        let out = shell_as(user, cmd);
         assert!(out.status.success(), "{cmd}: {out:?}");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     };
@@ -981,8 +940,7 @@ fn a_directory_opened_to_be_synced_costs_one_round_trip() {
     let want: Vec<String> = (0..500).map(|i| format!("f{i:03}")).collect();
     assert_eq!(names, want, "the listing through the mount");
     // The daemon writes its stats out twice a second: until they show the syncs.
-    let count =
-        |v: &serde_json::Value, op: &str| v["latency_us"][op]["count"].as_u64().unwrap_or(0);
+    let count = request_count;
     let t0 = Instant::now();
     let v = loop {
         let out = pmstack(&[&"stat", &"--json", &m.mnt]);
@@ -1050,14 +1008,12 @@ fn listed(d: &Path) -> Vec<(String, bool, bool, u64, u64, u64)> {
 /// twice a second): `marker` fsyncs a directory through the mount, which is counted after
 /// everything before it.
 fn stats_after_a_dir_sync(m: &Mount, dir: &Path) -> serde_json::Value {
-    let before = stat_json(&m.mnt)["latency_us"]["fsyncdir"]["count"]
-        .as_u64()
-        .unwrap_or(0);
+    let before = request_count(&stat_json(&m.mnt), "fsyncdir");
     fs::File::open(dir).unwrap().sync_all().unwrap();
     let t0 = Instant::now();
     loop {
         let v = stat_json(&m.mnt);
-        if v["latency_us"]["fsyncdir"]["count"].as_u64().unwrap_or(0) > before {
+        if request_count(&v, "fsyncdir") > before {
             return v;
         }
         assert!(
@@ -1077,7 +1033,7 @@ fn listing_a_directory_and_stating_its_entries_costs_no_lookup_per_entry() {
     let Some((mut m, d)) = mounted_over_a_listed_dir(600) else {
         return;
     };
-    let lookups = |v: &serde_json::Value| v["latency_us"]["lookup"]["count"].as_u64().unwrap_or(0);
+    let lookups = |v: &serde_json::Value| request_count(v, "lookup");
     let before = lookups(&stats_after_a_dir_sync(&m, &m.mnt));
     let got = listed(&d);
     let after = lookups(&stats_after_a_dir_sync(&m, &m.mnt));
